@@ -1,0 +1,57 @@
+"""The attention interface: one backend computes attention over the paged KV cache.
+
+KV cache layout (per layer): `k_cache`, `v_cache` of shape (num_blocks, block_size, num_kv_heads,
+head_dim). Token `t` of a sequence lives in block `block_table[t // block_size]` at offset
+`t % block_size`; its flat slot is `block_id * block_size + offset`.
+
+A step packs B sequences' new tokens into T rows (decodes first, then prefill chunks). Query row i
+of sequence b sits at absolute position `seq_lens[b] - query_len_b + i` and attends causally to
+every cached key at a position <= its own (the prefix already cached, plus the new keys).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer; built once by the model runner."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot for each new token's key and value
+    query_start_loc: torch.Tensor  # (B + 1,) int32: cumulative query lengths, [0] == 0
+    seq_lens: torch.Tensor  # (B,) int32: tokens of each sequence after this step
+    block_tables: torch.Tensor  # (B, max_blocks_per_seq) int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decode_seqs: int  # the first num_decode_seqs sequences have query length 1
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode_seqs == self.num_seqs
+
+
+class AttentionBackend(ABC):
+    """Writes this step's keys and values into the cache, then attends over it."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, num_heads, head_dim)
+        """Store k and v at `meta.slot_mapping`, then return causal attention of q."""

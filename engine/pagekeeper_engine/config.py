@@ -1,0 +1,176 @@
+"""The engine's command line: the flag half of the operator -> engine contract.
+
+Flag names follow vLLM's so one memory policy can drive either engine. This module imports
+neither torch nor anything heavy: the operator's contract test parses rendered args with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from typing import Literal
+
+BLOCK_SIZES = (8, 16, 32)
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
+_UNITS = {
+    None: 1,
+    "k": 10**3,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte quantity in Kubernetes notation ("512Mi", "2Gi", "1000000")."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        raise ValueError(f"not a byte quantity: {text!r} (use e.g. 512Mi, 2Gi or a byte count)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _fragmentation_buffer(text: str) -> int | Literal["auto"]:
+    if text == "auto":
+        return "auto"
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _bounded(kind: type[int] | type[float], lo: float, hi: float | None, *, lo_open: bool = False):  # type: ignore[no-untyped-def]
+    def check(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from exc
+        too_low = value <= lo if lo_open else value < lo
+        if too_low or (hi is not None and value > hi):
+            bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{value} is outside {bound}")
+        return value
+
+    return check
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `pagekeeper-engine serve` was asked to do, validated."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    dtype: str = "auto"
+    device: str = "cuda"
+    load_format: str = "auto"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    swap_space: float = 4.0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_max_fraction: float = 0.5
+    fragmentation_buffer: int | Literal["auto"] = "auto"
+    num_cpu_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    shutdown_timeout: float = 30.0
+    admin_token_env: str = "PAGEKEEPER_ADMIN_TOKEN"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagekeeper-engine serve",
+        description="Serve a model over an OpenAI-compatible HTTP API with a paged KV cache.",
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add("model", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    add("--served-model-name", default=None, help="name clients use; defaults to MODEL")
+    add("--host", default="0.0.0.0")
+    add("--port", type=_bounded(int, 0, 65535), default=8000)
+    add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    add("--device", choices=["cuda", "cpu"], default="cuda")
+    add(
+        "--load-format",
+        choices=["auto", "safetensors", "dummy"],
+        default="auto",
+        help="dummy: random weights at the config's real shape",
+    )
+    add("--seed", type=int, default=0)
+    add(
+        "--gpu-memory-utilization",
+        type=_bounded(float, 0.0, 0.99, lo_open=True),
+        default=0.9,
+        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]",
+    )
+    add("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block")
+    add(
+        "--max-num-batched-tokens",
+        type=_bounded(int, 1, None),
+        default=None,
+        help="tokens per forward step (the prefill chunk budget)",
+    )
+    add("--max-num-seqs", type=_bounded(int, 1, None), default=256, help="running sequences")
+    add("--max-model-len", type=_bounded(int, 1, None), default=None)
+    add(
+        "--swap-space",
+        type=_bounded(float, 0.0, None),
+        default=4.0,
+        help="GiB of pinned CPU memory for swapped-out KV blocks",
+    )
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add(
+        "--prefix-cache-max-fraction",
+        type=_bounded(float, 0.0, 1.0),
+        default=0.5,
+        help="bound on the share of KV blocks held only by the prefix cache",
+    )
+    add(
+        "--fragmentation-buffer",
+        type=_fragmentation_buffer,
+        default="auto",
+        help="'auto' (measured at start-up) or a byte quantity such as 512Mi",
+    )
+    add(
+        "--num-gpu-blocks-override",
+        type=_bounded(int, 1, None),
+        default=None,
+        help="use exactly this many KV blocks instead of the measured budget (testing)",
+    )
+    add("--num-cpu-blocks-override", type=_bounded(int, 0, None), default=None)
+    add("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    add(
+        "--shutdown-timeout",
+        type=_bounded(float, 0.0, None),
+        default=30.0,
+        help="seconds running requests may take to finish after SIGTERM",
+    )
+    add(
+        "--admin-token-env",
+        default="PAGEKEEPER_ADMIN_TOKEN",
+        help="environment variable holding the bearer token for /admin endpoints",
+    )
+    return parser
+
+
+def parse_args(argv: list[str]) -> EngineConfig:
+    """Parse `serve` arguments; exits with status 2 and a message naming the flag on error."""
+    namespace = build_parser().parse_args(argv)
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(namespace).items() if k in names})

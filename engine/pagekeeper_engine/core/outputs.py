@@ -1,0 +1,53 @@
+"""Data objects that cross the scheduler -> model runner -> engine loop boundary.
+
+The scheduler never imports torch; the runner consumes a `SchedulerOutput` and returns a
+`RunnerOutput`. Both are plain dataclasses so either side can be tested alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagekeeper_engine.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a forward step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one decode token
+    start_pos: int  # tokens of this sequence already in the KV cache before this step
+    block_ids: list[int]  # the whole block table, covering start_pos + len(token_ids) tokens
+    needs_sample: bool  # False for a prefill chunk that does not reach the prompt's end
+    sampling: SamplingParams
+    num_output_tokens: int  # tokens generated so far (seeds per-request generators)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to run in one step. Decodes come first, then prefill chunks."""
+
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int
+    # (src, dst) pairs: GPU block -> CPU block before the step, CPU block -> GPU block after
+    # swap-in is decided; applied by the runner before the forward pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """One entry per `SchedulerOutput.seqs` entry, in order; None where nothing was sampled."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[float | None]

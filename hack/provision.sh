@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Provision the local test environment into $PAGEKEEPER_CACHE (default ~/.cache/pagekeeper):
+# Kubernetes control-plane binaries, etcd, kwok/kwokctl and helm built from their Go modules,
+# the Prometheus Operator CRDs from its Go module, and prometheus/promtool/alertmanager from
+# Debian's packages. Every step is skipped when its output is already there.
+set -euo pipefail
+
+CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
+BIN="$CACHE/bin"
+K8S_VERSION="${K8S_VERSION:-v1.33.13}"
+ETCD_VERSION="${ETCD_VERSION:-v3.5.35}"
+KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.85.0}"
+
+export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
+export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOPATH="$CACHE/go/path"
+mkdir -p "$BIN" "$GOMODCACHE" "$GOCACHE" "$GOPATH"
+
+log() { printf '[provision %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+have() { [[ -x "$BIN/$1" ]]; }
+
+# A scratch module that requires k8s.io/kubernetes and replaces every staging module
+# (listed in the .mod file the proxy serves) with its published v0.X twin.
+build_kubernetes() {
+  local want=(kube-apiserver kube-controller-manager kube-scheduler)
+  local missing=0 b
+  for b in "${want[@]}"; do have "$b" || missing=1; done
+  ((missing)) || { log "kubernetes $K8S_VERSION: cached"; return; }
+  local staging="v0.${K8S_VERSION#v1.}"
+  local work="$CACHE/src/kubernetes-$K8S_VERSION"
+  mkdir -p "$work"
+  local gomod
+  gomod=$(cd "$work" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
+    | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
+  {
+    echo "module pagekeeper.dev/hack/kubernetes"
+    echo "go 1.24"
+    echo "require k8s.io/kubernetes $K8S_VERSION"
+    sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9.-]*\) => ./staging/.*#replace \1 => \1 '"$staging"'#p' "$gomod"
+  } >"$work/go.mod"
+  printf 'package tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n)\n' >"$work/tools.go"
+  # Module zips carry no git metadata; the commit is not knowable, the version is.
+  local commit="0000000000000000000000000000000000000000"
+  local pkg="k8s.io/component-base/version"
+  local ldflags="-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 \
+-X $pkg.gitMinor=$(echo "$K8S_VERSION" | cut -d. -f2) -X $pkg.gitTreeState=clean \
+-X $pkg.gitCommit=$commit -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  log "kubernetes $K8S_VERSION: resolving modules"
+  (cd "$work" && go mod tidy >/dev/null 2>&1 || true; cd "$work" && go mod download)
+  for b in "${want[@]}"; do
+    have "$b" && continue
+    log "kubernetes $K8S_VERSION: building $b"
+    (cd "$work" && go build -trimpath -ldflags "$ldflags" -o "$BIN/$b" "k8s.io/kubernetes/cmd/$b")
+  done
+}
+
+build_etcd() {
+  have etcd && { log "etcd $ETCD_VERSION: cached"; return; }
+  local work="$CACHE/src/etcd-$ETCD_VERSION"
+  mkdir -p "$work"
+  printf 'module pagekeeper.dev/hack/etcd\ngo 1.24\nrequire go.etcd.io/etcd/server/v3 %s\n' "$ETCD_VERSION" >"$work/go.mod"
+  printf 'package tools\n\nimport _ "go.etcd.io/etcd/server/v3/etcdmain"\n' >"$work/tools.go"
+  log "etcd $ETCD_VERSION: building"
+  (cd "$work" && go mod tidy >/dev/null && \
+    printf 'package main\n\nimport (\n\t"os"\n\n\t"go.etcd.io/etcd/server/v3/etcdmain"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n' >main.go && \
+    rm -f tools.go && go mod tidy >/dev/null && go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" .)
+}
+
+go_install() { # name module-path version
+  have "$1" && { log "$1 $3: cached"; return; }
+  log "$1 $3: building"
+  GOBIN="$BIN" go install -trimpath -ldflags "-s -w $4" "$2@$3"
+}
+
+prometheus_operator_crds() {
+  local dest="$CACHE/crds/prometheus-operator-$PROM_OPERATOR_VERSION"
+  [[ -f "$dest/.done" ]] && { log "prometheus-operator CRDs: cached"; return; }
+  log "prometheus-operator CRDs $PROM_OPERATOR_VERSION: fetching module"
+  local dir
+  dir=$(cd "$CACHE" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROM_OPERATOR_VERSION" \
+    | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+  mkdir -p "$dest"
+  cp "$dir"/example/prometheus-operator-crd/monitoring.coreos.com_{servicemonitors,podmonitors,prometheusrules}.yaml "$dest/"
+  chmod u+w "$dest"/*.yaml
+  touch "$dest/.done"
+}
+
+debian_tools() {
+  local need=()
+  command -v prometheus >/dev/null || need+=(prometheus)
+  command -v promtool >/dev/null || need+=(prometheus)
+  command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
+  ((${#need[@]})) || { log "prometheus, promtool, alertmanager: installed"; return; }
+  log "apt-get install ${need[*]}"
+  local sudo=""; [[ $(id -u) -eq 0 ]] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # Debian starts the services on install; tests run their own instances.
+  $sudo systemctl disable --now prometheus prometheus-alertmanager prometheus-node-exporter 2>/dev/null || true
+  pkill -x prometheus 2>/dev/null || true; pkill -x alertmanager 2>/dev/null || true
+  pkill -x prometheus-alertmanager 2>/dev/null || true
+}
+
+main() {
+  local what=("${@:-all}")
+  local start=$SECONDS
+  for w in "${what[@]}"; do
+    case "$w" in
+      all) debian_tools; prometheus_operator_crds; build_etcd
+           go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+           go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+           go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+           build_kubernetes ;;
+      debian) debian_tools ;;
+      crds) prometheus_operator_crds ;;
+      etcd) build_etcd ;;
+      kubernetes) build_kubernetes ;;
+      *) echo "unknown target $w" >&2; exit 2 ;;
+    esac
+  done
+  log "done in $((SECONDS - start))s; binaries in $BIN"
+}
+main "$@"

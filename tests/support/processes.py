@@ -1,0 +1,145 @@
+"""Real Prometheus and Alertmanager processes on loopback, for the e2e test and the demo."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.tools import tool
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_get_json(url: str, timeout: float = 5) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback only)
+        return json.loads(response.read())
+
+
+def wait_http_ok(url: str, timeout: float = 60, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+@dataclass
+class Service:
+    """A child process serving HTTP on 127.0.0.1:port, with its log file."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _spawn(name: str, argv: list[str], workdir: Path, port: int, ready_path: str) -> Service:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=workdir)
+    service = Service(name=name, proc=proc, port=port, log=log)
+    try:
+        wait_http_ok(f"{service.url}{ready_path}", proc=proc)
+    except (RuntimeError, TimeoutError) as exc:
+        service.stop()
+        raise RuntimeError(f"{name} did not start: {exc}\n{log.read_text()[-3000:]}") from exc
+    return service
+
+
+def start_alertmanager(workdir: Path, webhook_url: str, bearer_token: str) -> Service:
+    """Alertmanager that posts every alert (grouped by pod, no delay) to `webhook_url`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port, cluster_port = free_port(), free_port()
+    config = {
+        "route": {
+            "receiver": "pagekeeper",
+            "group_by": ["namespace", "pod", "alertname"],
+            "group_wait": "1s",
+            "group_interval": "2s",
+            "repeat_interval": "1m",
+        },
+        "receivers": [{
+            "name": "pagekeeper",
+            "webhook_configs": [{
+                "url": webhook_url,
+                "send_resolved": True,
+                "http_config": {"authorization": {"type": "Bearer", "credentials": bearer_token}},
+            }],
+        }],
+    }
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
+    argv = [
+        tool("prometheus-alertmanager"),  # Debian's name for alertmanager
+        f"--config.file={workdir / 'alertmanager.yml'}",
+        f"--storage.path={workdir / 'am-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--cluster.listen-address=127.0.0.1:{cluster_port}",
+    ]
+    return _spawn("alertmanager", argv, workdir, port, "/-/ready")
+
+
+def start_prometheus(
+    workdir: Path,
+    scrape_configs: list[dict[str, Any]],
+    rule_files: list[Path],
+    alertmanager_url: str | None,
+    interval: str = "1s",
+) -> Service:
+    """Prometheus scraping `scrape_configs`, evaluating `rule_files` every `interval`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": scrape_configs,
+        "rule_files": [str(p) for p in rule_files],
+    }
+    if alertmanager_url is not None:
+        target = alertmanager_url.removeprefix("http://")
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]}
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    argv = [
+        tool("prometheus"),
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'prom-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    return _spawn("prometheus", argv, workdir, port, "/-/ready")
+
+
+def prometheus_alerts(prometheus: Service) -> list[dict[str, Any]]:
+    body = http_get_json(f"{prometheus.url}/api/v1/alerts")
+    alerts: list[dict[str, Any]] = body["data"]["alerts"]
+    return alerts
