@@ -24,17 +24,19 @@ def free_port() -> int:
 
 
 def http_get_json(url: str, timeout: float = 5) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback only)
+    with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
 
 
-def wait_http_ok(url: str, timeout: float = 60, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http_ok(
+    url: str, timeout: float = 60, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -91,14 +93,20 @@ def start_alertmanager(workdir: Path, webhook_url: str, bearer_token: str) -> Se
             "group_interval": "2s",
             "repeat_interval": "1m",
         },
-        "receivers": [{
-            "name": "pagekeeper",
-            "webhook_configs": [{
-                "url": webhook_url,
-                "send_resolved": True,
-                "http_config": {"authorization": {"type": "Bearer", "credentials": bearer_token}},
-            }],
-        }],
+        "receivers": [
+            {
+                "name": "pagekeeper",
+                "webhook_configs": [
+                    {
+                        "url": webhook_url,
+                        "send_resolved": True,
+                        "http_config": {
+                            "authorization": {"type": "Bearer", "credentials": bearer_token}
+                        },
+                    }
+                ],
+            }
+        ],
     }
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
     argv = [
