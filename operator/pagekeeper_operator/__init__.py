@@ -1,1 +1,1 @@
-"""pagekeeper's Kubernetes operator: reconciles LLMServer objects into GPU pods running the engine."""
+"""pagekeeper's operator: reconciles LLMServer objects into GPU pods running the engine."""
