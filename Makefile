@@ -28,6 +28,7 @@ tools:
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
 
 typecheck: venv
 	$(VENV)/bin/mypy
