@@ -1,0 +1,148 @@
+"""The start-up memory budget: how many KV blocks fit, from measured terms. Pure arithmetic.
+
+    allowed  = gpu_memory_utilization x total
+    kv_cache = allowed - weights - peak_activations - non_torch - fragmentation_buffer
+
+Every term is measured by the profiler (`memory.profile`) except the fragmentation buffer when it
+is given as a size. The engine refuses to start, naming every term, when the KV cache cannot hold
+one max-model-len request or when the GPU has less free memory than this instance asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Reserved-but-unallocated memory measured after the warm-up is multiplied by this: the warm-up
+# sees a few minutes' worth of shapes, production sees days' worth.
+FRAGMENTATION_SAFETY_FACTOR = 2.0
+# Never budget less than this for fragmentation, even when the warm-up left nothing cached:
+# one max_split_size-class segment of slack keeps a step's largest temporary allocatable.
+MIN_FRAGMENTATION_BUFFER = 64 * MiB
+
+
+@dataclass(frozen=True)
+class MemoryMeasurements:
+    """What the profiler measured on this GPU, in bytes."""
+
+    total: int  # the device's total memory
+    free_at_start: int  # free before this process allocated anything (other tenants excluded)
+    weights: int  # allocated by the model's parameters and buffers
+    peak_activations: int  # peak allocated during the worst-case profile run, minus weights
+    non_torch: int  # used by this process outside the caching allocator (CUDA context, cuBLAS)
+    warmup_fragmentation: int  # allocator reserved - allocated after the mixed warm-up
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        # keys and values, every layer: (2, num_layers, block_size, num_kv_heads, head_dim)
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * (self.dtype_bytes)
+        )
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The decided budget. `terms` is what /metrics exports as pagekeeper_memory_budget_bytes."""
+
+    total: int
+    allowed: int
+    weights: int
+    peak_activations: int
+    non_torch: int
+    fragmentation_buffer: int
+    kv_cache: int
+    num_blocks: int
+    bytes_per_block: int
+
+    @property
+    def terms(self) -> dict[str, int]:
+        return {
+            "total": self.total,
+            "allowed": self.allowed,
+            "weights": self.weights,
+            "peak_activations": self.peak_activations,
+            "non_torch": self.non_torch,
+            "fragmentation_buffer": self.fragmentation_buffer,
+            "kv_cache": self.kv_cache,
+        }
+
+    def describe(self) -> str:
+        return ", ".join(f"{name}={_fmt(value)}" for name, value in self.terms.items())
+
+
+class MemoryBudgetError(RuntimeError):
+    """The engine cannot start within its budget; the message names every term."""
+
+
+def fragmentation_buffer(measured: int, requested: int | str) -> int:
+    """`requested` is "auto" (measured x safety factor, floored) or a byte count."""
+    if requested == "auto":
+        return max(int(measured * FRAGMENTATION_SAFETY_FACTOR), MIN_FRAGMENTATION_BUFFER)
+    assert isinstance(requested, int) and requested >= 0, f"bad buffer size {requested!r}"
+    return requested
+
+
+def compute_budget(
+    measured: MemoryMeasurements,
+    layout: KVLayout,
+    gpu_memory_utilization: float,
+    requested_buffer: int | str,
+    max_model_len: int,
+) -> MemoryBudget:
+    """Size the KV cache, or raise MemoryBudgetError with every term in the message."""
+    assert 0.0 < gpu_memory_utilization <= 1.0, gpu_memory_utilization
+    allowed = int(gpu_memory_utilization * measured.total)
+    buffer = fragmentation_buffer(measured.warmup_fragmentation, requested_buffer)
+    kv_cache = allowed - measured.weights - measured.peak_activations - measured.non_torch - buffer
+    num_blocks = max(kv_cache, 0) // layout.bytes_per_block
+    budget = MemoryBudget(
+        total=measured.total,
+        allowed=allowed,
+        weights=measured.weights,
+        peak_activations=measured.peak_activations,
+        non_torch=measured.non_torch,
+        fragmentation_buffer=buffer,
+        kv_cache=max(kv_cache, 0),
+        num_blocks=num_blocks,
+        bytes_per_block=layout.bytes_per_block,
+    )
+    if measured.free_at_start < allowed:
+        raise MemoryBudgetError(
+            f"the GPU has {_fmt(measured.free_at_start)} free but --gpu-memory-utilization "
+            f"{gpu_memory_utilization} asks for {_fmt(allowed)} of {_fmt(measured.total)}: another "
+            f"process holds the difference; lower the utilization or free the GPU "
+            f"({budget.describe()})"
+        )
+    blocks_needed = -(-max_model_len // layout.block_size)
+    if num_blocks < blocks_needed:
+        raise MemoryBudgetError(
+            f"the KV cache holds {num_blocks} blocks of {layout.block_size} tokens but one "
+            f"--max-model-len {max_model_len} request needs {blocks_needed} "
+            f"({_fmt(blocks_needed * layout.bytes_per_block)}); raise --gpu-memory-utilization, "
+            f"lower --max-model-len or --max-num-batched-tokens ({budget.describe()})"
+        )
+    return budget
+
+
+def _fmt(num_bytes: int) -> str:
+    if abs(num_bytes) >= GiB:
+        return f"{num_bytes / GiB:.2f} GiB"
+    return f"{num_bytes / MiB:.1f} MiB"
