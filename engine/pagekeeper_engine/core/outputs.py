@@ -39,6 +39,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # sequences whose blocks come back from the CPU in this step (their rows of blocks_to_swap_in)
+    swapped_in_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -51,3 +53,25 @@ class RunnerOutput:
 
     sampled_token_ids: list[int | None]
     logprobs: list[float | None]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: its new tokens and text, and whether it ended.
+
+    `new_text` never contains a stop string, nor text that could still turn out to begin one
+    (held back until it cannot). `logprobs` has one entry per new token when the request asked
+    for logprobs, else it is empty. `error` is set when the request failed inside the engine
+    (finish_reason is then "abort").
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float | None] = field(default_factory=list)
+    error: str | None = None

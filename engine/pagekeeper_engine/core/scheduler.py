@@ -1,0 +1,349 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Pure Python; never imports torch. `schedule()` returns a `SchedulerOutput` for the runner;
+`update()` applies the runner's sampled tokens. Stop conditions are the engine loop's.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.block_pool import BlockPool
+from pagekeeper_engine.core.kv_manager import KVCacheManager, num_blocks_for
+from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request this engine can never serve as configured (the server answers 400)."""
+
+
+class PreemptionMode(enum.Enum):
+    """How a preempted sequence gives back its GPU blocks (see `choose_preemption_mode`)."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of the KV cache; see the engine's flags of the same names.
+
+    `kv_watermark`: fraction of the GPU blocks a new request must leave free when admitted, so
+    running decodes can grow for a while before anything is preempted.
+    `min_swap_tokens`: the preemption rule's threshold (see `choose_preemption_mode`).
+    """
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int | None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_max_fraction: float = 0.5
+    kv_watermark: float = 0.01
+    min_swap_tokens: int = 512
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        max_model_len = config.max_model_len
+        budget = config.max_num_batched_tokens
+        if budget is None:
+            # without chunking a whole prompt must fit in one step
+            budget = 8192 if config.enable_chunked_prefill else max(8192, max_model_len or 0)
+        return cls(
+            block_size=config.block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_max_fraction=config.prefix_cache_max_fraction,
+        )
+
+
+def choose_preemption_mode(
+    num_computed_tokens: int,
+    num_free_cpu_blocks: int,
+    num_blocks_to_swap: int,
+    min_swap_tokens: int,
+) -> PreemptionMode:
+    """Swap or recompute a preempted sequence.
+
+    Swapping copies each computed block over PCIe twice (out now, in later): cost linear in the
+    tokens held. Recomputing re-runs their prefill, whose matmuls are linear and whose attention
+    is quadratic in the tokens held, so it is the cheaper choice for short sequences and the
+    dearer one past a length that depends on the model (for a 0.6B model recompute wins to a few
+    hundred tokens; for 8B, swap wins almost always). Rule: swap when the CPU pool can take
+    every computed block and the sequence holds at least `min_swap_tokens` computed tokens;
+    otherwise recompute.
+    """
+    if num_computed_tokens >= max(1, min_swap_tokens) and num_blocks_to_swap <= num_free_cpu_blocks:
+        return PreemptionMode.SWAP
+    return PreemptionMode.RECOMPUTE
+
+
+@dataclass
+class _Step:
+    """The step being built: its remaining token budget, work and block moves."""
+
+    budget: int
+    work: list[tuple[Sequence, int]] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    swapped_in_ids: list[str] = field(default_factory=list)
+
+    def take(self, seq: Sequence, num_tokens: int) -> None:
+        self.work.append((seq, num_tokens))
+        self.ids.add(seq.request_id)
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill, admission and preemption.
+
+    One step, in order: (1) running sequences with one token left (decodes), oldest first; a
+    decode that needs a block nobody has preempts the newest running sequence not yet scheduled
+    (itself last), by swap or recompute; (2) only if nothing was preempted, swapped sequences
+    come back, oldest first; (3) running prefills continue in chunks; (4) only if nothing was
+    preempted and nothing is swapped, waiting requests are admitted first-come first-served,
+    each only when blocks for its whole prompt fit with `kv_watermark` of the pool left free
+    (the blocks are reserved then, so a prefill never stalls half way). Decodes may use the
+    watermark; with nothing running it is waived, so a sequence that grew into it can return.
+    Every step takes at most `max_num_batched_tokens` tokens; at most `max_num_seqs` run.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.config = config
+        self.kv = KVCacheManager(
+            num_gpu_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_max_fraction=config.prefix_cache_max_fraction,
+        )
+        self.cpu_pool = (
+            BlockPool(num_cpu_blocks, reserve_null_block=False) if num_cpu_blocks > 0 else None
+        )
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.watermark_blocks = int(config.kv_watermark * self.kv.num_usable_blocks)
+        capacity = self.kv.num_usable_blocks * config.block_size
+        # a sequence stops ("length") here: the model's limit, or what the whole pool holds
+        self.max_seq_len = min(capacity, config.max_model_len or capacity)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.requests: dict[str, Sequence] = {}
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_swap_preemptions + self.num_recompute_preemptions
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def check_request(self, num_prompt_tokens: int) -> None:
+        """Raise RequestRejectedError when a prompt of this length can never run."""
+        cfg = self.config
+        if num_prompt_tokens == 0:
+            raise RequestRejectedError("the prompt is empty")
+        if cfg.max_model_len is not None and num_prompt_tokens + 1 > cfg.max_model_len:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt_tokens} tokens; with one generated token that "
+                f"exceeds the maximum context length of {cfg.max_model_len} tokens"
+            )
+        num_blocks = num_blocks_for(num_prompt_tokens + 1, cfg.block_size)
+        max_blocks = self.kv.num_usable_blocks - self.watermark_blocks
+        if num_blocks > max_blocks:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks} KV blocks of "
+                f"{cfg.block_size}; the KV cache admits at most {max_blocks} blocks per request"
+            )
+        if not cfg.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt_tokens} tokens; without chunked prefill a prompt "
+                f"must fit in one step of max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a new sequence; RequestRejectedError if it can never fit or its id is in use."""
+        if seq.request_id in self.requests:
+            raise RequestRejectedError(f"request id {seq.request_id!r} is already in flight")
+        self.check_request(seq.num_prompt_tokens)
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take `seq` out of every queue and free its blocks."""
+        assert status.is_finished, status
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        if seq.status is SequenceStatus.SWAPPED:
+            assert self.cpu_pool is not None
+            self.cpu_pool.free(seq.block_ids)
+            seq.block_ids = []
+        else:
+            self.kv.free(seq)
+        seq.status = status
+        del self.requests[seq.request_id]
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(self.max_num_batched_tokens)
+        for seq in list(self.running):
+            if step.budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            while not self.kv.can_append(seq, 1):
+                victim = next(s for s in reversed(self.running) if s.request_id not in step.ids)
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv.append_slots(seq, 1)
+                step.take(seq, 1)
+
+        if not step.preempted_ids:
+            self._swap_in_ready(step)
+
+        for seq in self.running:
+            if step.budget == 0:
+                break
+            # prompts in progress: their blocks were reserved at admission
+            num_tokens = min(seq.num_uncomputed_tokens, step.budget)
+            if seq.request_id in step.ids or not self.kv.can_append(seq, num_tokens):
+                continue
+            self.kv.append_slots(seq, num_tokens)
+            step.take(seq, num_tokens)
+
+        if not step.preempted_ids and not self.swapped:
+            self._admit(step)
+
+        # query length 1 first: the attention metadata's decode rows lead the batch
+        step.work.sort(key=lambda item: item[1] > 1)
+        return SchedulerOutput(
+            seqs=[self._scheduled_seq(seq, n) for seq, n in step.work],
+            num_batched_tokens=self.max_num_batched_tokens - step.budget,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
+            preempted_ids=step.preempted_ids,
+            swapped_in_ids=step.swapped_in_ids,
+        )
+
+    def _swap_in_ready(self, step: _Step) -> None:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_needed = num_blocks_for(seq.num_tokens, self.config.block_size)
+            if num_needed > self.kv.num_free_blocks - self._reserve_blocks():
+                return
+            self.swapped.popleft()
+            assert self.cpu_pool is not None
+            cpu_ids = seq.block_ids
+            gpu_ids = self.kv.allocate_for_swap_in(seq)
+            self.cpu_pool.free(cpu_ids)
+            step.swap_in.extend(zip(cpu_ids, gpu_ids[: len(cpu_ids)], strict=True))
+            step.swapped_in_ids.append(seq.request_id)
+            seq.block_ids = gpu_ids
+            seq.num_registered_blocks = 0
+            self.kv.cache_computed_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if step.budget > 0 and seq.num_uncomputed_tokens == 1:
+                step.take(seq, 1)
+
+    def _admit(self, step: _Step) -> None:
+        cfg = self.config
+        while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq)
+            num_uncached = seq.num_tokens - len(cached) * cfg.block_size
+            # a resumed sequence may recompute in chunks even without chunked prefill
+            can_chunk = cfg.enable_chunked_prefill or seq.num_output_tokens > 0
+            if not can_chunk and num_uncached > step.budget:
+                return
+            num_needed = self.kv.num_blocks_to_admit(seq, cached)
+            if num_needed > self.kv.num_free_blocks - self._reserve_blocks():
+                return
+            self.waiting.popleft()
+            self.kv.admit(seq, cached)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            step.take(seq, min(num_uncached, step.budget))
+
+    def _reserve_blocks(self) -> int:
+        # the watermark is headroom for running decodes; with none running it would only keep
+        # out a sequence that grew into it before being preempted
+        return self.watermark_blocks if self.running else 0
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self.running.remove(seq)
+        step.preempted_ids.append(seq.request_id)
+        seq.num_preemptions += 1
+        num_to_swap = num_blocks_for(seq.num_computed_tokens, self.config.block_size)
+        num_free_cpu = self.cpu_pool.num_free_blocks if self.cpu_pool is not None else 0
+        mode = choose_preemption_mode(
+            seq.num_computed_tokens, num_free_cpu, num_to_swap, self.config.min_swap_tokens
+        )
+        if mode is PreemptionMode.SWAP:
+            assert self.cpu_pool is not None
+            cpu_ids = self.cpu_pool.allocate(num_to_swap)
+            step.swap_out.extend(zip(seq.block_ids[:num_to_swap], cpu_ids, strict=True))
+            self.kv.free(seq)
+            seq.block_ids = cpu_ids
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            # victims go newest first, so each lands ahead of the newer ones
+            self.waiting.appendleft(seq)
+            self.num_recompute_preemptions += 1
+
+    def _scheduled_seq(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            request_id=seq.request_id,
+            token_ids=seq.token_ids[start : start + num_tokens],
+            start_pos=start,
+            block_ids=list(seq.block_ids),
+            needs_sample=start + num_tokens == seq.num_tokens,
+            sampling=seq.sampling,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[Sequence]:
+        """Advance computed counts, register full blocks, append sampled tokens.
+
+        Returns the sequences that received a token, in batch order.
+        """
+        assert len(runner_out.sampled_token_ids) == len(out.seqs), "one result per sequence"
+        sampled: list[Sequence] = []
+        for item, token_id, logprob in zip(
+            out.seqs, runner_out.sampled_token_ids, runner_out.logprobs, strict=True
+        ):
+            seq = self.requests.get(item.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_tokens
+            self.kv.cache_computed_blocks(seq)
+            if item.needs_sample:
+                assert token_id is not None, f"no token sampled for {item.request_id}"
+                seq.append_token(token_id, logprob)
+                sampled.append(seq)
+        return sampled

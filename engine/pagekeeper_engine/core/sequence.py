@@ -1,0 +1,130 @@
+"""One request's tokens, KV blocks and lifecycle, as the scheduler and the engine loop see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagekeeper_engine.core.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued, in the running batch, swapped to CPU, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` ("stop", "length", "abort"), None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in flight.
+
+    `token_ids` is the prompt followed by every generated token. `num_computed_tokens` counts the
+    leading tokens whose keys and values are in the KV cache; while decoding it is
+    `num_tokens - 1` (the newest sampled token is the next step's input). `block_ids` is the
+    block table: GPU block ids while WAITING/RUNNING, CPU block ids while SWAPPED.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # prompt tokens served from the prefix cache at the first admission (usage reporting)
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    # chained hashes of the full blocks of token_ids, computed lazily (they never change:
+    # tokens are only appended) and kept across preemption so a resumed sequence finds its
+    # own blocks in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)
+    # leading blocks of block_ids already registered in the prefix cache
+    num_registered_blocks: int = 0
+    # incremental detokenization state: offsets into token_ids, text so far, chars returned
+    output_text: str = ""
+    num_text_emitted: int = 0
+    prefix_offset: int = field(init=False)
+    read_offset: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        # a few prompt tokens of context so the first output token decodes with its leading
+        # space (tokenizers strip it when a token starts the decoded text)
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(0, self.read_offset - 5)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+
+def check_token_stop(
+    seq: Sequence, eos_token_ids: frozenset[int], max_seq_len: int
+) -> SequenceStatus | None:
+    """The finished status the newest token puts `seq` in, or None to keep generating.
+
+    Stop tokens (EOS unless ignore_eos, and stop_token_ids) count only once `min_tokens` tokens
+    exist; they win over the length limit when both hold for the same token. Stop strings need
+    the detokenized text and are checked by the engine loop.
+    """
+    params = seq.sampling
+    num_output = seq.num_output_tokens
+    if num_output == 0:
+        return None
+    last = seq.token_ids[-1]
+    if num_output >= params.min_tokens and (
+        (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
+    ):
+        return SequenceStatus.FINISHED_STOPPED
+    if num_output >= params.max_tokens or seq.num_tokens >= max_seq_len:
+        return SequenceStatus.FINISHED_LENGTH
+    return None
