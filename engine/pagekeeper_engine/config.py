@@ -12,6 +12,10 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 BLOCK_SIZES = (8, 16, 32)
+# Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
+# enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
+# activations stay a small share of memory.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -90,6 +94,18 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def resolve_max_num_batched_tokens(
+    max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_model_len: int
+) -> int:
+    """The per-step token budget: as given, else the default chunk, else room for a whole prompt
+    (without chunking a prompt must fit in one step)."""
+    if max_num_batched_tokens is not None:
+        return max_num_batched_tokens
+    if enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
 
 def build_parser() -> argparse.ArgumentParser:

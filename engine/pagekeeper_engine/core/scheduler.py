@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
 from pagekeeper_engine.core.block_pool import BlockPool
 from pagekeeper_engine.core.kv_manager import KVCacheManager, num_blocks_for
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -51,10 +51,9 @@ class SchedulerConfig:
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
         max_model_len = config.max_model_len
-        budget = config.max_num_batched_tokens
-        if budget is None:
-            # without chunking a whole prompt must fit in one step
-            budget = 8192 if config.enable_chunked_prefill else max(8192, max_model_len or 0)
+        budget = resolve_max_num_batched_tokens(
+            config.max_num_batched_tokens, config.enable_chunked_prefill, max_model_len or 0
+        )
         return cls(
             block_size=config.block_size,
             max_num_batched_tokens=budget,

@@ -1,0 +1,169 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, SwiGLU, attention.
+
+Parameters are created with `torch.empty` (no init kernels): the loader fills every one of them,
+from a checkpoint or from the dummy generator. Projections that read the same input are fused
+(q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so each is one matmul; the loader packs the
+checkpoint's separate tensors into their row slices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.model.hf_config import RopeScaling
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W of shape (out_features, in_features); no init, no autograd."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, optionally fused with a residual add."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32; the normalised value is rounded to the input dtype before the
+        # weight multiply, which is what the reference implementation does in bf16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the new residual stream too."""
+        summed = x + residual
+        return self._norm(summed), summed
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """(head_dim // 2,) fp32 rotary frequencies, stretched as the checkpoint's scaling says."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by
+    # `factor`, shorter than context / high_freq_factor kept, and the band between blended
+    # linearly in (context / wavelength).
+    wavelen = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    blend = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blend = blend.clamp(0.0, 1.0)
+    return (1.0 - blend) * inv_freq / scaling.factor + blend * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) from a cos/sin table indexed by position."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # (max_position, head_dim // 2) each, fp32: angles are computed once, never in bf16.
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, num_heads, head_dim), positions: (T,) -> rotated x, same shape and dtype."""
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim // 2)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one (2I, H) matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        out: torch.Tensor = self.down_proj(functional.silu(gate) * up)
+        return out
+
+
+class PagedAttention(nn.Module):
+    """Self-attention whose keys and values live in the paged KV cache of its layer.
+
+    The runner binds `k_cache`/`v_cache` (num_blocks, block_size, num_kv_heads, head_dim) once
+    after allocating the pool; the backend writes this step's keys there and reads the rest.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        qk_norm_eps: float | None,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps else None
+        self.rotary = rotary
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = self.rotary(positions, q)
+        k = self.rotary(positions, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, H)
+        return projected

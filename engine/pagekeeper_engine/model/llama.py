@@ -1,0 +1,205 @@
+"""One decoder for the Llama family, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+The forward pass takes the step's packed tokens and returns hidden states; logits are computed
+separately, only for the rows that will be sampled. Shapes depend only on the number of tokens,
+so a caller may pad to fixed sizes and capture the forward in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.model.hf_config import ModelConfig
+from pagekeeper_engine.model.layers import (
+    Linear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+)
+
+# Checkpoint tensor -> (our fused parameter, index of its row slice in pack order).
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that the engine recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and SwiGLU blocks around a residual stream."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.self_attn = PagedAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            bias=config.attention_bias,
+            qk_norm_eps=config.rms_norm_eps if config.has_qk_norm else None,
+            rotary=rotary,
+            backend=backend,
+            dtype=dtype,
+        )
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(
+        self, config: ModelConfig, max_position: int, backend: AttentionBackend, dtype: torch.dtype
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, backend, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, H)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = self.norm.forward_residual(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a paged KV cache."""
+
+    def __init__(
+        self, config: ModelConfig, max_position: int, backend: AttentionBackend, dtype: torch.dtype
+    ):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, max_position, backend, dtype)
+        self.lm_head: Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give each layer its (k_cache, v_cache) views of the preallocated pool."""
+        assert len(kv_caches) == len(self.model.layers), "one (k, v) cache pair per layer"
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
+        hidden: torch.Tensor = self.model(input_ids, positions, meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden_size) -> fp32 logits (N, vocab_size)."""
+        return functional.linear(hidden, self.lm_head_weight).float()
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must provide, by its Hugging Face name, with its shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, param in self.named_parameters():
+            parent, _, leaf = name.rpartition(".")
+            module_path, _, fused = parent.rpartition(".")
+            parts = [p for p, (f, _) in _PACKED.items() if f == fused]
+            if not parts:
+                shapes[name] = tuple(param.shape)
+            for part in parts:
+                shapes[f"{module_path}.{part}.{leaf}"] = (self._packed_rows(part), *param.shape[1:])
+        return shapes
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors that are legitimately unused (tied heads, recomputed buffers)."""
+        if name.endswith(_IGNORED_SUFFIXES):
+            return True
+        return name == "lm_head.weight" and self.lm_head is None
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (Hugging Face name) into its parameter or packed slice.
+
+        Raises KeyError for a name the model does not have, ValueError for a wrong shape.
+        """
+        parent, _, leaf = name.rpartition(".")
+        module_path, _, proj = parent.rpartition(".")
+        if proj in _PACKED:
+            fused, index = _PACKED[proj]
+            param = self._parameter(f"{module_path}.{fused}.{leaf}")
+            start = sum(
+                self._packed_rows(p) for p, (f, i) in _PACKED.items() if f == fused and i < index
+            )
+            target = param[start : start + self._packed_rows(proj)]
+        else:
+            target = self._parameter(name)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+
+    def _parameter(self, name: str) -> torch.Tensor:
+        try:
+            return self.get_parameter(name)
+        except AttributeError as exc:
+            raise KeyError(name) from exc
+
+    def _packed_rows(self, proj: str) -> int:
+        cfg = self.config
+        rows = {
+            "q_proj": cfg.q_size,
+            "k_proj": cfg.kv_size,
+            "v_proj": cfg.kv_size,
+            "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size,
+        }
+        return rows[proj]
