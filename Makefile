@@ -43,7 +43,7 @@ test-fast: venv
 	$(PY) -m pytest tests -q -m 'not integration and not e2e'
 
 # pytest's exit code 5 (no tests collected) is a failure here, never a pass.
-test: venv tools lint typecheck imports
+test: venv tools lint typecheck imports crds-check
 	$(PY) -m pytest tests -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -1,0 +1,119 @@
+"""Adaptive memory policy: classify out-of-memory terminations, step the effective policy down.
+
+The engine reports a classified out-of-memory exit on its termination message
+(`/dev/termination-log`, read by the kubelet into `state.terminated.message`), one line of the
+form (`TERMINATION_MESSAGE_FORMAT`)::
+
+    pagekeeper-oom kind=<gpu|host> phase=<startup|runtime> detail=<free text to end of line>
+
+`kind` says which memory ran out; `phase` whether it happened while loading and profiling
+(start-up) or while serving (run-time). Other lines may surround it; the last such line counts.
+A container the kernel killed for its memory limit has reason `OOMKilled` and no message (it
+got SIGKILL): that is a host OOM of unknown phase.
+
+Only run-time GPU OOMs step the policy down: first gpuMemoryUtilization by `utilizationStep`
+toward its floor, then (at the floor) maxNumBatchedTokens by the `maxNumBatchedTokensStep`
+factor toward its floor. A start-up OOM means the model does not fit the budget at all; lowering
+the budget will not help it, so it is only reported. The result is written to status, never
+to spec.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pagekeeper_operator.api.remediation import AdaptiveSpec
+
+TERMINATION_MESSAGE_PREFIX = "pagekeeper-oom"
+TERMINATION_MESSAGE_FORMAT = (
+    "pagekeeper-oom kind=<gpu|host> phase=<startup|runtime> detail=<free text to end of line>"
+)
+_LINE_RE = re.compile(
+    r"^pagekeeper-oom kind=(?P<kind>gpu|host) phase=(?P<phase>startup|runtime)"
+    r"(?: detail=(?P<detail>.*))?$"
+)
+OOM_KILLED_REASON = "OOMKilled"
+# Fractions are kept to this many decimals so repeated steps do not accumulate float noise.
+UTILIZATION_DECIMALS = 4
+
+Device = Literal["gpu", "host"]
+Phase = Literal["startup", "runtime", "unknown"]
+
+
+@dataclass(frozen=True)
+class OOMClassification:
+    """Which memory ran out, and when."""
+
+    device: Device
+    phase: Phase
+    detail: str
+
+    @property
+    def label(self) -> str:
+        """`gpu-runtime`, `gpu-startup`, `host-unknown`, ...: for status and history."""
+        return f"{self.device}-{self.phase}"
+
+    @property
+    def condition_reason(self) -> str:
+        """CamelCase reason for the MemoryHealthy condition."""
+        where = {"startup": "AtStartup", "runtime": "AtRuntime", "unknown": ""}[self.phase]
+        return f"{'GPU' if self.device == 'gpu' else 'Host'}OutOfMemory{where}"
+
+    @property
+    def can_step_down(self) -> bool:
+        return self.device == "gpu" and self.phase == "runtime"
+
+
+def classify_termination(reason: str | None, message: str | None) -> OOMClassification | None:
+    """Classify a container's termination; None when it was not out of memory."""
+    for line in reversed((message or "").splitlines()):
+        match = _LINE_RE.match(line.strip())
+        if match is not None:
+            kind: Device = "gpu" if match["kind"] == "gpu" else "host"
+            phase: Phase = "startup" if match["phase"] == "startup" else "runtime"
+            return OOMClassification(kind, phase, (match["detail"] or "").strip())
+    if reason == OOM_KILLED_REASON:
+        return OOMClassification("host", "unknown", "the container exceeded its memory limit")
+    return None
+
+
+def _floor_of_batched_tokens(policy: dict[str, Any], adaptive: AdaptiveSpec) -> int:
+    # The CRD's own rules bound it too: maxNumSeqs <= maxNumBatchedTokens, and without chunked
+    # prefill a whole max-model-len prompt must fit one step.
+    floor = max(adaptive.min_max_num_batched_tokens, int(policy.get("maxNumSeqs", 1)))
+    max_model_len = policy.get("maxModelLen")
+    if max_model_len is not None and not policy.get("enableChunkedPrefill", True):
+        floor = max(floor, int(max_model_len))
+    return floor
+
+
+def step_down(
+    effective_policy: dict[str, Any], adaptive: AdaptiveSpec
+) -> tuple[dict[str, Any], str] | None:
+    """The next, smaller effective policy (camelCase, as in status) and why; None at the floors.
+
+    Call after a run-time GPU OOM (`OOMClassification.can_step_down`).
+    """
+    if not adaptive.enabled:
+        return None
+    utilization = float(effective_policy["gpuMemoryUtilization"])
+    floor = adaptive.min_gpu_memory_utilization
+    if utilization > floor:
+        lowered = max(floor, round(utilization - adaptive.utilization_step, UTILIZATION_DECIMALS))
+        reason = (
+            f"gpuMemoryUtilization {utilization:g} -> {lowered:g} after a run-time GPU "
+            f"out-of-memory crash (floor {floor:g})"
+        )
+        return {**effective_policy, "gpuMemoryUtilization": lowered}, reason
+    tokens = int(effective_policy["maxNumBatchedTokens"])
+    tokens_floor = _floor_of_batched_tokens(effective_policy, adaptive)
+    lowered_tokens = max(tokens_floor, int(tokens * adaptive.max_num_batched_tokens_step))
+    if lowered_tokens >= tokens:
+        return None
+    reason = (
+        f"maxNumBatchedTokens {tokens} -> {lowered_tokens} after a run-time GPU out-of-memory "
+        f"crash (gpuMemoryUtilization at its floor {floor:g}; token floor {tokens_floor})"
+    )
+    return {**effective_policy, "maxNumBatchedTokens": lowered_tokens}, reason

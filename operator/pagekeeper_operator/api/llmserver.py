@@ -1,0 +1,300 @@
+"""`LLMServer` (pagekeeper.dev/v1alpha1): one model served by GPU pods under a memory policy.
+
+These pydantic models are the single source of the CRD (`python -m pagekeeper_operator.crdgen`):
+field descriptions become `kubectl explain` text, bounds become schema, cross-field rules CEL.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.status import LLMServerStatus
+from pagekeeper_operator.api.types import (
+    MAX_NAME_LENGTH,
+    ApiModel,
+    FreeForm,
+    JsonDict,
+    Quantity,
+    cel,
+    validations,
+)
+
+GROUP = "pagekeeper.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMServer"
+PLURAL = "llmservers"
+SINGULAR = "llmserver"
+SHORT_NAMES = ["llms"]
+CATEGORIES = ["pagekeeper"]
+
+Runtime = Literal["pagekeeper", "vllm"]
+# Names the operator sets itself from memoryPolicy.allocator; a user value would fight it.
+RESERVED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+MAX_LIST_ITEMS = 64
+MAX_MAP_ITEMS = 64
+
+SWAP_RULE = cel(
+    "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
+    "spec.memoryPolicy.swapSpaceGiB must be 0 when spec.runtime is vllm "
+    "(only the pagekeeper runtime swaps KV blocks to CPU memory)",
+    ".memoryPolicy.swapSpaceGiB",
+)
+ROLLOUT_RULE = cel(
+    "self.maxSurge > 0 || self.maxUnavailable > 0",
+    "spec.rollout.maxUnavailable must be > 0 when maxSurge is 0 (a rollout must be able to "
+    "replace a pod)",
+    ".maxUnavailable",
+)
+ENV_RULE = cel(
+    "self.all(e, e.name != 'PYTORCH_CUDA_ALLOC_CONF' && e.name != 'PYTORCH_ALLOC_CONF')",
+    "spec.podTemplate.env must not set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: use "
+    "spec.memoryPolicy.allocator",
+)
+_STRING_MAP: JsonDict = {"maxProperties": MAX_MAP_ITEMS}
+
+
+class ModelSource(ApiModel):
+    """The model the engine serves."""
+
+    source: str = Field(
+        min_length=1,
+        max_length=2048,
+        description=(
+            "Path inside the pod (for example a mounted volume) or URI the engine loads: a "
+            "Hugging Face checkpoint directory for runtime pagekeeper; anything `vllm serve` "
+            "accepts for runtime vllm."
+        ),
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=MAX_NAME_LENGTH,
+        description="--served-model-name: the name clients use; unset, the source.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="--dtype of weights and activations."
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        default="auto",
+        description="--load-format; dummy builds random weights at the model's real shape.",
+    )
+
+
+class ComputeQuantities(ApiModel):
+    """CPU and memory amounts for the engine container."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU cores, e.g. 8 or 500m.")
+    memory: Quantity | None = Field(default=None, description="Host memory, e.g. 64Gi.")
+
+
+class Resources(ApiModel):
+    """What one pod gets: GPUs and their type, CPU and host memory."""
+
+    gpus: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="nvidia.com/gpu per pod; 0 runs the pagekeeper engine on the CPU.",
+    )
+    gpu_type: str | None = Field(
+        default=None,
+        max_length=MAX_NAME_LENGTH,
+        description=(
+            "GPU product the pod must land on, matched against the node label "
+            "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3)."
+        ),
+    )
+    requests: ComputeQuantities = Field(
+        default_factory=ComputeQuantities, description="CPU and memory requests."
+    )
+    limits: ComputeQuantities = Field(
+        default_factory=ComputeQuantities, description="CPU and memory limits."
+    )
+
+
+class ServiceSpec(ApiModel):
+    """The Service in front of the pods (OpenAI-compatible HTTP and /metrics)."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Service type."
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the Service listens on.")
+    annotations: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Service annotations."
+    )
+
+
+class EnvVar(ApiModel):
+    """An extra environment variable for the engine container."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Variable name.")
+    value: str | None = Field(default=None, max_length=32768, description="Literal value.")
+    value_from: FreeForm | None = Field(
+        default=None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
+    )
+
+
+class VolumeMount(ApiModel):
+    """Where an extra volume appears in the engine container."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Volume name.")
+    mount_path: str = Field(min_length=1, max_length=4096, description="Path in the container.")
+    read_only: bool = Field(default=False, description="Mount read-only.")
+    sub_path: str | None = Field(default=None, max_length=4096, description="Sub-path to mount.")
+
+
+class PodTemplateOverrides(ApiModel):
+    """Additions to the pods the operator renders; the operator's own fields always win."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra nodeSelector."
+    )
+    tolerations: list[FreeForm] = Field(
+        default_factory=list, max_length=MAX_LIST_ITEMS, description="core/v1 Tolerations."
+    )
+    affinity: FreeForm | None = Field(default=None, description="A core/v1 Affinity.")
+    priority_class_name: str | None = Field(
+        default=None, max_length=MAX_NAME_LENGTH, description="PriorityClass of the pods."
+    )
+    service_account_name: str | None = Field(
+        default=None, max_length=MAX_NAME_LENGTH, description="ServiceAccount the pods run as."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"items": {"type": "string", "maxLength": MAX_NAME_LENGTH}},
+        description="Names of Secrets used to pull the image.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=MAX_LIST_ITEMS,
+        json_schema_extra=validations(ENV_RULE),
+        description="Extra environment variables (not the allocator's: see memoryPolicy).",
+    )
+    volumes: list[FreeForm] = Field(
+        default_factory=list, max_length=MAX_LIST_ITEMS, description="Extra core/v1 Volumes."
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=MAX_LIST_ITEMS, description="Mounts of extra volumes."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Pod annotations."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra pod labels."
+    )
+
+    @model_validator(mode="after")
+    def _check_env(self) -> PodTemplateOverrides:
+        if any(env.name in RESERVED_ENV for env in self.env):
+            raise ValueError(ENV_RULE["message"])
+        return self
+
+
+class RolloutSpec(ApiModel):
+    """How pods are replaced when the policy or image changes."""
+
+    model_config = ConfigDict(json_schema_extra=validations(ROLLOUT_RULE))
+
+    max_surge: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Extra pods during a rollout; 0 needs no spare GPUs (the default).",
+    )
+    max_unavailable: int = Field(
+        default=1, ge=0, le=100, description="Pods that may be down during a rollout."
+    )
+
+    @model_validator(mode="after")
+    def _check_progress(self) -> RolloutSpec:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError(ROLLOUT_RULE["message"])
+        return self
+
+
+class LLMServerSpec(ApiModel):
+    """Desired state of an LLMServer."""
+
+    model_config = ConfigDict(json_schema_extra=validations(SWAP_RULE))
+
+    model: ModelSource = Field(description="The model to serve.")
+    runtime: Runtime = Field(
+        default="pagekeeper",
+        description=(
+            "Engine to run: pagekeeper (the paged engine) or vllm (an upstream vLLM image "
+            "driven by the same memory policy)."
+        ),
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Container image; unset, the operator's default for the runtime.",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="imagePullPolicy of the engine container."
+    )
+    replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine pods.")
+    resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
+    memory_policy: MemoryPolicy = Field(
+        default_factory=MemoryPolicy,
+        description="GPU memory policy; each field becomes an engine flag.",
+    )
+    remediation: RemediationSpec = Field(
+        default_factory=RemediationSpec,
+        description="What the operator may do when a memory alert fires.",
+    )
+    service: ServiceSpec = Field(default_factory=ServiceSpec, description="The Service.")
+    pod_template: PodTemplateOverrides = Field(
+        default_factory=PodTemplateOverrides, description="Additions to the rendered pods."
+    )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout strategy.")
+    shutdown_grace_period_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description=(
+            "Seconds running requests get to finish after the pod is told to stop "
+            "(--shutdown-timeout); the pod's termination grace period adds a margin to it."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_swap(self) -> LLMServerSpec:
+        if self.runtime != "pagekeeper" and self.memory_policy.swap_space_gib != 0.0:
+            raise ValueError(SWAP_RULE["message"])
+        return self
+
+
+class ObjectMeta(ApiModel):
+    """The parts of metadata the operator reads."""
+
+    name: str = Field(description="Name.")
+    namespace: str = Field(default="default", description="Namespace.")
+    uid: str = Field(default="", description="UID.")
+    generation: int = Field(default=0, description="Generation.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+
+class LLMServer(ApiModel):
+    """An LLM served by engine pods on GPUs, with a typed GPU memory policy."""
+
+    api_version: Literal["pagekeeper.dev/v1alpha1"] = Field(
+        default="pagekeeper.dev/v1alpha1", description="APIVersion."
+    )
+    kind: Literal["LLMServer"] = Field(default="LLMServer", description="Kind.")
+    metadata: ObjectMeta = Field(description="Standard object metadata.")
+    spec: LLMServerSpec = Field(description="Desired state.")
+    status: LLMServerStatus = Field(
+        default_factory=LLMServerStatus, description="Observed state, written by the operator."
+    )
+
+    @classmethod
+    def from_body(cls, body: Any) -> LLMServer:
+        """Parse an object as the API (or kopf's body) gives it."""
+        return cls.model_validate(dict(body))

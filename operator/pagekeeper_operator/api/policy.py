@@ -1,0 +1,171 @@
+"""`LLMServer.spec.memoryPolicy`: the operator -> engine contract (ARCHITECTURE.md's table).
+
+Each field maps one-to-one onto an engine flag (or, for `allocator`, onto
+`PYTORCH_CUDA_ALLOC_CONF`). Cross-field rules are CEL in the CRD and the same checks here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from pagekeeper_operator.api.types import ApiModel, cel, validations
+
+BlockSize = Literal[8, 16, 32]
+FRAGMENTATION_BUFFER_PATTERN = r"^(auto|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?)$"
+
+BATCHED_TOKENS_RULE = cel(
+    "!has(self.maxModelLen) || self.enableChunkedPrefill"
+    " || self.maxNumBatchedTokens >= self.maxModelLen",
+    "spec.memoryPolicy.maxNumBatchedTokens must be >= maxModelLen unless "
+    "enableChunkedPrefill is true (a whole prompt must fit in one step)",
+    ".maxNumBatchedTokens",
+)
+NUM_SEQS_RULE = cel(
+    "self.maxNumSeqs <= self.maxNumBatchedTokens",
+    "spec.memoryPolicy.maxNumSeqs must be <= maxNumBatchedTokens (each running sequence "
+    "needs at least one token of the step budget)",
+    ".maxNumSeqs",
+)
+SPLIT_SIZE_RULE = cel(
+    "!(self.expandableSegments && has(self.maxSplitSizeMb))",
+    "spec.memoryPolicy.allocator.maxSplitSizeMb must not be set when expandableSegments is "
+    "true (max_split_size_mb has no effect on expandable segments)",
+    ".maxSplitSizeMb",
+)
+
+
+class AllocatorPolicy(ApiModel):
+    """PyTorch CUDA caching-allocator options, passed as PYTORCH_CUDA_ALLOC_CONF."""
+
+    model_config = ConfigDict(json_schema_extra=validations(SPLIT_SIZE_RULE))
+
+    expandable_segments: bool = Field(
+        default=True,
+        description=(
+            "expandable_segments: grow allocator segments in place instead of allocating new "
+            "fixed-size ones, which keeps fragmentation low when batch shapes vary."
+        ),
+    )
+    garbage_collection_threshold: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "garbage_collection_threshold, in (0, 1): when reserved memory exceeds this fraction "
+            "of the allowed memory, release cached blocks that are not in use."
+        ),
+    )
+    max_split_size_mb: int | None = Field(
+        default=None,
+        gt=20,
+        le=1_048_576,
+        description=(
+            "max_split_size_mb (> 20): never split cached blocks larger than this, so large "
+            "blocks stay whole. Only without expandableSegments."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_split_size(self) -> AllocatorPolicy:
+        if self.expandable_segments and self.max_split_size_mb is not None:
+            raise ValueError(SPLIT_SIZE_RULE["message"])
+        return self
+
+
+class MemoryPolicy(ApiModel):
+    """How the engine may use GPU memory; each field is one engine flag of the same name."""
+
+    model_config = ConfigDict(json_schema_extra=validations(BATCHED_TOKENS_RULE, NUM_SEQS_RULE))
+
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=0.99,
+        description=(
+            "--gpu-memory-utilization, in (0, 0.99]: the fraction of the GPU's total memory "
+            "this instance may use (weights, activations, fragmentation buffer and KV cache)."
+        ),
+    )
+    block_size: BlockSize = Field(
+        default=16, description="--block-size: tokens per KV-cache block, 8, 16 or 32."
+    )
+    max_num_batched_tokens: int = Field(
+        default=8192,
+        ge=1,
+        le=1_048_576,
+        description=(
+            "--max-num-batched-tokens: tokens per forward step (the prefill chunk budget); "
+            "peak activation memory grows with it."
+        ),
+    )
+    max_num_seqs: int = Field(
+        default=256, ge=1, le=65_536, description="--max-num-seqs: sequences running at once."
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        le=16_777_216,
+        description=(
+            "--max-model-len: longest prompt plus output in tokens; unset, the model's own "
+            "context length."
+        ),
+    )
+    swap_space_gib: float = Field(
+        default=0.0,
+        alias="swapSpaceGiB",
+        ge=0.0,
+        le=1024.0,
+        description=(
+            "--swap-space: GiB of pinned CPU memory per pod for swapped-out KV blocks; 0 "
+            "preempts by recompute only. Only runtime pagekeeper supports it (vLLM's V1 engine "
+            "has no KV swap), so it must be 0 with runtime vllm. Add it to the memory request."
+        ),
+    )
+    enable_chunked_prefill: bool = Field(
+        default=True,
+        description=(
+            "--enable-chunked-prefill: split long prompts across steps so one prompt never "
+            "needs more than maxNumBatchedTokens of activations."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="--enable-prefix-caching: reuse KV blocks of identical prompt prefixes.",
+    )
+    prefix_cache_max_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "--prefix-cache-max-fraction: bound on the share of KV blocks held only by the "
+            "prefix cache. Runtime pagekeeper only; not passed to vllm."
+        ),
+    )
+    fragmentation_buffer: str = Field(
+        default="auto",
+        max_length=32,
+        pattern=FRAGMENTATION_BUFFER_PATTERN,
+        description=(
+            "--fragmentation-buffer: GPU memory kept back from the KV cache for allocator "
+            "fragmentation; 'auto' measures it at start-up, or a byte quantity such as 512Mi. "
+            "Runtime pagekeeper only; not passed to vllm."
+        ),
+    )
+    allocator: AllocatorPolicy = Field(
+        default_factory=AllocatorPolicy,
+        description="CUDA caching-allocator options (env PYTORCH_CUDA_ALLOC_CONF).",
+    )
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> MemoryPolicy:
+        if (
+            self.max_model_len is not None
+            and not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(BATCHED_TOKENS_RULE["message"])
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(NUM_SEQS_RULE["message"])
+        return self

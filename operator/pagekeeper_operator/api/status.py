@@ -1,0 +1,85 @@
+"""`LLMServer.status`: what the operator observed and what the pods actually run with."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.api.types import ApiModel
+
+ConditionType = Literal["Ready", "Progressing", "Degraded", "MemoryHealthy"]
+CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "MemoryHealthy")
+MAX_HISTORY = 100
+
+
+class Condition(ApiModel):
+    """One observation about the server, in the Kubernetes conditions convention."""
+
+    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or MemoryHealthy.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        default="", max_length=128, description="CamelCase reason for the last transition."
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable detail.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation this condition was computed from."
+    )
+
+
+class LLMServerStatus(ApiModel):
+    """Observed state of an LLMServer, written only by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the operator last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready, Progressing, Degraded and MemoryHealthy.",
+    )
+    replicas: int | None = Field(default=None, description="Pods the Deployment has.")
+    ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
+    updated_replicas: int | None = Field(
+        default=None, description="Pods running the current pod template (memory policy)."
+    )
+    selector: str | None = Field(
+        default=None, description="Label selector of the pods (for the scale subresource)."
+    )
+    effective_memory_policy: MemoryPolicy | None = Field(
+        default=None,
+        description=(
+            "The memory policy the pods run with: spec.memoryPolicy, possibly stepped down "
+            "after out-of-memory crashes (see spec.remediation.adaptive). Never written to spec."
+        ),
+    )
+    spec_memory_policy_hash: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Hash of the spec.memoryPolicy that effectiveMemoryPolicy derives from; when spec "
+            "changes, the effective policy starts again from the new spec."
+        ),
+    )
+    policy_hash: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Hash of effectiveMemoryPolicy (the pods' pagekeeper.dev/policy-hash).",
+    )
+    last_remediation: str | None = Field(
+        default=None, description="Time of the most recent remediation (RFC 3339)."
+    )
+    remediation_history: list[RemediationRecord] = Field(
+        default_factory=list,
+        max_length=MAX_HISTORY,
+        description="Most recent remediations, oldest first (spec.remediation.historyLimit).",
+    )
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)

@@ -1,0 +1,79 @@
+"""Building blocks shared by the LLMServer spec and status models.
+
+Constraints live in the models so that the generated CRD schema (see `crdgen`) and the
+operator's own validation agree; cross-field rules are CEL on the model (`cel(...)`) and are
+mirrored by a pydantic validator that raises the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+# A non-negative Kubernetes quantity as the API server accepts it ("4", "500m", "16Gi", "1.5G").
+QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE])?$"
+MAX_NAME_LENGTH = 253
+MAX_TEXT_LENGTH = 4096
+JsonDict = dict[str, Any]
+
+
+def _quantity_text(value: object) -> object:
+    # YAML turns `cpu: 4` into an int; the API server stores quantities as strings.
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    StringConstraints(pattern=QUANTITY_PATTERN),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+"""A Kubernetes resource quantity; an int in YAML is accepted and kept as its text."""
+
+FreeForm = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+"""A Kubernetes core object passed through to the pod unchanged (affinity, a volume, ...).
+
+The API server validates it where it lands (the Deployment), so the CRD keeps it opaque.
+"""
+
+
+def validations(*rules: Mapping[str, str]) -> JsonDict:
+    """`json_schema_extra` carrying CEL rules made by `cel`."""
+    entries: list[Any] = []
+    for rule in rules:
+        entry: JsonDict = {}
+        entry.update(rule)
+        entries.append(entry)
+    return {"x-kubernetes-validations": entries}
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry; `message` must name the field it concerns."""
+    entry = {"rule": rule, "message": message}
+    if field_path is not None:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class ApiModel(BaseModel):
+    """Base of every LLMServer model: camelCase on the wire, snake_case in Python."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    def to_api(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase keys, unset optionals left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")

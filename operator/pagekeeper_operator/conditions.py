@@ -1,0 +1,188 @@
+"""Status from observation (pure): conditions, replica counts and the effective policy.
+
+The operator owns every status field except `remediationHistory`, `lastRemediation` and the
+`MemoryHealthy` condition once remediation has set it; those are carried over unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.status import Condition, LLMServerStatus
+from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.render.meta import selector_string
+
+# Status fields this module computes; the others belong to remediation.
+OWNED_FIELDS = (
+    "observedGeneration",
+    "conditions",
+    "replicas",
+    "readyReplicas",
+    "updatedReplicas",
+    "selector",
+    "effectiveMemoryPolicy",
+    "specMemoryPolicyHash",
+    "policyHash",
+)
+
+
+def _deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
+    conditions: list[Mapping[str, Any]] = deployment.get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == type_), {})
+
+
+def _judge(
+    server: LLMServer, deployment: Mapping[str, Any] | None, apply_error: str | None
+) -> list[tuple[str, bool, str, str]]:
+    """(type, is_true, reason, message) for Ready, Progressing and Degraded."""
+    num_desired = server.spec.replicas
+    if deployment is None:
+        reason = "ApplyFailed" if apply_error else "DeploymentMissing"
+        message = apply_error or "the Deployment does not exist yet"
+        return [
+            ("Ready", False, reason, message),
+            ("Progressing", True, reason, message),
+            ("Degraded", apply_error is not None, reason, message),
+        ]
+    status = deployment.get("status", {})
+    num_ready = int(status.get("readyReplicas") or 0)
+    num_updated = int(status.get("updatedReplicas") or 0)
+    num_total = int(status.get("replicas") or 0)
+    is_observed = int(status.get("observedGeneration") or 0) >= int(
+        deployment.get("metadata", {}).get("generation") or 0
+    )
+    progress = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    is_stuck = progress.get("reason") == "ProgressDeadlineExceeded"
+
+    counts = f"{num_ready}/{num_desired} replicas ready"
+    if num_desired == 0:
+        ready = ("Ready", True, "ScaledToZero", "spec.replicas is 0")
+    elif num_ready >= num_desired:
+        ready = ("Ready", True, "AllReplicasReady", counts)
+    else:
+        ready = ("Ready", False, "ReplicasNotReady", counts)
+
+    is_rolling = not is_observed or num_updated < num_desired or num_total > num_updated
+    if is_stuck:
+        progressing = (
+            "Progressing",
+            False,
+            "ProgressDeadlineExceeded",
+            str(progress.get("message", "")),
+        )
+    elif is_rolling:
+        progressing = (
+            "Progressing",
+            True,
+            "RollingOut",
+            f"{num_updated}/{num_desired} replicas run the current pod template",
+        )
+    else:
+        progressing = (
+            "Progressing",
+            False,
+            "RolloutComplete",
+            f"{num_updated}/{num_desired} replicas run the current pod template",
+        )
+
+    if apply_error is not None:
+        degraded = ("Degraded", True, "ApplyFailed", apply_error)
+    elif is_stuck:
+        degraded = ("Degraded", True, "ProgressDeadlineExceeded", str(progress.get("message", "")))
+    elif failure.get("status") == "True":
+        degraded = (
+            "Degraded",
+            True,
+            str(failure.get("reason") or "ReplicaFailure"),
+            str(failure.get("message", "")),
+        )
+    else:
+        degraded = ("Degraded", False, "AsExpected", "")
+    return [ready, progressing, degraded]
+
+
+def _condition(
+    previous: Condition | None,
+    type_: str,
+    is_true: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> Condition:
+    status: Literal["True", "False"] = "True" if is_true else "False"
+    # lastTransitionTime moves only when status flips, as the conditions convention requires.
+    since = previous.last_transition_time if previous and previous.status == status else None
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since or now,
+        observed_generation=generation,
+    )
+
+
+def compute_status(
+    server: LLMServer,
+    deployment: Mapping[str, Any] | None,
+    now: str,
+    apply_error: str | None = None,
+) -> LLMServerStatus:
+    """The status to write, given the Deployment as observed (None when absent)."""
+    old = server.status
+    generation = server.metadata.generation
+    conditions = [
+        _condition(old.condition(type_), type_, is_true, reason, message, generation, now)
+        for type_, is_true, reason, message in _judge(server, deployment, apply_error)
+    ]
+    memory = old.condition("MemoryHealthy") or _condition(
+        None,
+        "MemoryHealthy",
+        True,
+        "NoMemoryEvents",
+        "no out-of-memory events recorded",
+        generation,
+        now,
+    )
+    dep_status = (deployment or {}).get("status", {})
+    policy = effective_memory_policy(server)
+    return old.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": [*conditions, memory],
+            "replicas": int(dep_status.get("replicas") or 0),
+            "ready_replicas": int(dep_status.get("readyReplicas") or 0),
+            "updated_replicas": int(dep_status.get("updatedReplicas") or 0),
+            "selector": selector_string(server),
+            "effective_memory_policy": policy,
+            "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
+            "policy_hash": memory_policy_hash(policy),
+        }
+    )
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """RFC 7386 merge patch turning `old` into `new` (None deletes a key); {} when equal."""
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            nested = merge_patch(before, value)
+            if nested:
+                patch[key] = nested
+        elif value != before or key not in old:
+            patch[key] = value
+    return patch
+
+
+def status_patch(server: LLMServer, new: LLMServerStatus) -> dict[str, Any]:
+    """The merge patch of the operator-owned status fields; {} when nothing changed."""
+    before = {k: v for k, v in server.status.to_api().items() if k in OWNED_FIELDS}
+    after = {k: v for k, v in new.to_api().items() if k in OWNED_FIELDS}
+    return merge_patch(before, after)

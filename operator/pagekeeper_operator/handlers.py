@@ -1,0 +1,119 @@
+"""kopf handlers for LLMServer: thin wrappers over `reconcile` (render -> plan -> apply).
+
+- create / update / resume / a periodic resync: reconcile, then write status if it changed.
+- events of our Deployments: recompute status (replicas ready, rollout progress).
+- delete: nothing to do; owner references let the garbage collector remove the children,
+  so deletion never waits on the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+import kubernetes
+from pydantic import ValidationError
+
+from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
+from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.reconcile import reconcile, refresh_status
+from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
+from pagekeeper_operator.settings import load_settings
+
+SETTINGS = load_settings()
+# Retry delay after a failure the API may get over (conflict, throttling, unavailability).
+RETRY_DELAY_SECONDS = 15.0
+
+
+def _kube(memo: kopf.Memo) -> Kube:
+    kube = memo.get("kube")
+    assert isinstance(kube, Kube), "the startup handler sets memo.kube"
+    return kube
+
+
+def _parse(body: kopf.Body) -> LLMServer:
+    try:
+        return LLMServer.from_body(body)
+    except ValidationError as exc:
+        # The CRD schema rejects such specs; this is an object stored under an older schema.
+        raise kopf.PermanentError(f"invalid LLMServer: {exc}") from exc
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = SETTINGS.finalizer
+    # Keep kopf's bookkeeping in annotations: the structural schema would prune unknown
+    # status fields, and kopf would then never see its own progress.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Successes are logged, not posted: an Event per reconcile would be a write per reconcile.
+    settings.posting.level = logging.WARNING
+    kubernetes.config.load_config()  # type: ignore[no-untyped-call]
+    memo["kube"] = Kube(kubernetes.client.ApiClient())
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
+    server = _parse(body)
+    result = reconcile(_kube(memo), server, SETTINGS.default_images)
+    if result.status_patch:
+        patch.setdefault("status", {}).update(result.status_patch)
+    logger.info(
+        "reconciled generation %d: %d applied, status %s",
+        server.metadata.generation,
+        len(result.applied),
+        "changed" if result.status_patch else "unchanged",
+    )
+    if result.error is not None:
+        message = f"reconcile failed: {result.error.status} {result.error.reason}"
+        if result.is_permanent_error:
+            raise kopf.PermanentError(message)
+        raise kopf.TemporaryError(message, delay=RETRY_DELAY_SECONDS)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def reconcile_server(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    _reconcile(body, patch, memo, logger)
+
+
+@kopf.timer(
+    GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds
+)
+def resync_server(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    """Repairs drift and picks up a policy stepped down in status."""
+    _reconcile(body, patch, memo, logger)
+
+
+@kopf.on.event(
+    "apps",
+    "v1",
+    "deployments",
+    labels={SERVER_LABEL: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY},
+)
+def deployment_changed(
+    body: kopf.Body, type: str | None, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
+    kube = _kube(memo)
+    namespace = str(body.metadata.namespace)
+    name = str(body.metadata.labels[SERVER_LABEL])
+    obj = kube.get(API_VERSION, KIND, namespace, name)
+    if obj is None:
+        return  # the server is gone; the garbage collector takes the Deployment too
+    deployment = None if type == "DELETED" else dict(body)
+    patch = refresh_status(kube, LLMServer.from_body(obj), deployment)
+    if patch:
+        logger.debug("status of %s/%s updated: %s", namespace, name, sorted(patch))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def server_deleted(name: str, namespace: str | None, logger: Any, **_: Any) -> None:
+    # optional=True: no finalizer, so deletion proceeds even while the operator is down.
+    logger.info("%s/%s deleted; its children go with it through owner references", namespace, name)

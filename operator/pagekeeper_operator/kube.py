@@ -1,0 +1,137 @@
+"""The operator's only Kubernetes I/O: reads, server-side applies and status patches.
+
+Every write is a server-side apply under one field manager. `force=True` is safe because we
+apply only the fields we render: it takes back a field we own that someone else changed, and
+never touches fields we do not set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+from pagekeeper_operator.api.llmserver import API_VERSION, KIND, PLURAL
+from pagekeeper_operator.plan import ObjectKey, key_of
+from pagekeeper_operator.render import ClusterFeatures
+
+FIELD_MANAGER = "pagekeeper-operator"
+SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+PROMETHEUS_RULE_CRD = "prometheusrules.monitoring.coreos.com"
+# A missing CRD may be installed later (the Prometheus Operator after us): look again this often.
+CRD_RECHECK_SECONDS = 300.0
+
+_PLURALS = {
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
+    (API_VERSION, KIND): PLURAL,
+}
+logger = logging.getLogger(__name__)
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    """REST path of a namespaced object (or its collection when `name` is None)."""
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{_PLURALS[(api_version, kind)]}"
+    return path if name is None else f"{path}/{name}"
+
+
+class Kube:
+    """Typed-enough access to the objects of LLMServers, over one ApiClient."""
+
+    def __init__(self, api: ApiClient, field_manager: str = FIELD_MANAGER) -> None:
+        self.api = api
+        self.field_manager = field_manager
+        self._crds: dict[str, tuple[bool, float]] = {}
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        request = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(*request)
+        data = response.read()  # type: ignore[no-untyped-call]
+        text = data.decode() if isinstance(data, bytes) else str(data or "")
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(http_resp=response, body=text, data=None)
+        decoded: dict[str, Any] = json.loads(text) if text else {}
+        return decoded
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", resource_path(api_version, kind, namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def observe(self, namespace: str, keys: Iterable[ObjectKey]) -> dict[ObjectKey, Any]:
+        """The current state of each object (None where absent)."""
+        return {key: self.get(key[0], key[1], namespace, key[2]) for key in keys}
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply of an object we fully render."""
+        api_version, kind, name = key_of(manifest)
+        namespace = str(manifest["metadata"]["namespace"])
+        return self._request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name),
+            query=[("fieldManager", self.field_manager), ("force", "true")],
+            body=dict(manifest),
+            content_type="application/apply-patch+yaml",
+        )
+
+    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """Merge-patch LLMServer status (the status subresource)."""
+        self._request(
+            "PATCH",
+            resource_path(API_VERSION, KIND, namespace, name) + "/status",
+            query=[("fieldManager", self.field_manager)],
+            body={"status": dict(patch)},
+            content_type="application/merge-patch+json",
+        )
+
+    def has_crd(self, name: str) -> bool:
+        """Whether a CRD is installed; answers are cached (a negative one only for a while)."""
+        cached = self._crds.get(name)
+        if cached is not None and (cached[0] or time.monotonic() < cached[1]):
+            return cached[0]
+        try:
+            self._request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            found = True
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            found = False
+        self._crds[name] = (found, time.monotonic() + CRD_RECHECK_SECONDS)
+        logger.info("CRD %s is %s", name, "installed" if found else "absent")
+        return found
+
+    def features(self) -> ClusterFeatures:
+        return ClusterFeatures(
+            has_service_monitor=self.has_crd(SERVICE_MONITOR_CRD),
+            has_prometheus_rule=self.has_crd(PROMETHEUS_RULE_CRD),
+        )

@@ -1,0 +1,150 @@
+"""The response to an out-of-memory termination (pure): status patch, history record, Event.
+
+The effective policy is stepped down in status (never spec) for run-time GPU OOMs; every OOM
+is classified into the MemoryHealthy condition and recorded once in remediationHistory,
+identified by (pod uid, container, finishedAt) so a restarted operator does not step twice.
+The reconcile's resync renders the stepped-down policy and rolls the pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagekeeper_operator.adaptive import OOMClassification, classify_termination, step_down
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.remediation.actions import bounded_history
+from pagekeeper_operator.remediation.remediator import EventType
+from pagekeeper_operator.remediation.state import format_time
+
+CONDITION_TYPE = "MemoryHealthy"
+
+
+@dataclass(frozen=True)
+class OOMResponse:
+    """What to write for one OOM termination."""
+
+    status: dict[str, Any]
+    record: RemediationRecord
+    event_type: EventType
+    event_reason: str
+
+
+def termination_key(pod_uid: str, container: str, finished_at: str) -> str:
+    """Identity of one termination (fits RemediationRecord.fingerprint)."""
+    text = f"{pod_uid}/{container}/{finished_at}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def oom_terminations(pod: Mapping[str, Any]) -> list[tuple[str, OOMClassification, str]]:
+    """(container, classification, finishedAt) of each OOM termination a pod reports.
+
+    A termination shows as `state.terminated` while the container is down and as
+    `lastState.terminated` once it restarted; the same one is listed once.
+    """
+    found: dict[tuple[str, str], OOMClassification] = {}
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (status.get("state"), status.get("lastState")):
+            terminated = (state or {}).get("terminated")
+            if not terminated:
+                continue
+            classification = classify_termination(
+                terminated.get("reason"), terminated.get("message")
+            )
+            if classification is not None:
+                finished_at = str(terminated.get("finishedAt") or "")
+                found.setdefault((str(status.get("name", "")), finished_at), classification)
+    return [(container, c, finished_at) for (container, finished_at), c in found.items()]
+
+
+def _conditions(
+    conditions: Sequence[Mapping[str, Any]], reason: str, message: str, generation: int, now: str
+) -> list[dict[str, Any]]:
+    """`conditions` with MemoryHealthy set False (a map-list keyed by type: replace in place)."""
+    previous = next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
+    since = now
+    if previous is not None and previous.get("status") == "False":
+        since = previous.get("lastTransitionTime", now)
+    condition = {
+        "type": CONDITION_TYPE,
+        "status": "False",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+    others = [dict(c) for c in conditions if c.get("type") != CONDITION_TYPE]
+    return [*others, condition]
+
+
+def respond_to_oom(
+    body: Mapping[str, Any],
+    pod: str,
+    classification: OOMClassification,
+    key: str,
+    finished_at: str,
+    now: datetime,
+) -> OOMResponse | None:
+    """The status to write for an OOM of `pod` of the LLMServer `body`; None if recorded."""
+    status = body.get("status") or {}
+    history: list[dict[str, Any]] = status.get("remediationHistory") or []
+    if any(entry.get("fingerprint") == key for entry in history):
+        return None
+    server = LLMServer.from_body(body)
+    remediation = server.spec.remediation
+    when = format_time(now)
+    patch: dict[str, Any] = {}
+    if not classification.can_step_down:
+        outcome = "not-applicable"
+        message = f"{classification.label}: only run-time GPU OOMs step the policy down"
+    elif not remediation.enabled or not remediation.adaptive.enabled:
+        outcome, message = "disabled", "spec.remediation.adaptive is disabled"
+    else:
+        current = effective_memory_policy(server)
+        step = step_down(current.to_api(), remediation.adaptive)
+        if step is None:
+            outcome, message = "at-floor", "the effective policy is at its floors"
+        else:
+            policy, message = step
+            try:
+                lowered = MemoryPolicy.model_validate(policy)
+            except ValidationError as error:
+                outcome, message = "at-floor", f"the next step is not a valid policy: {error}"
+            else:
+                if remediation.dry_run:
+                    outcome, message = "would-apply", f"dry run: {message}"
+                else:
+                    outcome = "applied"
+                    patch["effectiveMemoryPolicy"] = lowered.to_api()
+                    patch["specMemoryPolicyHash"] = memory_policy_hash(server.spec.memory_policy)
+                    patch["lastRemediation"] = when
+    detail = f": {classification.detail}" if classification.detail else ""
+    record = RemediationRecord(
+        time=when,
+        pod=pod,
+        alert=classification.label,
+        action="step-down",
+        outcome=outcome,
+        message=f"{classification.condition_reason}{detail}; {message}"[:1024],
+        fingerprint=key,
+        alertStartsAt=finished_at,
+    )
+    patch["remediationHistory"] = bounded_history(history, record, remediation.history_limit)
+    patch["conditions"] = _conditions(
+        status.get("conditions") or [],
+        classification.condition_reason,
+        f"pod {pod}{detail}"[:1024],
+        server.metadata.generation,
+        when,
+    )
+    event_type: EventType = "Normal" if outcome == "applied" else "Warning"
+    reason = "PolicySteppedDown" if outcome == "applied" else classification.condition_reason
+    return OOMResponse(patch, record, event_type, reason)

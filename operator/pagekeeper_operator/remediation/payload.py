@@ -1,0 +1,56 @@
+"""The Alertmanager webhook payload (version 4), as pydantic models.
+
+Only what remediation reads is required; anything Alertmanager adds later is ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+AlertStatus = Literal["firing", "resolved"]
+# Alertmanager caps a group at its `max_alerts`; a body far past this is not from Alertmanager.
+MAX_ALERTS = 1000
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, frozen=True)
+
+
+class WebhookAlert(_Payload):
+    """One alert of a notification; `fingerprint` + `startsAt` identify one firing episode."""
+
+    status: AlertStatus
+    labels: dict[str, str]
+    annotations: dict[str, str] = Field(default_factory=dict)
+    # Aware times only: they are compared with the operator's clock.
+    starts_at: AwareDatetime = Field(alias="startsAt")
+    # Alertmanager sends the zero time (0001-01-01T00:00:00Z) while an alert is firing.
+    ends_at: AwareDatetime | None = Field(default=None, alias="endsAt")
+    generator_url: str = Field(default="", alias="generatorURL")
+    fingerprint: str = Field(min_length=1, max_length=64)
+
+    @property
+    def name(self) -> str:
+        return self.labels.get("alertname", "")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity of this firing episode, stable across repeated deliveries."""
+        return (self.fingerprint, self.starts_at.isoformat())
+
+
+class WebhookMessage(_Payload):
+    """A notification as Alertmanager's webhook receiver posts it."""
+
+    version: Literal["4"]
+    group_key: str = Field(alias="groupKey")
+    truncated_alerts: int = Field(default=0, ge=0, alias="truncatedAlerts")
+    status: AlertStatus
+    receiver: str
+    group_labels: dict[str, str] = Field(default_factory=dict, alias="groupLabels")
+    common_labels: dict[str, str] = Field(default_factory=dict, alias="commonLabels")
+    common_annotations: dict[str, str] = Field(default_factory=dict, alias="commonAnnotations")
+    external_url: str = Field(default="", alias="externalURL")
+    alerts: list[WebhookAlert] = Field(max_length=MAX_ALERTS)

@@ -1,0 +1,250 @@
+"""Alerts in, evictions out: reads the cluster, asks `decide`, acts, and remembers.
+
+Kubernetes is reached only through `ClusterPort` (implemented in `actions`), so this loop is
+tested against an in-memory cluster. Batches run one at a time: each decides on the state the
+previous one left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any, Literal, Protocol
+
+from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
+from pagekeeper_operator.remediation.decide import (
+    Decision,
+    PodKey,
+    PodState,
+    ServerKey,
+    ServerState,
+    SkipReason,
+    Snapshot,
+    Verdict,
+    decide,
+)
+from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
+from pagekeeper_operator.remediation.state import RemediationStore, format_time
+
+logger = logging.getLogger(__name__)
+EventType = Literal["Normal", "Warning"]
+MAX_MESSAGE_LENGTH = 1024
+# Deferred skips worth a line in status and an Event (once per alert firing).
+RECORDED_SKIPS = frozenset({SkipReason.COOLDOWN, SkipReason.MAX_UNAVAILABLE})
+
+
+class EvictionOutcome(StrEnum):
+    EVICTED = "evicted"
+    PDB_BLOCKED = "pdb-blocked"
+    POD_GONE = "pod-gone"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """An LLMServer with its pods and its recorded remediation history."""
+
+    state: ServerState
+    history: tuple[RemediationRecord, ...]
+
+
+class ClusterPort(Protocol):
+    """The Kubernetes operations remediation needs."""
+
+    async def read_pod(self, namespace: str, name: str) -> PodState | None: ...
+
+    async def read_server(self, namespace: str, name: str) -> ServerInfo | None: ...
+
+    async def evict(self, namespace: str, pod: str) -> tuple[EvictionOutcome, str]: ...
+
+    async def emit_event(
+        self, namespace: str, server: str, type_: EventType, reason: str, message: str
+    ) -> None: ...
+
+    async def append_history(
+        self, namespace: str, server: str, record: RemediationRecord, limit: int
+    ) -> None: ...
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Remediator:
+    """Turns Alertmanager notifications (and retries of deferred alerts) into actions."""
+
+    def __init__(
+        self,
+        port: ClusterPort,
+        store: RemediationStore | None = None,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self.port = port
+        self.store = store if store is not None else RemediationStore()
+        self.clock = clock
+        self._lock = asyncio.Lock()
+
+    async def handle(self, message: WebhookMessage) -> dict[str, Any]:
+        """Act on one notification; the summary is the webhook's response body."""
+        async with self._lock:
+            decisions = await self._process(message.alerts, is_delivery=True)
+        return {
+            "decisions": [
+                {
+                    "alert": d.alert,
+                    "namespace": d.namespace,
+                    "pod": d.pod,
+                    "verdict": str(d.verdict),
+                    "reason": None if d.reason is None else str(d.reason),
+                }
+                for d in decisions
+            ]
+        }
+
+    async def retry_due(self) -> list[Decision]:
+        """Decide again on deferred alerts that are still firing."""
+        async with self._lock:
+            alerts = self.store.due(self.clock())
+            return await self._process(alerts, is_delivery=False) if alerts else []
+
+    async def _process(self, alerts: Sequence[WebhookAlert], is_delivery: bool) -> list[Decision]:
+        now = self.clock()
+        snapshot, servers = await self._snapshot(alerts, now)
+        decisions = decide(alerts, snapshot, now)
+        by_key = {alert.key: alert for alert in alerts}
+        for decision in decisions:
+            info = None
+            if decision.server is not None:
+                info = servers.get((decision.namespace, decision.server))
+            await self._act(decision, by_key[decision.key], info, now, is_delivery)
+        return decisions
+
+    async def _snapshot(
+        self, alerts: Sequence[WebhookAlert], now: datetime
+    ) -> tuple[Snapshot, dict[ServerKey, ServerInfo]]:
+        """Read each alerted pod and its server once; take their history into the store."""
+        pods: dict[PodKey, PodState] = {}
+        servers: dict[ServerKey, ServerInfo] = {}
+        for alert in alerts:
+            pod_key = (alert.labels.get("namespace", ""), alert.labels.get("pod", ""))
+            if alert.status != "firing" or not all(pod_key) or pod_key in pods:
+                continue
+            pod = await self.port.read_pod(*pod_key)
+            if pod is None:
+                continue
+            pods[pod_key] = pod
+            server_key = (pod.namespace, pod.server or "")
+            if pod.server is None or server_key in servers:
+                continue
+            info = await self.port.read_server(*server_key)
+            if info is None:
+                continue
+            servers[server_key] = info
+            self.store.rebuild(server_key, info.history)
+            drain = timedelta(seconds=info.state.remediation.drain_timeout_seconds)
+            pod_names = [p.name for p in info.state.pods]
+            for stuck in self.store.forget_gone(server_key, pod_names, now, drain):
+                message = f"pod {stuck} still exists {drain} after its eviction"
+                await self._event(server_key, "Warning", "EvictionStuck", message)
+        snapshot = Snapshot(
+            pods=pods,
+            servers={key: info.state for key, info in servers.items()},
+            memory=self.store.memory(),
+        )
+        return snapshot, servers
+
+    async def _act(
+        self,
+        decision: Decision,
+        alert: WebhookAlert,
+        info: ServerInfo | None,
+        now: datetime,
+        is_delivery: bool,
+    ) -> None:
+        server_key = (decision.namespace, decision.server or "")
+        if decision.verdict is Verdict.SKIP:
+            await self._skipped(decision, alert, info, now, is_delivery)
+        elif decision.verdict is Verdict.DRY_RUN:
+            self.store.acted(server_key, decision.key, now)
+            self.store.settle(alert)
+            await self._record(decision, info, now, "dry-run", "would-evict", decision.message)
+            await self._event(server_key, "Normal", "RemediationDryRun", decision.message)
+        else:
+            outcome, detail = await self.port.evict(decision.namespace, decision.pod)
+            message = f"{decision.alert}: {detail}"
+            if outcome is EvictionOutcome.EVICTED:
+                self.store.evicted(server_key, decision.pod, decision.key, now)
+                self.store.settle(alert)
+            elif outcome is EvictionOutcome.POD_GONE:
+                self.store.settle(alert)
+            else:
+                # A PodDisruptionBudget said no (429) or the API failed: retry, never force.
+                self.store.defer(alert, now, is_delivery)
+                if not self.store.note_once(decision.key, str(outcome)):
+                    return
+            await self._record(decision, info, now, "evict", str(outcome), message)
+            is_ok = outcome in (EvictionOutcome.EVICTED, EvictionOutcome.POD_GONE)
+            reason = {
+                EvictionOutcome.EVICTED: "PodEvicted",
+                EvictionOutcome.POD_GONE: "PodGone",
+                EvictionOutcome.PDB_BLOCKED: "EvictionBlocked",
+                EvictionOutcome.FAILED: "EvictionFailed",
+            }[outcome]
+            await self._event(server_key, "Normal" if is_ok else "Warning", reason, message)
+
+    async def _skipped(
+        self,
+        decision: Decision,
+        alert: WebhookAlert,
+        info: ServerInfo | None,
+        now: datetime,
+        is_delivery: bool,
+    ) -> None:
+        if not decision.is_retryable:
+            self.store.settle(alert)
+            if decision.reason in (SkipReason.UNKNOWN_POD, SkipReason.NOT_OWNED):
+                logger.warning("ignoring %s: %s", decision.alert, decision.message)
+            else:
+                logger.info("not acting on %s: %s", decision.alert, decision.message)
+            return
+        self.store.defer(alert, now, is_delivery)
+        reason = decision.reason
+        if reason in RECORDED_SKIPS and self.store.note_once(decision.key, str(reason)):
+            message = f"{decision.alert}: {reason}: {decision.message}"
+            await self._record(decision, info, now, "skip", "skipped", message)
+            server_key = (decision.namespace, decision.server or "")
+            await self._event(server_key, "Normal", "RemediationDeferred", message)
+
+    async def _record(
+        self,
+        decision: Decision,
+        info: ServerInfo | None,
+        now: datetime,
+        action: RemediationAction,
+        outcome: str,
+        message: str,
+    ) -> None:
+        if info is None:
+            return
+        record = RemediationRecord(
+            time=format_time(now),
+            pod=decision.pod,
+            alert=decision.alert,
+            action=action,
+            outcome=outcome,
+            message=message[:MAX_MESSAGE_LENGTH],
+            fingerprint=decision.key[0],
+            alertStartsAt=decision.key[1],
+        )
+        await self.port.append_history(
+            info.state.namespace, info.state.name, record, info.state.remediation.history_limit
+        )
+
+    async def _event(self, server: ServerKey, type_: EventType, reason: str, message: str) -> None:
+        namespace, name = server
+        if name:
+            await self.port.emit_event(namespace, name, type_, reason, message[:MAX_MESSAGE_LENGTH])

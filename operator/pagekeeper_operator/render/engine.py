@@ -1,0 +1,110 @@
+"""The engine's command line and environment: the operator's half of the flag contract.
+
+Flags are named as `pagekeeper_engine.config.build_parser()` names them (vLLM's names), so
+`tests/operator/test_flag_contract.py` can parse what this renders with the engine's own parser.
+Every policy value is written out, defaults included, so a pod's command says what it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.effective import allocator_conf
+from pagekeeper_operator.render.meta import HTTP_PORT
+
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+CACHE_DIR = "/cache"
+TMP_DIR = "/tmp"
+
+
+def _number(value: float) -> str:
+    # 4.0 -> "4", 0.9 -> "0.9": the shortest text that parses back to the same float.
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _switch(name: str, is_on: bool) -> str:
+    return f"--{name}" if is_on else f"--no-{name}"
+
+
+def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
+    """The memoryPolicy rows of the contract table, as flags."""
+    flags = [
+        "--gpu-memory-utilization",
+        _number(policy.gpu_memory_utilization),
+        "--block-size",
+        str(policy.block_size),
+        "--max-num-batched-tokens",
+        str(policy.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(policy.max_num_seqs),
+    ]
+    if policy.max_model_len is not None:
+        flags += ["--max-model-len", str(policy.max_model_len)]
+    flags += [
+        _switch("enable-chunked-prefill", policy.enable_chunked_prefill),
+        _switch("enable-prefix-caching", policy.enable_prefix_caching),
+    ]
+    if is_pagekeeper:
+        # vLLM has no equivalent of these three (its V1 engine does not swap KV blocks).
+        flags += [
+            "--swap-space",
+            _number(policy.swap_space_gib),
+            "--prefix-cache-max-fraction",
+            _number(policy.prefix_cache_max_fraction),
+            "--fragmentation-buffer",
+            policy.fragmentation_buffer,
+        ]
+    return flags
+
+
+def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
+    """The container command: `pagekeeper-engine serve MODEL ...` or `vllm serve MODEL ...`."""
+    spec = server.spec
+    is_pagekeeper = spec.runtime == "pagekeeper"
+    program = "pagekeeper-engine" if is_pagekeeper else "vllm"
+    command = [program, "serve", spec.model.source]
+    if spec.model.served_model_name is not None:
+        command += ["--served-model-name", spec.model.served_model_name]
+    command += [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--dtype",
+        spec.model.dtype,
+        "--load-format",
+        spec.model.load_format,
+    ]
+    if is_pagekeeper:
+        command += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu"]
+    command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
+    if is_pagekeeper:
+        command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
+    return command
+
+
+def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:
+    """Allocator settings, writable cache locations, then the user's extra variables.
+
+    A user variable replaces one of ours of the same name (the CRD forbids the allocator
+    ones); the list must hold each name once, since server-side apply keys it by name.
+    """
+    conf = allocator_conf(policy.allocator)
+    ours: dict[str, dict[str, Any]] = {
+        name: {"name": name, "value": conf} for name in ALLOC_CONF_ENV
+    }
+    # The root filesystem is read-only: every cache goes to the writable emptyDir.
+    for name, value in (
+        ("HOME", CACHE_DIR),
+        ("XDG_CACHE_HOME", CACHE_DIR),
+        ("HF_HOME", f"{CACHE_DIR}/huggingface"),
+        ("TRITON_CACHE_DIR", f"{CACHE_DIR}/triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", f"{CACHE_DIR}/inductor"),
+        ("TMPDIR", TMP_DIR),
+    ):
+        ours[name] = {"name": name, "value": value}
+    for extra in server.spec.pod_template.env:
+        ours[extra.name] = extra.to_api()
+    return list(ours.values())

@@ -1,0 +1,197 @@
+"""The engine Deployment: pods that survive slow model loads, drain on shutdown, and pass
+PodSecurity `restricted`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pagekeeper_operator.api.llmserver import LLMServer, Runtime
+from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.render.engine import CACHE_DIR, TMP_DIR, engine_command, engine_env
+from pagekeeper_operator.render.meta import (
+    CONTAINER_NAME,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    POLICY_HASH_ANNOTATION,
+    common_labels,
+    object_meta,
+    selector_labels,
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+RUN_AS_USER = 1000
+# Loading a large checkpoint can take many minutes: the startup probe allows 30 of them.
+STARTUP_PERIOD_SECONDS = 10
+STARTUP_FAILURE_THRESHOLD = 180
+# Sleep before SIGTERM so endpoints drop the pod before the engine stops taking requests.
+PRE_STOP_SECONDS = 5
+# Time past the engine's own drain deadline for it to exit and flush logs.
+EXIT_MARGIN_SECONDS = 10
+PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 600
+
+
+def _probe(path: str, *, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _probes(runtime: Runtime) -> dict[str, Any]:
+    # vLLM has no readiness endpoint of its own; /health answers once the model is loaded.
+    ready_path = "/ready" if runtime == "pagekeeper" else "/health"
+    return {
+        "startupProbe": _probe(
+            "/health", period=STARTUP_PERIOD_SECONDS, failures=STARTUP_FAILURE_THRESHOLD, timeout=5
+        ),
+        "readinessProbe": _probe(ready_path, period=5, failures=2, timeout=3),
+        "livenessProbe": _probe("/health", period=10, failures=6, timeout=5),
+    }
+
+
+def _shm_size(num_gpus: int) -> str:
+    # Shared memory carries NCCL and data-loader buffers; it counts against the memory limit.
+    return f"{max(1, num_gpus)}Gi"
+
+
+def _resources(server: LLMServer) -> dict[str, Any]:
+    spec = server.spec.resources
+    requests = spec.requests.to_api()
+    limits = spec.limits.to_api()
+    if spec.gpus > 0:
+        limits[GPU_RESOURCE] = str(spec.gpus)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _container(server: LLMServer, image: str) -> dict[str, Any]:
+    spec = server.spec
+    policy = effective_memory_policy(server)
+    mounts = [
+        {"name": "tmp", "mountPath": TMP_DIR},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        *(mount.to_api() for mount in spec.pod_template.volume_mounts),
+    ]
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "command": engine_command(server, policy),
+        "env": engine_env(server, policy),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": _resources(server),
+        "volumeMounts": mounts,
+        **_probes(spec.runtime),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
+    spec = server.spec
+    overrides = spec.pod_template
+    node_selector = dict(overrides.node_selector)
+    if spec.resources.gpu_type is not None:
+        node_selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_type
+    tolerations = list(overrides.tolerations)
+    if spec.resources.gpus > 0:
+        # GPU nodes are commonly tainted so that only GPU workloads land on them.
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "containers": [_container(server, image)],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "cache", "emptyDir": {}},
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": _shm_size(spec.resources.gpus)},
+            },
+            *overrides.volumes,
+        ],
+        "terminationGracePeriodSeconds": (
+            PRE_STOP_SECONDS + spec.shutdown_grace_period_seconds + EXIT_MARGIN_SECONDS
+        ),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # The engine never talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "tolerations": tolerations,
+    }
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    if overrides.affinity is not None:
+        pod["affinity"] = overrides.affinity
+    if overrides.priority_class_name is not None:
+        pod["priorityClassName"] = overrides.priority_class_name
+    if overrides.service_account_name is not None:
+        pod["serviceAccountName"] = overrides.service_account_name
+    if overrides.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in overrides.image_pull_secrets]
+    if not tolerations:
+        del pod["tolerations"]
+    return pod
+
+
+def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> dict[str, Any]:
+    """The Deployment running the engine pods.
+
+    The pod template carries `pagekeeper.dev/policy-hash` of the effective memory policy: a
+    policy change alters the template and rolls the pods; a replicas change does not.
+    """
+    spec = server.spec
+    policy = effective_memory_policy(server)
+    image = spec.image or default_images[spec.runtime]
+    pod_labels = {**spec.pod_template.labels, **common_labels(server)}
+    pod_annotations = {
+        **spec.pod_template.annotations,
+        POLICY_HASH_ANNOTATION: memory_policy_hash(policy),
+        "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(server),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(server)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": spec.rollout.max_surge,
+                    "maxUnavailable": spec.rollout.max_unavailable,
+                },
+            },
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "revisionHistoryLimit": 5,
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": pod_annotations},
+                "spec": _pod_spec(server, image),
+            },
+        },
+    }

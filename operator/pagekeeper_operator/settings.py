@@ -1,0 +1,115 @@
+"""Operator settings, read once from the environment (the chart sets them).
+
+PAGEKEEPER_NAMESPACES (default: empty, the whole cluster)
+    Comma-separated namespaces to watch; globs allowed (`team-*`). Read by
+    `python -m pagekeeper_operator.main`; with `kopf run` pass `--namespace` or `-A` instead.
+PAGEKEEPER_PEERING (default: pagekeeper)
+    kopf peering object shared by the operator's replicas, so only one acts at a time;
+    `standalone` turns peering off (a single replica, or tests).
+PAGEKEEPER_PRIORITY (default: 0)
+    This replica's peering priority; the live replica with the highest one acts.
+PAGEKEEPER_FINALIZER (default: pagekeeper.dev/finalizer)
+    Finalizer kopf sets only while a handler must run on deletion. The reconciliation needs
+    none (children go by owner references), so deleting never waits for the operator.
+PAGEKEEPER_LOG_FORMAT (default: full)
+    plain, full or json.
+PAGEKEEPER_LOG_LEVEL (default: info)
+    debug, info or warning.
+PAGEKEEPER_WEBHOOK_PORT (default: 8443)
+    Port of the Alertmanager webhook receiver (remediation).
+PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0)
+    Image for runtime pagekeeper when spec.image is unset.
+PAGEKEEPER_VLLM_IMAGE (default: docker.io/vllm/vllm-openai:v0.11.0)
+    Image for runtime vllm when spec.image is unset.
+PAGEKEEPER_RESYNC_SECONDS (default: 60)
+    How often each LLMServer is re-planned (drift repair, a policy stepped down in status);
+    a re-plan with nothing to change writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+LogFormat = Literal["plain", "full", "json"]
+LogLevel = Literal["debug", "info", "warning"]
+_LOG_FORMATS: tuple[LogFormat, ...] = ("plain", "full", "json")
+_LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning")
+T = TypeVar("T", bound=str)
+
+
+class SettingsError(ValueError):
+    """An environment variable has a value the operator cannot use; names the variable."""
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """How this operator process runs; see the module docstring for each variable."""
+
+    namespaces: tuple[str, ...] = ()
+    peering_name: str = "pagekeeper"
+    is_standalone: bool = False
+    priority: int = 0
+    finalizer: str = "pagekeeper.dev/finalizer"
+    log_format: LogFormat = "full"
+    log_level: LogLevel = "info"
+    webhook_port: int = 8443
+    default_images: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "pagekeeper": "ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0",
+            "vllm": "docker.io/vllm/vllm-openai:v0.11.0",
+        }
+    )
+    resync_seconds: float = 60.0
+
+    @property
+    def is_clusterwide(self) -> bool:
+        return not self.namespaces
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise SettingsError(f"{name}={text!r} is not an integer") from exc
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name}={value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[T, ...], default: T) -> T:
+    text = env.get(name, "").strip().lower() or default
+    for choice in choices:
+        if choice == text:
+            return choice
+    raise SettingsError(f"{name}={text!r} must be one of {', '.join(choices)}")
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
+    """Settings from `env` (default: the process environment), validated."""
+    env = os.environ if env is None else env
+    defaults = OperatorSettings()
+    namespaces = tuple(
+        ns.strip() for ns in env.get("PAGEKEEPER_NAMESPACES", "").split(",") if ns.strip()
+    )
+    peering = env.get("PAGEKEEPER_PEERING", "").strip() or defaults.peering_name
+    images = dict(defaults.default_images)
+    images["pagekeeper"] = env.get("PAGEKEEPER_ENGINE_IMAGE", "").strip() or images["pagekeeper"]
+    images["vllm"] = env.get("PAGEKEEPER_VLLM_IMAGE", "").strip() or images["vllm"]
+    return OperatorSettings(
+        namespaces=namespaces,
+        peering_name=peering,
+        is_standalone=peering == "standalone",
+        priority=_int(env, "PAGEKEEPER_PRIORITY", 0, -(2**31), 2**31 - 1),
+        finalizer=env.get("PAGEKEEPER_FINALIZER", "").strip() or defaults.finalizer,
+        log_format=_choice(env, "PAGEKEEPER_LOG_FORMAT", _LOG_FORMATS, defaults.log_format),
+        log_level=_choice(env, "PAGEKEEPER_LOG_LEVEL", _LOG_LEVELS, defaults.log_level),
+        webhook_port=_int(env, "PAGEKEEPER_WEBHOOK_PORT", defaults.webhook_port, 1, 65535),
+        default_images=images,
+        resync_seconds=float(_int(env, "PAGEKEEPER_RESYNC_SECONDS", 60, 5, 86400)),
+    )

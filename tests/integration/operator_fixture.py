@@ -1,0 +1,180 @@
+"""The operator as a subprocess (`kopf run -m pagekeeper_operator.main`) on the test cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.support.cluster import Cluster, wait_for
+from tests.support.tools import REPO
+
+CRD_PATH = REPO / "crds" / "llmservers.pagekeeper.dev.yaml"
+GROUP, VERSION, PLURAL = "pagekeeper.dev", "v1alpha1", "llmservers"
+RESYNC_SECONDS = 5
+
+
+class OperatorProcess:
+    """One operator process watching one namespace; its log is kept in a file."""
+
+    def __init__(self, cluster: Cluster, namespace: str, log_dir: Path) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.num_starts = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = log_dir / "operator-0.log"
+
+    def start(self) -> None:
+        assert self.process is None, "already running"
+        self.num_starts += 1
+        self.log_path = self.log_dir / f"operator-{self.num_starts}.log"
+        env = {
+            **os.environ,
+            "KUBECONFIG": self.cluster.kubeconfig,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+            "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
+        }
+        kopf = Path(sys.executable).with_name("kopf")
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(kopf),
+                    "run",
+                    "-m",
+                    "pagekeeper_operator.main",
+                    "--standalone",
+                    "--namespace",
+                    self.namespace,
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 60) -> None:
+        def seen() -> bool:
+            assert self.process is None or self.process.poll() is None, (
+                f"operator exited:\n{self.log()[-4000:]}"
+            )
+            return text in self.log()
+
+        wait_for(seen, timeout=timeout, what=f"operator log line {text!r}")
+
+
+@pytest.fixture(scope="session")
+def llmserver_crd(cluster: Cluster) -> Path:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
+    cluster.wait_established("llmservers.pagekeeper.dev")
+    return CRD_PATH
+
+
+@pytest.fixture
+def operator(
+    cluster: Cluster, namespace: str, llmserver_crd: Path, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    # Pods the operator renders must pass PodSecurity `restricted`.
+    cluster.kubectl(
+        "label",
+        "namespace",
+        namespace,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "--overwrite",
+    )
+    process = OperatorProcess(cluster, namespace, tmp_path)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def llmserver(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "LLMServer",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def apply_server(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+
+
+def get_server(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+    return obj
+
+
+def get_or_none(read: Any, *args: Any) -> Any:
+    try:
+        return read(*args)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def wait_ready(
+    cluster: Cluster, namespace: str, name: str, num_replicas: int, timeout: float = 120
+) -> dict[str, Any]:
+    """Until status says Ready with all replicas, for the current generation; the object."""
+
+    def ready() -> dict[str, Any] | None:
+        obj = get_server(cluster, namespace, name)
+        status = obj.get("status", {})
+        conditions = {c["type"]: c for c in status.get("conditions", [])}
+        if (
+            status.get("observedGeneration") == obj["metadata"]["generation"]
+            and conditions.get("Ready", {}).get("status") == "True"
+            and conditions.get("Progressing", {}).get("status") == "False"
+            and status.get("readyReplicas") == num_replicas
+        ):
+            return obj
+        return None
+
+    obj: dict[str, Any] = wait_for(ready, timeout=timeout, what=f"LLMServer {name} Ready")
+    return obj
+
+
+def wait_quiet(version_of: Callable[[], str], seconds: float = 3, timeout: float = 60) -> str:
+    """Until a resourceVersion holds still for `seconds`; returns it."""
+    deadline = time.monotonic() + timeout
+    version = version_of()
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        current = version_of()
+        if current != version:
+            version, since = current, time.monotonic()
+        elif time.monotonic() - since >= seconds:
+            return version
+    raise AssertionError(f"object kept changing (last resourceVersion {version})")

@@ -1,0 +1,200 @@
+"""An LLMServer's life on the real control plane with the operator running."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes import client
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.render import render_deployment
+from tests.integration import operator_fixture
+from tests.integration.operator_fixture import (
+    OperatorProcess,
+    apply_server,
+    get_or_none,
+    get_server,
+    llmserver,
+    wait_ready,
+)
+from tests.support.cluster import Cluster, wait_for
+
+# Fixtures shared by the LLMServer integration tests.
+llmserver_crd = operator_fixture.llmserver_crd
+operator = operator_fixture.operator
+
+SPEC: dict[str, Any] = {
+    "model": {"source": "/models/qwen3-0.6b", "servedModelName": "qwen3"},
+    "resources": {
+        "gpus": 1,
+        "gpuType": "NVIDIA-H100-80GB-HBM3",
+        "requests": {"cpu": "2", "memory": "8Gi"},
+    },
+    "memoryPolicy": {
+        "gpuMemoryUtilization": 0.9,
+        "maxModelLen": 4096,
+        "allocator": {"garbageCollectionThreshold": 0.8},
+    },
+}
+IMAGES = {
+    "pagekeeper": "ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0",
+    "vllm": "docker.io/vllm/vllm-openai:v0.11.0",
+}
+
+
+def _replica_sets(cluster: Cluster, namespace: str, name: str) -> dict[str, int]:
+    """ReplicaSet name -> spec.replicas, for the server's pods."""
+    items = (
+        client.AppsV1Api(cluster.api)
+        .list_namespaced_replica_set(namespace, label_selector=f"pagekeeper.dev/llmserver={name}")
+        .items
+    )
+    return {rs.metadata.name: rs.spec.replicas for rs in items}
+
+
+def test_create_update_scale_delete(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    apps, core = client.AppsV1Api(cluster.api), client.CoreV1Api(cluster.api)
+    apply_server(cluster, namespace, llmserver("qwen", SPEC))
+
+    # create -> the Deployment runs the engine with the policy's args and env, pods Ready
+    obj = wait_ready(cluster, namespace, "qwen", 1)
+    deployment = apps.read_namespaced_deployment("qwen", namespace)
+    container = deployment.spec.template.spec.containers[0]
+    expected = render_deployment(LLMServer.model_validate(obj), IMAGES)
+    expected_container = expected["spec"]["template"]["spec"]["containers"][0]
+    assert container.command == expected_container["command"]
+    assert "--gpu-memory-utilization" in container.command
+    assert container.command[container.command.index("--max-model-len") + 1] == "4096"
+    env = {e.name: e.value for e in container.env}
+    assert (
+        env["PYTORCH_CUDA_ALLOC_CONF"]
+        == "expandable_segments:True,garbage_collection_threshold:0.8"
+    )
+    assert env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"]
+    assert container.resources.limits == {"nvidia.com/gpu": "1"}
+    assert deployment.metadata.owner_references[0].uid == obj["metadata"]["uid"]
+    pods = core.list_namespaced_pod(namespace, label_selector="pagekeeper.dev/llmserver=qwen").items
+    assert [p.spec.node_name for p in pods] == ["kwok-gpu-0"]  # the H100 node
+    assert all({c.type: c.status for c in p.status.conditions}["Ready"] == "True" for p in pods)
+    status = obj["status"]
+    assert status["effectiveMemoryPolicy"]["gpuMemoryUtilization"] == 0.9
+    assert {c["type"] for c in status["conditions"]} == {
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "MemoryHealthy",
+    }
+    printed = cluster.kubectl("get", "llms", "qwen", "-n", namespace).stdout.split("\n")
+    assert printed[0].split() == [
+        "NAME",
+        "READY",
+        "DESIRED",
+        "RUNTIME",
+        "GPU-UTIL",
+        "LAST-REMEDIATION",
+        "AGE",
+    ]
+    assert printed[1].split()[:5] == ["qwen", "1", "1", "pagekeeper", "0.9"]
+    first_sets = _replica_sets(cluster, namespace, "qwen")
+    assert len(first_sets) == 1
+
+    # a policy change rolls the pods: a new ReplicaSet
+    apply_server(
+        cluster,
+        namespace,
+        llmserver(
+            "qwen", {**SPEC, "memoryPolicy": {**SPEC["memoryPolicy"], "gpuMemoryUtilization": 0.8}}
+        ),
+    )
+    obj = wait_ready(cluster, namespace, "qwen", 1)
+    assert obj["status"]["effectiveMemoryPolicy"]["gpuMemoryUtilization"] == 0.8
+    rolled_sets = _replica_sets(cluster, namespace, "qwen")
+    assert len(rolled_sets) == 2 and set(first_sets) < set(rolled_sets)
+    new_set = (set(rolled_sets) - set(first_sets)).pop()
+    assert rolled_sets[new_set] == 1 and all(rolled_sets[n] == 0 for n in first_sets)
+
+    # a replicas change does not: the same ReplicaSets, the current one scaled
+    apply_server(
+        cluster,
+        namespace,
+        llmserver(
+            "qwen",
+            {
+                **SPEC,
+                "replicas": 2,
+                "memoryPolicy": {**SPEC["memoryPolicy"], "gpuMemoryUtilization": 0.8},
+            },
+        ),
+    )
+    wait_ready(cluster, namespace, "qwen", 2)
+    scaled_sets = _replica_sets(cluster, namespace, "qwen")
+    assert set(scaled_sets) == set(rolled_sets) and scaled_sets[new_set] == 2
+
+    # delete -> the garbage collector removes every child through the owner references
+    cluster.kubectl("delete", "llmserver", "qwen", "-n", namespace, "--wait=true", "--timeout=60s")
+    custom = client.CustomObjectsApi(cluster.api)
+    policy = client.PolicyV1Api(cluster.api)
+
+    def children() -> list[Any]:
+        return [
+            get_or_none(apps.read_namespaced_deployment, "qwen", namespace),
+            get_or_none(core.read_namespaced_service, "qwen", namespace),
+            get_or_none(policy.read_namespaced_pod_disruption_budget, "qwen", namespace),
+            get_or_none(
+                custom.get_namespaced_custom_object,
+                "monitoring.coreos.com",
+                "v1",
+                namespace,
+                "servicemonitors",
+                "qwen",
+            ),
+            get_or_none(
+                custom.get_namespaced_custom_object,
+                "monitoring.coreos.com",
+                "v1",
+                namespace,
+                "prometheusrules",
+                "qwen-memory-alerts",
+            ),
+        ]
+
+    wait_for(lambda: children() == [None] * 5, timeout=90, what="children garbage-collected")
+    wait_for(
+        lambda: (
+            not core.list_namespaced_pod(
+                namespace, label_selector="pagekeeper.dev/llmserver=qwen"
+            ).items
+        ),
+        timeout=90,
+        what="pods gone",
+    )
+
+
+def test_service_monitor_and_rules_are_created_and_owned(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    apply_server(
+        cluster,
+        namespace,
+        llmserver("small", {"model": {"source": "/m"}, "resources": {"gpus": 1}}),
+    )
+    obj = wait_ready(cluster, namespace, "small", 1)
+    custom = client.CustomObjectsApi(cluster.api)
+    monitor = custom.get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", namespace, "servicemonitors", "small"
+    )
+    rule = custom.get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", namespace, "prometheusrules", "small-memory-alerts"
+    )
+    for child in (monitor, rule):
+        assert child["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    service = client.CoreV1Api(cluster.api).read_namespaced_service("small", namespace)
+    assert service.spec.ports[0].name == "http" and service.spec.ports[0].target_port == "http"
+    pdb = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget("small", namespace)
+    assert pdb.spec.max_unavailable == 1
+    assert get_server(cluster, namespace, "small")["status"]["selector"] == (
+        "app.kubernetes.io/name=pagekeeper-engine,pagekeeper.dev/llmserver=small"
+    )

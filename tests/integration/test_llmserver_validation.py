@@ -1,0 +1,135 @@
+"""The API server itself refuses bad LLMServers: schema bounds and one spec per CEL rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pagekeeper_operator.api.llmserver import ENV_RULE, ROLLOUT_RULE, SWAP_RULE
+from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from tests.integration import operator_fixture
+from tests.integration.operator_fixture import (
+    get_server,
+    llmserver,
+)
+from tests.support.cluster import Cluster
+
+# Fixtures shared by the LLMServer integration tests.
+llmserver_crd = operator_fixture.llmserver_crd
+
+CEL_CASES = [
+    (
+        {"memoryPolicy": {"enableChunkedPrefill": False, "maxModelLen": 9000}},
+        "spec.memoryPolicy.maxNumBatchedTokens",
+        BATCHED_TOKENS_RULE,
+    ),
+    (
+        {"memoryPolicy": {"maxNumSeqs": 300, "maxNumBatchedTokens": 256}},
+        "spec.memoryPolicy.maxNumSeqs",
+        NUM_SEQS_RULE,
+    ),
+    (
+        {"runtime": "vllm", "memoryPolicy": {"swapSpaceGiB": 4}},
+        "spec.memoryPolicy.swapSpaceGiB",
+        SWAP_RULE,
+    ),
+    (
+        {"memoryPolicy": {"allocator": {"maxSplitSizeMb": 512}}},
+        "spec.memoryPolicy.allocator.maxSplitSizeMb",
+        SPLIT_SIZE_RULE,
+    ),
+    (
+        {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+        "spec.rollout.maxUnavailable",
+        ROLLOUT_RULE,
+    ),
+    (
+        {"podTemplate": {"env": [{"name": "PYTORCH_ALLOC_CONF", "value": "x"}]}},
+        "spec.podTemplate.env",
+        ENV_RULE,
+    ),
+]
+SCHEMA_CASES = [
+    ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
+    ({"memoryPolicy": {"gpuMemoryUtilization": 0.995}}, "spec.memoryPolicy.gpuMemoryUtilization"),
+    ({"memoryPolicy": {"blockSize": 64}}, "spec.memoryPolicy.blockSize"),
+    (
+        {"memoryPolicy": {"allocator": {"garbageCollectionThreshold": 1}}},
+        "spec.memoryPolicy.allocator.garbageCollectionThreshold",
+    ),
+    ({"memoryPolicy": {"fragmentationBuffer": "plenty"}}, "spec.memoryPolicy.fragmentationBuffer"),
+    ({"runtime": "tgi"}, "spec.runtime"),
+]
+
+
+def _apply(cluster: Cluster, namespace: str, spec: dict[str, Any], name: str = "bad") -> Any:
+    body = llmserver(name, {"model": {"source": "/models/m"}, **spec})
+    return cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body), check=False
+    )
+
+
+@pytest.mark.parametrize(("spec", "field", "rule"), CEL_CASES, ids=[case[1] for case in CEL_CASES])
+def test_each_cel_rule_refuses_with_the_field_named(
+    cluster: Cluster,
+    namespace: str,
+    llmserver_crd: Path,
+    spec: dict[str, Any],
+    field: str,
+    rule: dict[str, str],
+) -> None:
+    result = _apply(cluster, namespace, spec)
+    assert result.returncode != 0
+    assert f"{field}: Invalid value" in result.stderr
+    assert rule["message"] in result.stderr
+
+
+@pytest.mark.parametrize(("spec", "field"), SCHEMA_CASES, ids=[c[1] for c in SCHEMA_CASES])
+def test_schema_bounds_refuse_with_the_field_named(
+    cluster: Cluster, namespace: str, llmserver_crd: Path, spec: dict[str, Any], field: str
+) -> None:
+    result = _apply(cluster, namespace, spec)
+    assert result.returncode != 0
+    assert f"{field}: " in result.stderr
+
+
+def test_valid_specs_are_stored_with_defaults(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    ok = _apply(
+        cluster,
+        namespace,
+        {
+            "memoryPolicy": {
+                "maxModelLen": 32768,
+                "maxNumBatchedTokens": 2048,
+                "swapSpaceGiB": 4,
+                "allocator": {"expandableSegments": False, "maxSplitSizeMb": 256},
+            },
+            "resources": {"requests": {"cpu": 4}},
+            "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+        },
+        name="good",
+    )
+    assert ok.returncode == 0, ok.stderr
+    spec = get_server(cluster, namespace, "good")["spec"]
+    assert spec["runtime"] == "pagekeeper" and spec["replicas"] == 1
+    assert spec["memoryPolicy"]["gpuMemoryUtilization"] == 0.9
+    assert spec["memoryPolicy"]["blockSize"] == 16
+    assert spec["resources"]["requests"]["cpu"] == 4
+    assert spec["remediation"]["maxUnavailable"] == 1
+    explain = cluster.kubectl("explain", "llmserver.spec.memoryPolicy.gpuMemoryUtilization")
+    assert "the fraction of the GPU's total memory this instance may use" in " ".join(
+        explain.stdout.split()
+    )
+
+
+def test_small_example_passes_a_server_side_dry_run(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "llmserver-small.yaml"
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
+    assert "llmserver.pagekeeper.dev/qwen3-0-6b created (server dry run)" in result.stdout

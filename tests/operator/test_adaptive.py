@@ -1,0 +1,249 @@
+"""Classifying OOM terminations and stepping the effective policy down, exactly."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from pagekeeper_operator.adaptive import (
+    TERMINATION_MESSAGE_FORMAT,
+    OOMClassification,
+    classify_termination,
+    step_down,
+)
+from pagekeeper_operator.api.remediation import AdaptiveSpec
+from pagekeeper_operator.remediation.oom import oom_terminations, respond_to_oom, termination_key
+
+ADAPTIVE = AdaptiveSpec()
+
+
+@pytest.mark.parametrize(
+    ("reason", "message", "expected"),
+    [
+        (
+            "Error",
+            "pagekeeper-oom kind=gpu phase=runtime detail=step of 8192 tokens failed 3 times",
+            OOMClassification("gpu", "runtime", "step of 8192 tokens failed 3 times"),
+        ),
+        (
+            "Error",
+            "loading weights\npagekeeper-oom kind=gpu phase=startup detail=KV cache < 1 request",
+            OOMClassification("gpu", "startup", "KV cache < 1 request"),
+        ),
+        (
+            "Error",
+            "pagekeeper-oom kind=host phase=runtime",
+            OOMClassification("host", "runtime", ""),
+        ),
+        (
+            "OOMKilled",
+            None,
+            OOMClassification("host", "unknown", "the container exceeded its memory limit"),
+        ),
+        # The engine's own classification wins over the kubelet's reason.
+        (
+            "OOMKilled",
+            "pagekeeper-oom kind=gpu phase=runtime detail=x",
+            OOMClassification("gpu", "runtime", "x"),
+        ),
+        ("Error", "Traceback ...\nRuntimeError: CUDA error", None),
+        ("Completed", "", None),
+        ("Error", "pagekeeper-oom kind=tpu phase=runtime detail=x", None),
+        ("Error", "not pagekeeper-oom kind=gpu phase=runtime", None),
+        (None, None, None),
+    ],
+)
+def test_classify_termination(
+    reason: str | None, message: str | None, expected: OOMClassification | None
+) -> None:
+    assert classify_termination(reason, message) == expected
+
+
+def test_format_constant_matches_the_parser() -> None:
+    example = TERMINATION_MESSAGE_FORMAT.replace("<gpu|host>", "gpu")
+    example = example.replace("<startup|runtime>", "runtime").replace(
+        "<free text to end of line>", "d"
+    )
+    assert classify_termination("Error", example) == OOMClassification("gpu", "runtime", "d")
+
+
+def test_classification_names() -> None:
+    runtime = OOMClassification("gpu", "runtime", "")
+    assert (runtime.label, runtime.condition_reason, runtime.can_step_down) == (
+        "gpu-runtime",
+        "GPUOutOfMemoryAtRuntime",
+        True,
+    )
+    startup = OOMClassification("gpu", "startup", "")
+    assert (startup.condition_reason, startup.can_step_down) == ("GPUOutOfMemoryAtStartup", False)
+    host = OOMClassification("host", "unknown", "")
+    assert (host.label, host.condition_reason, host.can_step_down) == (
+        "host-unknown",
+        "HostOutOfMemory",
+        False,
+    )
+
+
+def policy(**overrides: Any) -> dict[str, Any]:
+    return {
+        "gpuMemoryUtilization": 0.9,
+        "maxNumBatchedTokens": 8192,
+        "maxNumSeqs": 256,
+        "enableChunkedPrefill": True,
+        **overrides,
+    }
+
+
+def test_steps_utilization_then_tokens_down_to_the_floors() -> None:
+    current = policy()
+    steps = []
+    while (step := step_down(current, ADAPTIVE)) is not None:
+        current, _ = step
+        steps.append((current["gpuMemoryUtilization"], current["maxNumBatchedTokens"]))
+    assert steps == [
+        (0.85, 8192),
+        (0.8, 8192),
+        (0.75, 8192),
+        (0.7, 8192),
+        (0.7, 4096),
+        (0.7, 2048),
+    ]
+    assert current["maxNumSeqs"] == 256
+
+
+def test_step_reasons() -> None:
+    first = step_down(policy(), ADAPTIVE)
+    assert first is not None
+    assert first[1] == (
+        "gpuMemoryUtilization 0.9 -> 0.85 after a run-time GPU out-of-memory crash (floor 0.7)"
+    )
+    at_floor = step_down(policy(gpuMemoryUtilization=0.7), ADAPTIVE)
+    assert at_floor is not None
+    assert at_floor[1] == (
+        "maxNumBatchedTokens 8192 -> 4096 after a run-time GPU out-of-memory crash "
+        "(gpuMemoryUtilization at its floor 0.7; token floor 2048)"
+    )
+
+
+def test_never_below_the_floors() -> None:
+    # A step larger than the distance to the floor lands on the floor.
+    step = step_down(policy(gpuMemoryUtilization=0.72), ADAPTIVE)
+    assert step is not None and step[0]["gpuMemoryUtilization"] == 0.7
+    step = step_down(policy(gpuMemoryUtilization=0.7, maxNumBatchedTokens=3000), ADAPTIVE)
+    assert step is not None and step[0]["maxNumBatchedTokens"] == 2048
+    # Below the floor already (the spec asked for less): utilization is left alone.
+    step = step_down(policy(gpuMemoryUtilization=0.5), ADAPTIVE)
+    assert step is not None and step[0]["gpuMemoryUtilization"] == 0.5
+    assert step[0]["maxNumBatchedTokens"] == 4096
+    assert step_down(policy(gpuMemoryUtilization=0.7, maxNumBatchedTokens=2048), ADAPTIVE) is None
+
+
+def test_token_floor_respects_the_policy_rules() -> None:
+    # maxNumSeqs <= maxNumBatchedTokens, and without chunked prefill maxModelLen must fit.
+    seqs = step_down(policy(gpuMemoryUtilization=0.7, maxNumSeqs=6000), ADAPTIVE)
+    assert seqs is not None and seqs[0]["maxNumBatchedTokens"] == 6000
+    unchunked = policy(gpuMemoryUtilization=0.7, enableChunkedPrefill=False, maxModelLen=8192)
+    assert step_down(unchunked, ADAPTIVE) is None
+    chunked = step_down({**unchunked, "enableChunkedPrefill": True}, ADAPTIVE)
+    assert chunked is not None and chunked[0]["maxNumBatchedTokens"] == 4096
+
+
+def test_disabled_adaptive_never_steps() -> None:
+    assert step_down(policy(), AdaptiveSpec(enabled=False)) is None
+
+
+def server_body(status: dict[str, Any] | None = None, **remediation: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "pagekeeper.dev/v1alpha1",
+        "kind": "LLMServer",
+        "metadata": {"name": "chat", "namespace": "prod", "generation": 3, "uid": "u-1"},
+        "spec": {
+            "model": {"source": "/models/qwen3-0.6b"},
+            "memoryPolicy": {"gpuMemoryUtilization": 0.9, "maxNumBatchedTokens": 8192},
+            "remediation": remediation,
+        },
+        "status": status or {},
+    }
+
+
+NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+GPU_RUNTIME = OOMClassification("gpu", "runtime", "step failed")
+
+
+def test_oom_response_steps_down_in_status_and_records_it() -> None:
+    response = respond_to_oom(
+        server_body(), "chat-a", GPU_RUNTIME, "k1", "2026-03-01T11:59:00Z", NOW
+    )
+    assert response is not None
+    status = response.status
+    assert status["effectiveMemoryPolicy"]["gpuMemoryUtilization"] == 0.85
+    assert status["effectiveMemoryPolicy"]["maxNumBatchedTokens"] == 8192
+    assert len(status["specMemoryPolicyHash"]) == 16
+    assert status["lastRemediation"] == "2026-03-01T12:00:00Z"
+    assert status["remediationHistory"] == [
+        {
+            "time": "2026-03-01T12:00:00Z",
+            "pod": "chat-a",
+            "alert": "gpu-runtime",
+            "action": "step-down",
+            "outcome": "applied",
+            "message": "GPUOutOfMemoryAtRuntime: step failed; gpuMemoryUtilization 0.9 -> 0.85 "
+            "after a run-time GPU out-of-memory crash (floor 0.7)",
+            "fingerprint": "k1",
+            "alertStartsAt": "2026-03-01T11:59:00Z",
+        }
+    ]
+    assert status["conditions"] == [
+        {
+            "type": "MemoryHealthy",
+            "status": "False",
+            "reason": "GPUOutOfMemoryAtRuntime",
+            "message": "pod chat-a: step failed",
+            "lastTransitionTime": "2026-03-01T12:00:00Z",
+            "observedGeneration": 3,
+        }
+    ]
+    assert (response.event_type, response.event_reason) == ("Normal", "PolicySteppedDown")
+    # Recorded once: the same termination seen again (or after a restart) writes nothing.
+    again = server_body({"remediationHistory": status["remediationHistory"]})
+    assert respond_to_oom(again, "chat-a", GPU_RUNTIME, "k1", "x", NOW) is None
+
+
+def test_oom_response_without_step_down() -> None:
+    startup = OOMClassification("gpu", "startup", "")
+    response = respond_to_oom(server_body(), "chat-a", startup, "k2", "t", NOW)
+    assert response is not None
+    assert "effectiveMemoryPolicy" not in response.status
+    assert response.record.outcome == "not-applicable"
+    assert (response.event_type, response.event_reason) == ("Warning", "GPUOutOfMemoryAtStartup")
+
+    dry = respond_to_oom(server_body(dryRun=True), "chat-a", GPU_RUNTIME, "k3", "t", NOW)
+    assert dry is not None and "effectiveMemoryPolicy" not in dry.status
+    assert dry.record.outcome == "would-apply"
+
+    off = respond_to_oom(
+        server_body(adaptive={"enabled": False}), "chat-a", GPU_RUNTIME, "k4", "t", NOW
+    )
+    assert off is not None and off.record.outcome == "disabled"
+
+
+def test_oom_terminations_of_a_pod() -> None:
+    oom = {"reason": "OOMKilled", "finishedAt": "2026-03-01T11:00:00Z", "exitCode": 137}
+    pod = {
+        "status": {
+            "containerStatuses": [
+                {"name": "engine", "state": {"running": {}}, "lastState": {"terminated": oom}},
+                {"name": "sidecar", "state": {"terminated": {"reason": "Completed"}}},
+                {"name": "down", "state": {"terminated": oom}, "lastState": {"terminated": oom}},
+            ]
+        }
+    }
+    host = OOMClassification("host", "unknown", "the container exceeded its memory limit")
+    assert oom_terminations(pod) == [
+        ("engine", host, "2026-03-01T11:00:00Z"),
+        ("down", host, "2026-03-01T11:00:00Z"),
+    ]
+    assert termination_key("u", "engine", "t") != termination_key("u", "engine", "t2")
+    assert len(termination_key("u", "engine", "t")) == 16

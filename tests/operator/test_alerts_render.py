@@ -1,0 +1,232 @@
+"""Rendering the alerts from spec.remediation: exact rules, objects and the runbook links."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagekeeper_operator.alerts import (
+    ALERT_NAMES,
+    ENGINE_METRICS_USED,
+    duration_seconds,
+    parse_quantity,
+    render_alert_rules,
+    render_prometheus_rule,
+    render_rules_file,
+)
+from pagekeeper_operator.api.remediation import RemediationSpec
+
+REPO = Path(__file__).resolve().parents[2]
+SEL = '{namespace="prod", llmserver="chat"}'
+BY = "by (namespace, pod, llmserver)"
+
+
+def test_default_rules_exactly() -> None:
+    rules = render_alert_rules("chat", "prod", RemediationSpec())
+    assert [r["alert"] for r in rules] == list(ALERT_NAMES)
+    kv = rules[1]
+    assert kv == {
+        "alert": "PagekeeperKVCacheSaturated",
+        "expr": f"max {BY} (vllm:kv_cache_usage_perc{SEL}) > 0.95",
+        "for": "2m",
+        "labels": {"severity": "warning", "pagekeeper_remediate": "true"},
+        "annotations": {
+            "summary": "KV cache nearly full on {{ $labels.namespace }}/{{ $labels.pod }}",
+            "description": "KV cache usage is {{ $value | humanizePercentage }} "
+            "(threshold 0.95) for 2m.",
+            "runbook_url": "docs/runbook.md#pagekeeperkvcachesaturated",
+        },
+    }
+    frag = rules[0]
+    reserved = f"sum {BY} (pagekeeper_allocator_reserved_bytes{SEL})"
+    unused = f"({reserved} - sum {BY} (pagekeeper_allocator_allocated_bytes{SEL}))"
+    assert frag["expr"] == (
+        f"{unused} / {reserved} > 0.25\nand on (namespace, pod, llmserver)\n{unused} > 1073741824"
+    )
+    assert frag["for"] == "10m"
+    waiting = f"sum {BY} (vllm:num_requests_waiting{SEL})"
+    running = f"sum {BY} (vllm:num_requests_running{SEL})"
+    assert rules[2]["expr"] == (
+        f"{waiting} > 3.0 * {running}\nand on (namespace, pod, llmserver)\n{waiting} > 0"
+    )
+    assert rules[3]["expr"] == (
+        f"sum {BY} (min_over_time(vllm:num_requests_waiting{SEL}[5m])) > 0\n"
+        f"and on (namespace, pod, llmserver)\nsum {BY} (vllm:num_requests_waiting{SEL} offset 5m)\n"
+        f"unless on (namespace, pod, llmserver)\n"
+        f"sum {BY} (increase(vllm:request_success_total{SEL}[5m])) > 0"
+    )
+    assert rules[3]["for"] == "0m"
+    assert rules[3]["labels"]["severity"] == "critical"
+    assert rules[4]["expr"] == f"sum {BY} (increase(pagekeeper_oom_events_total{SEL}[5m])) > 0"
+    assert rules[4]["for"] == "0m"
+
+
+def test_thresholds_and_durations_come_from_the_spec() -> None:
+    spec = RemediationSpec.model_validate(
+        {
+            "triggers": {
+                "fragmentation": {"threshold": 0.4, "minBytes": "512Mi", "for": "30m"},
+                "kvCacheSaturation": {"threshold": 0.9, "for": "1m"},
+                "queueBacklog": {"ratio": 5, "for": "10m"},
+                "engineStalled": {"for": "15m"},
+                "oomEvents": {"for": "1m"},
+            }
+        }
+    )
+    rules = {r["alert"]: r for r in render_alert_rules("chat", "prod", spec)}
+    assert rules["PagekeeperFragmentationHigh"]["expr"].endswith(" > 536870912")
+    assert " > 0.4\n" in rules["PagekeeperFragmentationHigh"]["expr"]
+    assert rules["PagekeeperFragmentationHigh"]["for"] == "30m"
+    assert rules["PagekeeperKVCacheSaturated"]["expr"].endswith(" > 0.9")
+    assert rules["PagekeeperKVCacheSaturated"]["for"] == "1m"
+    assert " > 5.0 * " in rules["PagekeeperQueueBacklog"]["expr"]
+    assert rules["PagekeeperQueueBacklog"]["for"] == "10m"
+    assert rules["PagekeeperEngineStalled"]["expr"].count("[15m]") == 2
+    assert "offset 15m" in rules["PagekeeperEngineStalled"]["expr"]
+    assert rules["PagekeeperOOMEvents"]["for"] == "1m"
+
+
+def test_stall_window_has_a_minimum() -> None:
+    spec = RemediationSpec.model_validate({"triggers": {"engineStalled": {"for": "0m"}}})
+    [stalled] = [r for r in render_alert_rules("chat", "prod", spec) if "Stalled" in r["alert"]]
+    assert stalled["expr"].count("[1m]") == 2
+
+
+def test_disabled_triggers_and_remediation() -> None:
+    spec = RemediationSpec.model_validate(
+        {"enabled": False, "triggers": {"fragmentation": {"enabled": False}}}
+    )
+    rules = render_alert_rules("chat", "prod", spec)
+    assert [r["alert"] for r in rules] == list(ALERT_NAMES[1:])
+    # Still notifying people, but not routed to the operator.
+    assert {r["labels"]["pagekeeper_remediate"] for r in rules} == {"false"}
+    everything_off = RemediationSpec.model_validate(
+        {
+            "triggers": {
+                t: {"enabled": False}
+                for t in (
+                    "fragmentation",
+                    "kvCacheSaturation",
+                    "queueBacklog",
+                    "engineStalled",
+                    "oomEvents",
+                )
+            }
+        }
+    )
+    assert render_alert_rules("chat", "prod", everything_off) == []
+    assert yaml.safe_load(render_rules_file("chat", "prod", everything_off)) == {"groups": []}
+
+
+def test_prometheus_rule_object() -> None:
+    owner = {
+        "apiVersion": "pagekeeper.dev/v1alpha1",
+        "kind": "LLMServer",
+        "name": "chat",
+        "uid": "u-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    rule = render_prometheus_rule("chat", "prod", RemediationSpec(), owner)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["kind"] == "PrometheusRule"
+    assert rule["metadata"] == {
+        "name": "chat-memory-alerts",
+        "namespace": "prod",
+        "labels": {
+            "app.kubernetes.io/managed-by": "pagekeeper",
+            "app.kubernetes.io/component": "alerts",
+            "pagekeeper.dev/llmserver": "chat",
+        },
+        "ownerReferences": [owner],
+    }
+    assert rule["spec"] == {
+        "groups": [
+            {
+                "name": "pagekeeper.prod.chat",
+                "rules": render_alert_rules("chat", "prod", RemediationSpec()),
+            }
+        ]
+    }
+    assert (
+        "ownerReferences"
+        not in render_prometheus_rule("chat", "prod", RemediationSpec(), None)["metadata"]
+    )
+
+
+def test_rules_file_round_trips() -> None:
+    text = render_rules_file("chat", "prod", RemediationSpec())
+    assert yaml.safe_load(text) == {
+        "groups": [
+            {
+                "name": "pagekeeper.prod.chat",
+                "rules": render_alert_rules("chat", "prod", RemediationSpec()),
+            }
+        ]
+    }
+    # Multi-line expressions are literal blocks, as a person would write them.
+    assert "    expr: |-\n" in text
+
+
+def test_every_metric_read_is_in_the_contract() -> None:
+    exprs = " ".join(r["expr"] for r in render_alert_rules("chat", "prod", RemediationSpec()))
+    used = set(re.findall(r"\b((?:vllm:|pagekeeper_)[a-z_:]+)\{", exprs))
+    assert used == set(ENGINE_METRICS_USED)
+
+
+def test_runbook_has_a_section_per_alert() -> None:
+    runbook = (REPO / "docs" / "runbook.md").read_text()
+    headings = re.findall(r"^## (\S+)\s*$", runbook, flags=re.MULTILINE)
+    assert [h for h in headings if h.startswith("Pagekeeper")] == list(ALERT_NAMES)
+    for rule in render_alert_rules("chat", "prod", RemediationSpec()):
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert anchor == rule["alert"].lower()
+
+
+@pytest.mark.parametrize(
+    ("quantity", "num_bytes"),
+    [
+        ("1Gi", 1 << 30),
+        ("1.5Gi", 3 << 29),
+        ("512Mi", 1 << 29),
+        ("2G", 2_000_000_000),
+        ("100k", 100_000),
+        ("1073741824", 1 << 30),
+        (".5Ki", 512),
+        ("0", 0),
+        ("1.0001k", 1001),  # rounded up to whole bytes
+    ],
+)
+def test_parse_quantity(quantity: str, num_bytes: int) -> None:
+    assert parse_quantity(quantity) == num_bytes
+
+
+@pytest.mark.parametrize("bad", ["", "1GiB", "-1Gi", "1m", "Gi"])
+def test_parse_quantity_refuses(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a byte quantity"):
+        parse_quantity(bad)
+
+
+@pytest.mark.parametrize(
+    ("duration", "seconds"),
+    [("0", 0.0), ("0m", 0.0), ("90s", 90.0), ("1h30m", 5400.0), ("1d", 86400.0), ("250ms", 0.25)],
+)
+def test_duration_seconds(duration: str, seconds: float) -> None:
+    assert duration_seconds(duration) == seconds
+
+
+def test_spec_refuses_bad_durations_and_bounds() -> None:
+    for bad in (
+        {"triggers": {"kvCacheSaturation": {"for": "2 minutes"}}},
+        {"triggers": {"kvCacheSaturation": {"for": ""}}},
+        {"triggers": {"kvCacheSaturation": {"threshold": 1.5}}},
+        {"triggers": {"fragmentation": {"minBytes": "1GB"}}},
+        {"historyLimit": 101},
+        {"maxUnavailable": 0},
+        {"adaptive": {"maxNumBatchedTokensStep": 1.0}},
+    ):
+        with pytest.raises(ValueError, match="validation error"):
+            RemediationSpec.model_validate(bad)

@@ -1,0 +1,134 @@
+"""The LLMServer models: defaults, camelCase on the wire, and the cross-field rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from pagekeeper_operator.api.llmserver import ENV_RULE, ROLLOUT_RULE, SWAP_RULE, LLMServer
+from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from tests.operator.servers import make_server
+
+
+def test_defaults_of_a_minimal_server() -> None:
+    spec = make_server().spec
+    assert spec.runtime == "pagekeeper"
+    assert spec.replicas == 1
+    assert spec.resources.gpus == 1
+    assert spec.shutdown_grace_period_seconds == 30
+    assert (spec.rollout.max_surge, spec.rollout.max_unavailable) == (0, 1)
+    assert spec.memory_policy.to_api() == {
+        "gpuMemoryUtilization": 0.9,
+        "blockSize": 16,
+        "maxNumBatchedTokens": 8192,
+        "maxNumSeqs": 256,
+        "swapSpaceGiB": 0.0,
+        "enableChunkedPrefill": True,
+        "enablePrefixCaching": True,
+        "prefixCacheMaxFraction": 0.5,
+        "fragmentationBuffer": "auto",
+        "allocator": {"expandableSegments": True},
+    }
+
+
+def test_snake_case_names_are_accepted_and_camel_case_is_written() -> None:
+    server = make_server({"memoryPolicy": {"maxModelLen": 4096, "swapSpaceGiB": 2}})
+    assert server.spec.memory_policy.max_model_len == 4096
+    assert server.spec.memory_policy.swap_space_gib == 2.0
+    assert server.spec.memory_policy.to_api()["swapSpaceGiB"] == 2.0
+
+
+def test_integer_quantities_become_text() -> None:
+    spec = make_server({"resources": {"requests": {"cpu": 4, "memory": "16Gi"}}}).spec
+    assert spec.resources.requests.to_api() == {"cpu": "4", "memory": "16Gi"}
+
+
+def _error_messages(spec: dict[str, Any]) -> str:
+    with pytest.raises(ValidationError) as info:
+        make_server(spec)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"memoryPolicy": {"enableChunkedPrefill": False, "maxModelLen": 9000}},
+            BATCHED_TOKENS_RULE["message"],
+        ),
+        (
+            {"memoryPolicy": {"maxNumSeqs": 300, "maxNumBatchedTokens": 256}},
+            NUM_SEQS_RULE["message"],
+        ),
+        ({"runtime": "vllm", "memoryPolicy": {"swapSpaceGiB": 4}}, SWAP_RULE["message"]),
+        ({"memoryPolicy": {"allocator": {"maxSplitSizeMb": 512}}}, SPLIT_SIZE_RULE["message"]),
+        ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, ROLLOUT_RULE["message"]),
+        (
+            {"podTemplate": {"env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "x"}]}},
+            ENV_RULE["message"],
+        ),
+    ],
+)
+def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
+    assert message in _error_messages(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"memoryPolicy": {"gpuMemoryUtilization": 0.0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
+        ({"memoryPolicy": {"gpuMemoryUtilization": 1.0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
+        ({"memoryPolicy": {"blockSize": 12}}, "spec.memoryPolicy.blockSize"),
+        (
+            {"memoryPolicy": {"fragmentationBuffer": "lots"}},
+            "spec.memoryPolicy.fragmentationBuffer",
+        ),
+        (
+            {"memoryPolicy": {"allocator": {"garbageCollectionThreshold": 1.0}}},
+            "spec.memoryPolicy.allocator.garbageCollectionThreshold",
+        ),
+        (
+            {"memoryPolicy": {"allocator": {"expandableSegments": False, "maxSplitSizeMb": 20}}},
+            "spec.memoryPolicy.allocator.maxSplitSizeMb",
+        ),
+        ({"runtime": "tgi"}, "spec.runtime"),
+        ({"resources": {"requests": {"memory": "lots"}}}, "spec.resources.requests.memory"),
+    ],
+)
+def test_single_field_bounds_name_the_field(spec: dict[str, Any], field: str) -> None:
+    assert f"\n{field}\n" in _error_messages(spec)
+
+
+def test_rules_allow_what_they_should() -> None:
+    chunked = make_server({"memoryPolicy": {"maxModelLen": 32768, "maxNumBatchedTokens": 2048}})
+    assert chunked.spec.memory_policy.max_model_len == 32768
+    swap = make_server({"memoryPolicy": {"swapSpaceGiB": 8}})
+    assert swap.spec.memory_policy.swap_space_gib == 8.0
+    vllm = make_server({"runtime": "vllm"})
+    assert vllm.spec.memory_policy.swap_space_gib == 0.0
+    split = make_server(
+        {"memoryPolicy": {"allocator": {"expandableSegments": False, "maxSplitSizeMb": 512}}}
+    )
+    assert split.spec.memory_policy.allocator.max_split_size_mb == 512
+    surge = make_server({"rollout": {"maxSurge": 1, "maxUnavailable": 0}})
+    assert surge.spec.rollout.max_surge == 1
+
+
+def test_status_conditions_lookup() -> None:
+    server = make_server(
+        status={"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady"}]}
+    )
+    ready = server.status.condition("Ready")
+    assert ready is not None and ready.reason == "AllReplicasReady"
+    assert server.status.condition("Degraded") is None
+
+
+def test_small_example_is_valid() -> None:
+    path = Path(__file__).resolve().parents[2] / "examples" / "llmserver-small.yaml"
+    server = LLMServer.model_validate(yaml.safe_load(path.read_text()))
+    assert server.spec.memory_policy.swap_space_gib == 4.0
+    assert server.spec.pod_template.volume_mounts[0].mount_path == "/models"

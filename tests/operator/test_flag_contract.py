@@ -1,0 +1,128 @@
+"""The operator -> engine flag contract: what render writes, the engine's parser reads back.
+
+This test imports the engine's config module (argparse only, no torch); the operator package
+itself never imports the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagekeeper_engine.config import build_parser, parse_args, parse_bytes
+from pagekeeper_operator.render import render_deployment
+from pagekeeper_operator.render.engine import policy_flags
+from tests.operator.servers import DEFAULT_IMAGES, make_server
+
+SPECS: list[dict[str, Any]] = [
+    {},
+    {
+        "model": {"servedModelName": "qwen3", "dtype": "bfloat16", "loadFormat": "dummy"},
+        "shutdownGracePeriodSeconds": 120,
+        "memoryPolicy": {
+            "gpuMemoryUtilization": 0.95,
+            "blockSize": 32,
+            "maxNumBatchedTokens": 65536,
+            "maxNumSeqs": 512,
+            "maxModelLen": 32768,
+            "swapSpaceGiB": 2.5,
+            "prefixCacheMaxFraction": 0.25,
+            "fragmentationBuffer": "512Mi",
+        },
+    },
+    {
+        "resources": {"gpus": 0},
+        "memoryPolicy": {
+            "enableChunkedPrefill": False,
+            "enablePrefixCaching": False,
+            "maxModelLen": 4096,
+            "maxNumBatchedTokens": 4096,
+            "maxNumSeqs": 8,
+            "blockSize": 8,
+            "gpuMemoryUtilization": 0.5,
+            "fragmentationBuffer": "1.5Gi",
+        },
+    },
+]
+
+
+def _command(spec: dict[str, Any]) -> list[str]:
+    deployment = render_deployment(make_server(spec), DEFAULT_IMAGES)
+    command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    return command
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_engine_parses_rendered_args_into_the_policy(spec: dict[str, Any]) -> None:
+    server = make_server(spec)
+    policy = server.spec.memory_policy
+    command = _command(spec)
+    assert command[:2] == ["pagekeeper-engine", "serve"]
+    config = parse_args(command[2:])
+    assert config.model == server.spec.model.source
+    assert config.served_model_name == server.spec.model.served_model_name
+    assert config.dtype == server.spec.model.dtype
+    assert config.load_format == server.spec.model.load_format
+    assert config.device == ("cuda" if server.spec.resources.gpus else "cpu")
+    assert (config.host, config.port) == ("0.0.0.0", 8000)
+    assert config.gpu_memory_utilization == policy.gpu_memory_utilization
+    assert config.block_size == policy.block_size
+    assert config.max_num_batched_tokens == policy.max_num_batched_tokens
+    assert config.max_num_seqs == policy.max_num_seqs
+    assert config.max_model_len == policy.max_model_len
+    assert config.swap_space == policy.swap_space_gib
+    assert config.enable_chunked_prefill is policy.enable_chunked_prefill
+    assert config.enable_prefix_caching is policy.enable_prefix_caching
+    assert config.prefix_cache_max_fraction == policy.prefix_cache_max_fraction
+    expected_buffer = (
+        policy.fragmentation_buffer
+        if policy.fragmentation_buffer == "auto"
+        else parse_bytes(policy.fragmentation_buffer)
+    )
+    assert config.fragmentation_buffer == expected_buffer
+    assert config.shutdown_timeout == server.spec.shutdown_grace_period_seconds
+
+
+def test_every_rendered_flag_is_one_the_engine_defines() -> None:
+    known = {opt for action in build_parser()._actions for opt in action.option_strings}
+    for spec in SPECS:
+        rendered = {arg for arg in _command(spec) if arg.startswith("--")}
+        assert rendered <= known, rendered - known
+
+
+def test_every_contract_row_is_rendered() -> None:
+    # ARCHITECTURE.md's table: each memoryPolicy field maps to exactly one flag.
+    flags = policy_flags(
+        make_server({"memoryPolicy": {"maxModelLen": 4096}}).spec.memory_policy, is_pagekeeper=True
+    )
+    names = [f for f in flags if f.startswith("--")]
+    assert names == [
+        "--gpu-memory-utilization",
+        "--block-size",
+        "--max-num-batched-tokens",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--enable-chunked-prefill",
+        "--enable-prefix-caching",
+        "--swap-space",
+        "--prefix-cache-max-fraction",
+        "--fragmentation-buffer",
+    ]
+
+
+def test_vllm_args_are_the_shared_subset() -> None:
+    vllm = _command({"runtime": "vllm", "memoryPolicy": {"maxModelLen": 4096}})
+    pagekeeper = _command({"memoryPolicy": {"maxModelLen": 4096}})
+    vllm_flags = {a for a in vllm if a.startswith("--")}
+    pagekeeper_only = {
+        "--swap-space",
+        "--prefix-cache-max-fraction",
+        "--fragmentation-buffer",
+        "--shutdown-timeout",
+        "--device",
+    }
+    assert vllm_flags == {a for a in pagekeeper if a.startswith("--")} - pagekeeper_only
+    # Same values for the shared flags: the engine's parser reads them identically.
+    shared = parse_args(["/m", *list(vllm[3:])])
+    assert shared.max_model_len == 4096 and shared.gpu_memory_utilization == 0.9

@@ -1,0 +1,232 @@
+"""Planning (what to apply) and status computation, without a cluster."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pagekeeper_operator.conditions import compute_status, merge_patch, status_patch
+from pagekeeper_operator.plan import APPLIED_HASH_ANNOTATION, is_subset, key_of, plan, stamp
+from pagekeeper_operator.render import ClusterFeatures, render_all
+from tests.operator.servers import DEFAULT_IMAGES, make_server
+
+NOW = "2025-01-02T03:04:05Z"
+
+
+def _desired() -> list[dict[str, Any]]:
+    return render_all(make_server(), DEFAULT_IMAGES, ClusterFeatures())
+
+
+def _as_stored(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the API server returns after our apply: defaults and other managers' fields added."""
+    stored = copy.deepcopy(stamp(manifest))
+    stored["metadata"].update(
+        resourceVersion="42",
+        uid="child-uid",
+        generation=1,
+        managedFields=[{"manager": "pagekeeper-operator"}],
+    )
+    stored["metadata"]["annotations"]["deployment.kubernetes.io/revision"] = "1"
+    if manifest["kind"] == "Deployment":
+        pod = stored["spec"]["template"]["spec"]
+        pod["dnsPolicy"] = "ClusterFirst"
+        container = pod["containers"][0]
+        container["imagePullPolicy"] = "IfNotPresent"
+        container["terminationMessagePath"] = "/dev/termination-log"
+        # the server (or another manager) may order associative lists differently
+        container["env"] = list(reversed(container["env"]))
+        container["env"].append({"name": "INJECTED_BY_WEBHOOK", "value": "1"})
+        pod["containers"].append({"name": "sidecar", "image": "proxy:1"})
+        stored["status"] = {"replicas": 1}
+    if manifest["kind"] == "Service":
+        stored["spec"]["clusterIP"] = "10.0.0.7"
+        stored["spec"]["ports"][0]["targetPort"] = "http"
+    return stored
+
+
+def _observed(desired: list[dict[str, Any]]) -> dict[Any, Any]:
+    return {key_of(m): _as_stored(m) for m in desired}
+
+
+def test_nothing_to_do_when_observed_matches() -> None:
+    desired = _desired()
+    assert plan(desired, _observed(desired)) == []
+
+
+def test_missing_objects_are_applied_stamped() -> None:
+    desired = _desired()
+    actions = plan(desired, {})
+    assert [(a.manifest["kind"], a.reason) for a in actions] == [
+        ("Service", "missing"),
+        ("PodDisruptionBudget", "missing"),
+        ("Deployment", "missing"),
+    ]
+    annotations = actions[0].manifest["metadata"]["annotations"]
+    assert (
+        list(annotations) == [APPLIED_HASH_ANNOTATION]
+        and len(annotations[APPLIED_HASH_ANNOTATION]) == 16
+    )
+    assert "annotations" not in desired[0]["metadata"], "plan must not mutate its input"
+
+
+def test_a_spec_change_plans_only_the_objects_it_changes() -> None:
+    observed = _observed(_desired())
+    scaled = render_all(make_server({"replicas": 3}), DEFAULT_IMAGES, ClusterFeatures())
+    actions = plan(scaled, observed)
+    assert [(a.manifest["kind"], a.reason) for a in actions] == [("Deployment", "changed")]
+    assert actions[0].manifest["spec"]["replicas"] == 3
+
+
+def test_dropping_a_field_we_set_is_a_change() -> None:
+    with_selector = render_all(
+        make_server({"podTemplate": {"nodeSelector": {"pool": "a"}}}),
+        DEFAULT_IMAGES,
+        ClusterFeatures(),
+    )
+    observed = _observed(with_selector)
+    actions = plan(_desired(), observed)  # desired is a subset of observed, yet it changed
+    assert [(a.manifest["kind"], a.reason) for a in actions] == [("Deployment", "changed")]
+
+
+def test_drift_in_a_field_we_own_is_repaired() -> None:
+    desired = _desired()
+    observed = _observed(desired)
+    deployment = observed[key_of(desired[2])]
+    deployment["spec"]["template"]["spec"]["containers"][0]["command"][4] = "9999"
+    actions = plan(desired, observed)
+    assert [(a.manifest["kind"], a.reason) for a in actions] == [("Deployment", "drifted")]
+
+
+def test_drift_in_fields_we_do_not_own_is_ignored() -> None:
+    desired = _desired()
+    observed = _observed(desired)
+    observed[key_of(desired[0])]["metadata"]["labels"]["team"] = "search"
+    observed[key_of(desired[0])]["spec"]["sessionAffinity"] = "ClientIP"
+    assert plan(desired, observed) == []
+
+
+def test_quantities_compare_by_value_only_where_they_are_quantities() -> None:
+    want = {"resources": {"limits": {"memory": "1024Mi", "cpu": "1"}}, "name": "1k"}
+    assert is_subset(
+        want, {"resources": {"limits": {"memory": "1Gi", "cpu": "1000m"}}, "name": "1k"}
+    )
+    assert not is_subset(
+        want, {"resources": {"limits": {"memory": "1Gi", "cpu": "2"}}, "name": "1k"}
+    )
+    assert not is_subset({"name": "1k"}, {"name": "1000"})
+    assert is_subset({"sizeLimit": "2Gi"}, {"sizeLimit": "2048Mi"})
+
+
+def test_atomic_lists_must_match_exactly() -> None:
+    assert is_subset({"command": ["a", "b"]}, {"command": ["a", "b"]})
+    assert not is_subset({"command": ["a", "b"]}, {"command": ["a", "b", "c"]})
+    assert not is_subset({"command": ["a", "b"]}, {"command": ["b", "a"]})
+    assert not is_subset({"x": True}, {"x": 1})
+
+
+def _deployment_status(
+    ready: int,
+    updated: int,
+    total: int,
+    generation: int = 2,
+    observed: int = 2,
+    conditions: list[dict[str, str]] | None = None,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": total,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "conditions": conditions or [],
+        },
+    }
+
+
+def _conditions(status: Any) -> dict[str, tuple[str, str]]:
+    return {c.type: (c.status, c.reason) for c in status.conditions}
+
+
+def test_status_ready_and_rolled_out() -> None:
+    server = make_server({"replicas": 2})
+    status = compute_status(server, _deployment_status(2, 2, 2), NOW)
+    assert _conditions(status) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+        "MemoryHealthy": ("True", "NoMemoryEvents"),
+    }
+    assert (status.replicas, status.ready_replicas, status.updated_replicas) == (2, 2, 2)
+    assert status.observed_generation == 3
+    assert (
+        status.selector == "app.kubernetes.io/name=pagekeeper-engine,pagekeeper.dev/llmserver=qwen"
+    )
+    assert status.effective_memory_policy == server.spec.memory_policy
+    assert all(
+        c.last_transition_time == NOW and c.observed_generation == 3 for c in status.conditions
+    )
+
+
+def test_status_while_rolling_and_when_stuck() -> None:
+    server = make_server({"replicas": 2})
+    rolling = compute_status(server, _deployment_status(1, 1, 2), NOW)
+    assert _conditions(rolling)["Ready"] == ("False", "ReplicasNotReady")
+    assert _conditions(rolling)["Progressing"] == ("True", "RollingOut")
+    stuck = compute_status(
+        server,
+        _deployment_status(
+            1,
+            1,
+            2,
+            conditions=[
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": "ProgressDeadlineExceeded",
+                    "message": "too slow",
+                }
+            ],
+        ),
+        NOW,
+    )
+    assert _conditions(stuck)["Degraded"] == ("True", "ProgressDeadlineExceeded")
+    unobserved = compute_status(server, _deployment_status(2, 2, 2, generation=3), NOW)
+    assert _conditions(unobserved)["Progressing"] == ("True", "RollingOut")
+    failed = compute_status(server, None, NOW, apply_error="applying Deployment/qwen failed")
+    assert _conditions(failed)["Degraded"] == ("True", "ApplyFailed")
+
+
+def test_status_keeps_transition_times_and_remediation_fields() -> None:
+    server = make_server({"replicas": 1})
+    first = compute_status(server, _deployment_status(1, 1, 1), NOW)
+    memory = {
+        "type": "MemoryHealthy",
+        "status": "False",
+        "reason": "RuntimeGPUOOM",
+        "message": "stepped down",
+        "lastTransitionTime": NOW,
+    }
+    stored = {
+        **first.to_api(),
+        "lastRemediation": NOW,
+        "conditions": [c for c in first.to_api()["conditions"] if c["type"] != "MemoryHealthy"]
+        + [memory],
+    }
+    again = make_server({"replicas": 1}, status=stored)
+    later = compute_status(again, _deployment_status(1, 1, 1), "2030-01-01T00:00:00Z")
+    assert status_patch(again, later) == {}
+    assert later.last_remediation == NOW
+    assert _conditions(later)["MemoryHealthy"] == ("False", "RuntimeGPUOOM")
+    flipped = compute_status(again, _deployment_status(0, 1, 1), "2030-01-01T00:00:00Z")
+    ready = flipped.condition("Ready")
+    assert ready is not None and ready.last_transition_time == "2030-01-01T00:00:00Z"
+    patch = status_patch(again, flipped)
+    assert sorted(patch) == ["conditions", "readyReplicas"]
+
+
+def test_merge_patch() -> None:
+    assert merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"a": 1, "b": {"c": 1, "d": 2}}) == {}
+    assert merge_patch(
+        {"a": 1, "b": {"c": 1, "d": 2}, "e": 5}, {"a": 2, "b": {"c": 1}, "f": [1]}
+    ) == {"a": 2, "b": {"d": None}, "e": None, "f": [1]}

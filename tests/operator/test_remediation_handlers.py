@@ -1,0 +1,81 @@
+"""The startup handler serves the webhook from the settings, and the cleanup handler stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import aiohttp
+import kopf
+import pytest
+
+from pagekeeper_operator.remediation import handlers
+from tests.operator.remediation_fakes import alert_json, message_json
+
+KUBECONFIG = """
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "http://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_webhook_served_from_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    port = free_port()
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("PAGEKEEPER_WEBHOOK_PORT", str(port))
+    monkeypatch.setenv("PAGEKEEPER_WEBHOOK_TOKEN_FILE", str(token))
+    url = f"http://127.0.0.1:{port}"
+    payload = json.dumps(message_json(alert_json("chat-a")))
+
+    async def scenario() -> None:
+        memo = kopf.Memo()
+        await handlers.start_remediation(memo=memo)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{url}/healthz") as response:
+                    assert response.status == 200
+                async with session.post(f"{url}/alertmanager", data=payload) as response:
+                    assert response.status == 401
+                auth = {"Authorization": "Bearer tok-123"}
+                # Authenticated and valid, but the API server is unreachable: 500, so
+                # Alertmanager delivers it again later.
+                async with session.post(
+                    f"{url}/alertmanager", data=payload, headers=auth
+                ) as response:
+                    assert response.status == 500
+        finally:
+            await handlers.stop_remediation(memo=memo)
+        runtime = memo[handlers.MEMO_KEY]
+        assert runtime.retry_task is not None and runtime.retry_task.cancelled()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/healthz"):
+                pass
+
+    asyncio.run(scenario())
+
+
+def test_empty_token_file_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("\n")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("PAGEKEEPER_WEBHOOK_TOKEN_FILE", str(token))
+    with pytest.raises(kopf.PermanentError, match="is empty"):
+        asyncio.run(handlers.start_remediation(memo=kopf.Memo()))
