@@ -1,0 +1,66 @@
+"""The engine -> alerts half of the contract: every metric the engine exports, by kind.
+
+Names are as PromQL sees them (counters end in `_total`; a histogram `h` is queried as
+`h_bucket`, `h_sum`, `h_count`). This module imports nothing, so tests of the operator's alert
+rules can check their expressions against it without importing the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+MetricKind = Literal["gauge", "counter", "histogram"]
+
+# Every series carries the label `model_name`; extra labels are listed per metric.
+METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
+    # Standard signals, named as vLLM names them so existing dashboards and autoscalers work.
+    "vllm:num_requests_running": ("gauge", ()),
+    "vllm:num_requests_waiting": ("gauge", ()),
+    "vllm:kv_cache_usage_perc": ("gauge", ()),  # a fraction in [0, 1], despite the name
+    "vllm:prefix_cache_queries_total": ("counter", ()),  # tokens looked up
+    "vllm:prefix_cache_hits_total": ("counter", ()),  # tokens found cached
+    "vllm:num_preemptions_total": ("counter", ()),
+    "vllm:request_success_total": ("counter", ("finished_reason",)),
+    "vllm:prompt_tokens_total": ("counter", ()),
+    "vllm:generation_tokens_total": ("counter", ()),
+    "vllm:time_to_first_token_seconds": ("histogram", ()),
+    "vllm:inter_token_latency_seconds": ("histogram", ()),
+    "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    # What no other engine exports.
+    "pagekeeper_kv_blocks": ("gauge", ("state",)),  # state: free | used | cached
+    "pagekeeper_kv_internal_fragmentation_ratio": ("gauge", ()),
+    "pagekeeper_swap_blocks_used": ("gauge", ()),
+    "pagekeeper_drain_state": ("gauge", ()),  # 0 serving, 1 draining
+    "pagekeeper_requests_rejected_total": ("counter", ("reason",)),
+    "pagekeeper_oom_events_total": ("counter", ("kind",)),
+    "pagekeeper_allocator_reserved_bytes": ("gauge", ()),
+    "pagekeeper_allocator_allocated_bytes": ("gauge", ()),
+    "pagekeeper_allocator_fragmentation_bytes": ("gauge", ()),  # reserved - allocated
+    "pagekeeper_allocator_largest_free_segment_bytes": ("gauge", ()),
+    "pagekeeper_memory_budget_bytes": ("gauge", ("term",)),
+}
+
+# Exported only where they mean something: the CUDA caching allocator, and a start-up budget
+# measured on a GPU. On the CPU these series are absent rather than faked as zeros.
+CUDA_ONLY: Final[frozenset[str]] = frozenset(
+    {
+        "pagekeeper_allocator_reserved_bytes",
+        "pagekeeper_allocator_allocated_bytes",
+        "pagekeeper_allocator_fragmentation_bytes",
+        "pagekeeper_allocator_largest_free_segment_bytes",
+        "pagekeeper_memory_budget_bytes",
+    }
+)
+
+FINISHED_REASONS: Final[tuple[str, ...]] = ("stop", "length", "abort")
+KV_BLOCK_STATES: Final[tuple[str, ...]] = ("free", "used", "cached")
+# Out-of-memory errors the engine recovers from: inside a forward step on the device, and
+# allocating pinned host memory for swap.
+OOM_KINDS: Final[tuple[str, ...]] = ("device_step", "host_swap")
+REJECT_REASONS: Final[tuple[str, ...]] = ("overloaded", "draining", "loading")
+
+
+def family_name(name: str) -> str:
+    """The name prometheus-client's parser gives a metric family (counters lose `_total`)."""
+    kind, _ = METRICS[name]
+    return name.removesuffix("_total") if kind == "counter" else name

@@ -1,0 +1,244 @@
+"""Prometheus metrics: engine state read at scrape time, latencies observed by the server.
+
+Gauges and counters the engine already keeps (`AsyncLLMEngine.stats()`) are read when Prometheus
+scrapes, so no step of the engine loop pays for them. Latency histograms are observed by the
+request handlers, which see each token leave. Allocator figures come from the CUDA caching
+allocator and are absent on the CPU (see `metric_names.CUDA_ONLY`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagekeeper_engine.core.stats import EngineStats
+from pagekeeper_engine.server.metric_names import (
+    FINISHED_REASONS,
+    KV_BLOCK_STATES,
+    METRICS,
+    OOM_KINDS,
+    REJECT_REASONS,
+)
+
+logger = logging.getLogger(__name__)
+
+# Bucket edges in seconds: from a fast GPU decode step to a long queue under overload.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """The CUDA caching allocator's view of this process's device memory, in bytes."""
+
+    reserved_bytes: int
+    allocated_bytes: int
+    largest_free_segment_bytes: int
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return self.reserved_bytes - self.allocated_bytes
+
+
+def read_cuda_allocator_stats(device_index: int | None = None) -> AllocatorStats:
+    """Read the caching allocator; the snapshot walk costs milliseconds, so call it per scrape."""
+    import torch  # noqa: PLC0415  (CUDA only; CPU servers never pay for the import here)
+
+    stats = torch.cuda.memory_stats(device_index)
+    largest = 0
+    for segment in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
+        if device_index is not None and segment.get("device") != device_index:
+            continue
+        # Free bytes inside a segment are split into inactive blocks; the largest one is the
+        # biggest allocation the segment can satisfy without asking the driver for more.
+        for block in segment.get("blocks", []):
+            if block.get("state") == "inactive":
+                largest = max(largest, int(block.get("size", 0)))
+    return AllocatorStats(
+        reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+        allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
+        largest_free_segment_bytes=largest,
+    )
+
+
+def _desc(name: str) -> str:
+    return f"{name} ({METRICS[name][0]})"
+
+
+class EngineCollector(Collector):
+    """Builds the engine's gauges and counters from one `EngineStats` read per scrape."""
+
+    def __init__(
+        self,
+        model_name: str,
+        read_stats: Callable[[], EngineStats | None],
+        is_draining: Callable[[], bool],
+        read_allocator: Callable[[], AllocatorStats] | None = None,
+        read_budget: Callable[[], Mapping[str, int] | None] | None = None,
+    ) -> None:
+        self._model_name = model_name
+        self._read_stats = read_stats
+        self._is_draining = is_draining
+        self._read_allocator = read_allocator
+        self._read_budget = read_budget
+
+    def _gauge(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> Metric:
+        extra = dict(labels or {})
+        family = GaugeMetricFamily(name, _desc(name), labels=["model_name", *extra])
+        family.add_metric([self._model_name, *extra.values()], value)
+        return family
+
+    def _counter(self, name: str, value: float) -> Metric:
+        family = CounterMetricFamily(name, _desc(name), labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._gauge("pagekeeper_drain_state", 1.0 if self._is_draining() else 0.0)
+        stats = self._read_stats()
+        if stats is not None:  # None while the model is still loading
+            yield from self._engine_metrics(stats)
+        if self._read_allocator is not None:
+            yield from self._allocator_metrics(self._read_allocator())
+        budget = self._read_budget() if self._read_budget is not None else None
+        if budget:
+            name = "pagekeeper_memory_budget_bytes"
+            family = GaugeMetricFamily(name, _desc(name), labels=["model_name", "term"])
+            for term, num_bytes in sorted(budget.items()):
+                family.add_metric([self._model_name, term], num_bytes)
+            yield family
+
+    def _engine_metrics(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._gauge("vllm:num_requests_running", stats.num_running)
+        yield self._gauge("vllm:num_requests_waiting", stats.num_waiting)
+        yield self._gauge("vllm:kv_cache_usage_perc", stats.kv_cache_usage)
+        yield self._counter("vllm:prefix_cache_queries_total", stats.prefix_cache_queries)
+        yield self._counter("vllm:prefix_cache_hits_total", stats.prefix_cache_hits)
+        yield self._counter("vllm:num_preemptions_total", stats.num_preemptions)
+        yield self._counter("vllm:prompt_tokens_total", stats.num_prompt_tokens)
+        yield self._counter("vllm:generation_tokens_total", stats.num_generation_tokens)
+
+        name = "vllm:request_success_total"
+        successes = CounterMetricFamily(name, _desc(name), labels=["model_name", "finished_reason"])
+        # Every reason is present from the start so rate() sees a zero, not a missing series.
+        reasons = dict.fromkeys(FINISHED_REASONS, 0) | dict(stats.num_requests_success)
+        for reason, count in sorted(reasons.items()):
+            successes.add_metric([self._model_name, reason], count)
+        yield successes
+
+        name = "pagekeeper_kv_blocks"
+        blocks = GaugeMetricFamily(name, _desc(name), labels=["model_name", "state"])
+        # A partition of the usable blocks: `free` holds nothing, `used` is referenced by a
+        # sequence, `cached` is held only by the prefix cache (the stats count it as free).
+        num_cached = stats.num_cache_only_blocks
+        counts = (stats.num_free_blocks - num_cached, stats.num_used_blocks, num_cached)
+        for state, count in zip(KV_BLOCK_STATES, counts, strict=True):
+            blocks.add_metric([self._model_name, state], count)
+        yield blocks
+        yield self._gauge(
+            "pagekeeper_kv_internal_fragmentation_ratio", stats.kv_internal_fragmentation
+        )
+        yield self._gauge("pagekeeper_swap_blocks_used", stats.num_swap_blocks_used)
+
+        name = "pagekeeper_oom_events_total"
+        ooms = CounterMetricFamily(name, _desc(name), labels=["model_name", "kind"])
+        # The engine survives some out-of-memory errors; until it counts them, none happened.
+        oom_events: Mapping[str, int] = getattr(stats, "num_oom_events", {})
+        for kind, count in sorted((dict.fromkeys(OOM_KINDS, 0) | dict(oom_events)).items()):
+            ooms.add_metric([self._model_name, kind], count)
+        yield ooms
+
+    def _allocator_metrics(self, allocator: AllocatorStats) -> Iterator[Metric]:
+        yield self._gauge("pagekeeper_allocator_reserved_bytes", allocator.reserved_bytes)
+        yield self._gauge("pagekeeper_allocator_allocated_bytes", allocator.allocated_bytes)
+        yield self._gauge("pagekeeper_allocator_fragmentation_bytes", allocator.fragmentation_bytes)
+        yield self._gauge(
+            "pagekeeper_allocator_largest_free_segment_bytes",
+            allocator.largest_free_segment_bytes,
+        )
+
+
+class ServerMetrics:
+    """The registry one server exports, and the histograms its handlers observe."""
+
+    def __init__(self, model_name: str, collector: EngineCollector) -> None:
+        # `*_created` samples double the series count and no alert or dashboard reads them.
+        # The switch is process-wide; this process exports only this registry.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first output token.",
+            labels,
+            registry=self.registry,
+            buckets=TTFT_BUCKETS,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Seconds between consecutive output tokens of one request.",
+            labels,
+            registry=self.registry,
+            buckets=ITL_BUCKETS,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last output token.",
+            labels,
+            registry=self.registry,
+            buckets=E2E_BUCKETS,
+        ).labels(model_name)
+        rejected = Counter(
+            "pagekeeper_requests_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self._rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
+
+    def count_rejected(self, reason: str) -> None:
+        self._rejected[reason].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one sequence's latencies as its tokens leave the server."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_token_s: float | None = None
+
+    def on_tokens(self, num_new_tokens: int, now_s: float) -> None:
+        if num_new_tokens <= 0:
+            return
+        if self._last_token_s is None:
+            self._metrics.time_to_first_token.observe(now_s - self._arrival_s)
+            num_gaps = num_new_tokens - 1  # tokens after the first in the same output
+            gap_s = 0.0
+        else:
+            # Several tokens in one output (a stop-string hold-back released at once) share
+            # the interval since the previous output.
+            num_gaps = num_new_tokens
+            gap_s = (now_s - self._last_token_s) / num_new_tokens
+        for _ in range(num_gaps):
+            self._metrics.inter_token_latency.observe(gap_s)
+        self._last_token_s = now_s
+
+    def on_finish(self, now_s: float) -> None:
+        self._metrics.e2e_request_latency.observe(now_s - self._arrival_s)

@@ -1,0 +1,168 @@
+"""Response bodies of the OpenAI-compatible API, built from plain values (no I/O).
+
+Shapes follow OpenAI's: `text_completion` objects for /v1/completions, `chat.completion` and
+`chat.completion.chunk` for chat, `usage` with `prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+Json = dict[str, object]
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far; accumulated from the engine's outputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+def usage(choices: list[ChoiceState], num_prompts: int) -> Json:
+    """Prompt tokens count once per prompt (n choices share one prompt), as OpenAI counts them."""
+    per_prompt = len(choices) // max(num_prompts, 1)
+    prompt_choices = choices[::per_prompt] if per_prompt else []
+    num_prompt = sum(c.num_prompt_tokens for c in prompt_choices)
+    num_cached = sum(c.num_cached_tokens for c in prompt_choices)
+    num_completion = sum(c.num_output_tokens for c in choices)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], text_offset: int) -> Json:
+    """The legacy completions logprobs object; top alternatives are not computed (None)."""
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float | None]) -> Json:
+    content = [
+        {
+            "token": token,
+            "logprob": logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [],
+        }
+        for token, logprob in zip(tokens, logprobs, strict=True)
+    ]
+    return {"content": content}
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[Json], usage_body: Json
+) -> Json:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: Json | None
+) -> Json:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choices: list[Json], usage_body: Json
+) -> Json:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: Json | None) -> Json:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[Json],
+    usage_body: Json | None = None,
+) -> Json:
+    chunk: Json = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_body is not None:
+        chunk["usage"] = usage_body
+    return chunk
+
+
+def chat_delta(
+    index: int, delta: Json, finish_reason: str | None, logprobs: Json | None = None
+) -> Json:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[Json],
+    usage_body: Json | None = None,
+) -> Json:
+    chunk = completion_response(request_id, created, model, choices, usage_body or {})
+    if usage_body is None:
+        del chunk["usage"]
+    return chunk
+
+
+def sse_event(payload: Json | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def model_list(model_name: str, created: int, max_model_len: int | None) -> Json:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagekeeper",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

@@ -1,0 +1,251 @@
+"""Answering a job: one JSON body, or server-sent events as tokens arrive.
+
+Renderers turn accumulated `ChoiceState`s into the endpoint's shapes (completions or chat);
+`respond` drives the engine, observes latencies, and owns the in-flight accounting. An error
+before the first event is an ordinary JSON error; after it, an `error` event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol
+
+from aiohttp import web
+
+from pagekeeper_engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    RequestFailedError,
+)
+from pagekeeper_engine.core.outputs import RequestOutput
+from pagekeeper_engine.core.scheduler import RequestRejectedError
+from pagekeeper_engine.server import responses as r
+from pagekeeper_engine.server.errors import APIError, bad_request
+from pagekeeper_engine.server.metrics import RequestTimer
+from pagekeeper_engine.server.responses import ChoiceState, Json
+from pagekeeper_engine.server.serving import Job, run_job
+from pagekeeper_engine.server.state import RETRY_AFTER_DRAINING_S, ServerState
+from pagekeeper_engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Renderer(Protocol):
+    prompt_param: str
+
+    def chunks(self, choice: ChoiceState, output: RequestOutput, text_offset: int) -> list[Json]:
+        """Stream chunks for one engine output that was just applied to `choice`."""
+
+    def final(self, choices: list[ChoiceState], usage: Json) -> Json:
+        """The whole (non-streaming) response body."""
+
+    def usage_chunk(self, usage: Json) -> Json:
+        """The last chunk of a stream when `stream_options.include_usage` is set."""
+
+
+class _BaseRenderer:
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        tokenizer: Tokenizer,
+        *,
+        want_logprobs: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+class CompletionRenderer(_BaseRenderer):
+    prompt_param = "prompt"
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[float | None], offset: int
+    ) -> Json | None:
+        if not self.want_logprobs:
+            return None
+        return r.completion_logprobs(self.token_strings(token_ids), logprobs, offset)
+
+    def chunks(self, choice: ChoiceState, output: RequestOutput, text_offset: int) -> list[Json]:
+        has_logprobs = self.want_logprobs and bool(output.new_token_ids)
+        if not (output.new_text or output.finished or has_logprobs):
+            return []
+        logprobs = self._logprobs(
+            list(output.new_token_ids), list(output.logprobs or []), text_offset
+        )
+        body = r.completion_choice(choice.index, output.new_text, choice.finish_reason, logprobs)
+        return [r.completion_chunk(self.request_id, self.created, self.model, [body])]
+
+    def final(self, choices: list[ChoiceState], usage: Json) -> Json:
+        bodies = [
+            r.completion_choice(
+                c.index, c.text, c.finish_reason, self._logprobs(c.token_ids, c.logprobs, 0)
+            )
+            for c in choices
+        ]
+        return r.completion_response(self.request_id, self.created, self.model, bodies, usage)
+
+    def usage_chunk(self, usage: Json) -> Json:
+        return r.completion_chunk(self.request_id, self.created, self.model, [], usage)
+
+
+class ChatRenderer(_BaseRenderer):
+    prompt_param = "messages"
+
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        tokenizer: Tokenizer,
+        *,
+        want_logprobs: bool,
+    ) -> None:
+        super().__init__(request_id, created, model, tokenizer, want_logprobs=want_logprobs)
+        self._started: set[int] = set()
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float | None]) -> Json | None:
+        if not self.want_logprobs:
+            return None
+        return r.chat_logprobs(self.token_strings(token_ids), logprobs)
+
+    def _chunk(self, choice: Json) -> Json:
+        return r.chat_chunk(self.request_id, self.created, self.model, [choice])
+
+    def chunks(self, choice: ChoiceState, output: RequestOutput, text_offset: int) -> list[Json]:
+        out: list[Json] = []
+        if choice.index not in self._started:
+            self._started.add(choice.index)
+            out.append(
+                self._chunk(r.chat_delta(choice.index, {"role": "assistant", "content": ""}, None))
+            )
+        if output.new_text or (self.want_logprobs and output.new_token_ids):
+            logprobs = self._logprobs(list(output.new_token_ids), list(output.logprobs or []))
+            delta: Json = {"content": output.new_text}
+            out.append(self._chunk(r.chat_delta(choice.index, delta, None, logprobs)))
+        if output.finished:
+            out.append(self._chunk(r.chat_delta(choice.index, {}, choice.finish_reason)))
+        return out
+
+    def final(self, choices: list[ChoiceState], usage: Json) -> Json:
+        bodies = [
+            r.chat_choice(c.index, c.text, c.finish_reason, self._logprobs(c.token_ids, c.logprobs))
+            for c in choices
+        ]
+        return r.chat_response(self.request_id, self.created, self.model, bodies, usage)
+
+    def usage_chunk(self, usage: Json) -> Json:
+        return r.chat_chunk(self.request_id, self.created, self.model, [], usage)
+
+
+def _apply(choice: ChoiceState, output: RequestOutput) -> None:
+    choice.text += output.new_text
+    choice.token_ids += output.new_token_ids
+    if output.logprobs:
+        choice.logprobs += output.logprobs
+    choice.num_prompt_tokens = output.num_prompt_tokens
+    choice.num_output_tokens = output.num_output_tokens
+    choice.num_cached_tokens = output.num_cached_tokens
+    if output.finished:
+        choice.finish_reason = output.finish_reason
+
+
+class _EventStream:
+    """Prepares the SSE response on the first event, so earlier errors can still be JSON."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, payload: Json | str) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await self.response.prepare(self._request)
+        await self.response.write(r.sse_event(payload))
+
+
+async def respond(
+    request: web.Request,
+    state: ServerState,
+    engine: AsyncLLMEngine,
+    job: Job,
+    renderer: Renderer,
+    is_stream: bool,
+    include_usage: bool,
+    arrival_s: float,
+) -> web.StreamResponse:
+    """Run `job` on the engine and answer it; every choice still running on exit is aborted."""
+    if job.num_choices > state.max_num_in_flight:
+        raise bad_request(
+            f"{job.num_choices} choices (prompts x n) can never fit this server, which runs at "
+            f"most {state.max_num_in_flight} at once",
+            "n",
+        )
+    state.reserve(job.num_choices)
+    choices = [ChoiceState(i) for i in range(job.num_choices)]
+    timers = [RequestTimer(state.metrics, arrival_s) for _ in choices]
+    events = _EventStream(request)
+    try:
+        async with contextlib.aclosing(run_job(engine, job)) as outputs:
+            async for index, output in outputs:
+                choice = choices[index]
+                text_offset = len(choice.text)
+                _apply(choice, output)
+                now_s = time.monotonic()
+                timers[index].on_tokens(len(output.new_token_ids), now_s)
+                if output.finished:
+                    timers[index].on_finish(now_s)
+                if is_stream:
+                    for chunk in renderer.chunks(choice, output, text_offset):
+                        await events.send(chunk)
+        usage = r.usage(choices, len(job.prompt_ids))
+        if not is_stream:
+            return web.json_response(renderer.final(choices, usage))
+        if include_usage:
+            await events.send(renderer.usage_chunk(usage))
+        await events.send("[DONE]")
+    except RequestRejectedError as exc:
+        await _fail(events, bad_request(str(exc), renderer.prompt_param))
+    except EngineDrainingError as exc:
+        state.metrics.count_rejected("draining")
+        await _fail(
+            events, APIError(503, str(exc), code="draining", retry_after_s=RETRY_AFTER_DRAINING_S)
+        )
+    except EngineDeadError as exc:
+        await _fail(events, APIError(503, str(exc), code="engine_dead"))
+    except RequestFailedError as exc:
+        logger.error("request %s failed in the engine: %s", job.request_id, exc)
+        await _fail(events, APIError(500, str(exc), code="engine_error"))
+    except APIError as exc:
+        await _fail(events, exc)
+    except ConnectionResetError:
+        # The client went away mid-stream; leaving run_job above aborted its choices.
+        logger.info("client disconnected from %s; aborted its unfinished choices", job.request_id)
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler of a client that disconnects (handler_cancellation).
+        logger.info("client disconnected from %s; aborted its unfinished choices", job.request_id)
+        raise
+    finally:
+        state.release(job.num_choices)
+    assert events.response is not None, "a stream ends with at least [DONE] or an error event"
+    return events.response
+
+
+async def _fail(events: _EventStream, error: APIError) -> None:
+    if events.response is None:
+        raise error
+    await events.send(error.body())
+    await events.send("[DONE]")

@@ -1,0 +1,116 @@
+"""The engine's server as a real subprocess (`python -m pagekeeper_engine.cli serve ...`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from transformers import PreTrainedModel
+
+from tests.engine.server.checkpoint import MAX_POSITIONS, write_checkpoint
+from tests.support.processes import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+MODEL_NAME = "tiny-llama"
+MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 4
+LONG_CONTEXT = 2048  # for requests that must stay in flight for seconds
+START_TIMEOUT_S = 180.0  # imports and a model load on a busy 2-core machine
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: PreTrainedModel
+
+
+@dataclass
+class Server:
+    """One engine process on 127.0.0.1, with its combined stdout/stderr in `log`."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(checkpoint: Path, workdir: Path, *extra_flags: str) -> Server:
+    """Start the server and wait until /ready answers 200."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(checkpoint),
+        "--served-model-name", MODEL_NAME,
+        "--device", "cpu", "--dtype", "float32", "--load-format", "safetensors",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", "8", "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--num-gpu-blocks-override", "64",
+        "--num-cpu-blocks-override", "16",
+        *extra_flags,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    log = workdir / f"engine-{port}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(f"{server.url}/ready", timeout=2).status_code == 200:
+                return server
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"engine not ready within {START_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = write_checkpoint(path)
+    assert model.config.max_position_embeddings == MAX_POSITIONS
+    return Checkpoint(path, model)
+
+
+@pytest.fixture(scope="session")
+def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tiny model with a 2048-token context: at a few milliseconds per step, a request
+    of thousands of tokens stays in flight for seconds."""
+    path = tmp_path_factory.mktemp("long-context")
+    write_checkpoint(path, max_positions=LONG_CONTEXT)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server shared by the tests that do not stop it."""
+    server = start_server(checkpoint.path, tmp_path_factory.mktemp("server"))
+    yield server
+    assert server.stop() == 0, server.log_tail()
