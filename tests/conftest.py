@@ -1,18 +1,26 @@
-"""Session fixtures shared by the integration and end-to-end suites."""
+"""Session fixtures shared by the integration and end-to-end suites.
+
+The control-plane helpers are imported inside the fixtures, so suites that never ask for a
+cluster (the GPU and kernel tests on the device machine) do not need the kubernetes client.
+"""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.support.cluster import Cluster, start_cluster
+if TYPE_CHECKING:
+    from tests.support.cluster import Cluster
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """One real control plane for the whole test session; torn down at the end."""
+    from tests.support.cluster import start_cluster  # noqa: PLC0415 (see module docstring)
+
     yield from start_cluster()
 
 

@@ -1,0 +1,388 @@
+"""W-nano offline throughput (see BENCHMARKS.md) of the engine, beside its physical floor and
+the Hugging Face transformers continuous-batching peer, on the same GPU in the same run.
+
+Weights are random at the real shape (`--load-format dummy` from a written config.json). The
+floor is (weight bytes read per decode step x steps + KV bytes read) / measured copy bandwidth
++ prefill FLOPs / measured bf16 matmul rate.
+
+    PYTHONPATH=engine python benchmarks/throughput.py --shape qwen3-0.6b --peer qwen3-0.6b
+    PYTHONPATH=engine python benchmarks/throughput.py --shape llama-3.1-8b --itl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import triton
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import measure_copy_bandwidth, measure_matmul_rate
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.engine import LLMEngine
+from pagekeeper_engine.runner import ModelRunner
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def w_nano(num_requests: int = 256) -> Workload:
+    """256 random prompts of 100..1024 tokens, outputs of 100..1024, as BENCHMARKS.md draws them."""
+    random.seed(0)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+        for _ in range(num_requests)
+    ]
+    return Workload(prompts, [random.randint(100, 1024) for _ in range(num_requests)])
+
+
+def weight_bytes_per_step(cfg: dict[str, Any]) -> int:
+    """Weights a decode step must read: every layer's matrices and the LM head (bf16)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q_size = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv_size = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    return 2 * int(cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden)
+
+
+def physical_floor(cfg: dict[str, Any], work: Workload, bandwidth: float, rate: float) -> float:
+    """Seconds: every request runs concurrently, so there are max(output_lens) decode steps."""
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    kv_reads = sum(  # decode step i of a request reads its prompt + i cached tokens
+        n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
+    )
+    decode_bytes = weight_bytes_per_step(cfg) * max(work.output_lens) + kv_reads * kv_per_token
+    matmul_params = weight_bytes_per_step(cfg) // 2 - cfg["vocab_size"] * cfg["hidden_size"]
+    attention = (
+        sum(len(p) ** 2 for p in work.prompts)
+        * 2
+        * cfg["num_attention_heads"]
+        * cfg["head_dim"]
+        * cfg["num_hidden_layers"]
+    )  # 2 matmuls x 2 FLOPs x L^2 / 2, causal
+    prefill_flops = 2 * matmul_params * work.num_prompt_tokens + attention
+    return float(decode_bytes / bandwidth + prefill_flops / rate)
+
+
+class NullTokenizer:
+    """The benchmark feeds token ids and reads token ids; no text is produced."""
+
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self._eos = eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def write_checkpoint(shape: str, root: Path) -> Path:
+    model_dir = root / shape
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    return model_dir
+
+
+def build_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=0.0,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
+    runner = ModelRunner(config, progress=False)
+    return LLMEngine(config, runner, NullTokenizer(runner.eos_token_ids))
+
+
+def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str, Any]:
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True) for n in work.output_lens
+    ]
+    for i in range(4):  # warm-up: compile kernels at a few shapes
+        engine.add_request(f"warm-{i}", work.prompts[i][:200], SamplingParams(max_tokens=8))
+    while engine.has_work():
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, (prompt, sampling) in enumerate(zip(work.prompts, params, strict=True)):
+        engine.add_request(f"req-{i}", prompt, sampling)
+    num_output = num_finished = 0
+    while engine.has_work() and time.perf_counter() - start < time_limit:
+        for out in engine.step():
+            num_output += len(out.new_token_ids)
+            num_finished += out.finished
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "num_output_tokens": num_output,
+        "num_finished": num_finished,
+        "complete": num_finished == len(work.prompts),
+        "num_steps": engine.num_steps,
+    }
+
+
+def batch1_itl(engine: LLMEngine, num_tokens: int = 256) -> float:
+    """Median seconds between consecutive tokens of a lone request."""
+    engine.add_request(
+        "itl", list(range(1000, 1128)), SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    )
+    stamps = []
+    while engine.has_work():
+        if engine.step():
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+    gaps = sorted(b - a for a, b in itertools.pairwise(stamps[1:]))
+    return gaps[len(gaps) // 2]
+
+
+def profile_decode(engine: LLMEngine, batch: int, path: str | None) -> None:
+    """Print where a decode step of `batch` running requests spends host and device time."""
+    for i in range(batch):
+        prompt = [(7 * i + j) % 10000 for j in range(512)]
+        engine.add_request(f"prof-{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(8):  # past the prefills: every request decodes from here on
+        engine.step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+    if path:
+        prof.export_chrome_trace(path)
+    while engine.has_work():
+        engine.step()
+
+
+def run_peer(shape: str, work: Workload, time_limit: float) -> dict[str, Any]:
+    """HF transformers continuous batching, configured as BENCHMARKS.md prescribes."""
+    cfg = AutoConfig.for_model(**SHAPES[shape])
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        cfg, dtype=torch.bfloat16
+    )
+    model = model.cuda().eval()
+    cb_config = transformers.ContinuousBatchingConfig(
+        max_memory_percent=0.9, max_batch_tokens=8192, use_cuda_graph=True
+    )
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=1024, eos_token_id=-1, do_sample=False
+        ),
+        continuous_batching_config=cb_config,
+    )
+    manager.start()
+    try:
+        for i in range(2):
+            manager.add_request(work.prompts[i][:200], request_id=f"warm-{i}", max_new_tokens=8)
+        for _ in range(2):
+            manager.get_result(timeout=600)
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+            manager.add_request(prompt, request_id=f"req-{i}", max_new_tokens=n)
+        num_output = num_finished = 0
+        while num_finished < len(work.prompts) and time.perf_counter() - start < time_limit:
+            result = manager.get_result(timeout=1.0)
+            if result is not None and result.is_finished():
+                num_finished += 1
+                num_output += len(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=False)
+    del model, manager
+    return {
+        "seconds": seconds,
+        "num_output_tokens": num_output,
+        "num_finished": num_finished,
+        "complete": num_finished == len(work.prompts),
+        "transformers": transformers.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="W-nano throughput against floor and peer")
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="qwen3-0.6b")
+    parser.add_argument(
+        "--peer",
+        nargs="*",
+        choices=list(SHAPES),
+        default=[],
+        help="shapes to also run through the transformers continuous-batching peer",
+    )
+    parser.add_argument("--peer-time-limit", type=float, default=300.0)
+    parser.add_argument("--itl", action="store_true", help="batch-1 inter-token latency too")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--profile", action="store_true", help="profile 10 decode steps")
+    parser.add_argument("--trace", default=None, help="write the profile's Chrome trace here")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    work = w_nano()
+    bandwidth, rate = measure_copy_bandwidth(), measure_matmul_rate()
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+        f"{triton.__version__}; copy {bandwidth / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} "
+        f"TFLOP/s; W-nano {work.num_prompt_tokens} prompt + {work.num_output_tokens} output"
+    )
+    shapes = list(SHAPES) if args.shape == "all" else [args.shape]
+    report: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            floor = physical_floor(SHAPES[shape], work, bandwidth, rate)
+            engine = build_engine(write_checkpoint(shape, Path(tmp)), args)
+            row = {"shape": shape, "floor_s": floor, **run_engine(engine, work, args.time_limit)}
+            print_row(row, work)
+            if args.itl:
+                row["itl_s"] = batch1_itl(engine)
+                row["itl_floor_s"] = weight_bytes_per_step(SHAPES[shape]) / bandwidth
+                print_itl(row)
+            if args.profile:
+                profile_decode(engine, args.max_num_seqs, args.trace)
+            report.append(row)
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    # The peer runs last, so a slow peer cannot cost the engine's own results.
+    for row in report:
+        if row["shape"] in args.peer:
+            try:
+                row["peer"] = run_peer(row["shape"], work, args.peer_time_limit)
+            except Exception as exc:  # the peer's failure is a result to record, not a crash
+                row["peer"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print_peer(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def print_row(row: dict[str, Any], work: Workload) -> None:
+    total = work.num_prompt_tokens + row["num_output_tokens"]
+    out_rate = row["num_output_tokens"] / row["seconds"]
+    status = "" if row["complete"] else f" (INCOMPLETE: {row['num_finished']} finished)"
+    print(
+        f"{row['shape']}: {row['seconds']:.2f} s{status}, {out_rate:,.0f} output tok/s, "
+        f"{total / row['seconds']:,.0f} total tok/s, floor {row['floor_s']:.2f} s "
+        f"-> {row['floor_s'] / row['seconds']:.0%} of the floor, {row['num_steps']} steps"
+    )
+
+
+def print_itl(row: dict[str, Any]) -> None:
+    print(
+        f"  batch-1 inter-token latency {row['itl_s'] * 1e3:.2f} ms, floor "
+        f"{row['itl_floor_s'] * 1e3:.2f} ms ({row['itl_s'] / row['itl_floor_s']:.2f}x)"
+    )
+
+
+def print_peer(row: dict[str, Any]) -> None:
+    peer = row["peer"]
+    if "error" in peer:
+        print(f"  {row['shape']} peer failed: {peer['error']}")
+        return
+    out_rate = row["num_output_tokens"] / row["seconds"]
+    peer_rate = peer["num_output_tokens"] / peer["seconds"]
+    done = "" if peer["complete"] else f" (INCOMPLETE: {peer['num_finished']} finished)"
+    print(
+        f"  {row['shape']} peer transformers {peer['transformers']}: {peer['seconds']:.1f} s"
+        f"{done}, {peer_rate:,.0f} output tok/s; engine / peer = {out_rate / peer_rate:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

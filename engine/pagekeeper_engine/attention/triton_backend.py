@@ -1,0 +1,77 @@
+"""The CUDA attention backend: Triton kernels over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.kernels import is_interpreter
+from pagekeeper_engine.kernels.kv_write import write_kv
+from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
+from pagekeeper_engine.kernels.paged_prefill import paged_prefill
+
+_INTERPRETER_NUM_SMS = 4
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Writes k/v with one kernel, then runs decode rows through the split-KV decode kernel and
+    prefill/extend rows through the paged prefill kernel, into one output tensor.
+
+    The number of decode splits depends only on the batch's shape and `meta.max_seq_len`; the
+    kernel derives each split's range from the sequence's own length, so a CUDA graph captured
+    at one `max_seq_len` stays correct at any other.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        if num_sms is None:
+            if torch.cuda.is_available() and not is_interpreter():
+                num_sms = torch.cuda.get_device_properties(
+                    torch.cuda.current_device()
+                ).multi_processor_count
+            else:
+                num_sms = _INTERPRETER_NUM_SMS
+        self.num_sms = num_sms
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, num_heads, head_dim)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_seqs
+        if num_decodes > 0:
+            num_splits = choose_num_splits(
+                num_decodes, int(k_cache.shape[2]), meta.max_seq_len, self.num_sms
+            )
+            # Decode sequences come first with one row each, so their rows are 0..num_decodes-1.
+            paged_decode(
+                q[:num_decodes],
+                k_cache,
+                v_cache,
+                meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes],
+                scale,
+                out=out[:num_decodes],
+                num_splits=num_splits,
+            )
+        if num_decodes < meta.num_seqs:
+            paged_prefill(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables[num_decodes:],
+                meta.seq_lens[num_decodes:],
+                meta.query_start_loc[num_decodes:],
+                meta.max_query_len,
+                scale,
+                out=out,
+            )
+        return out

@@ -1,0 +1,263 @@
+# Triton kernels take untyped pointer and stride arguments by design.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""Paged decode attention: one query token per sequence against its whole paged KV history.
+
+One program handles one (sequence, KV head, split): the GROUP query heads that share the KV
+head are packed into the rows of one tile, so each key tile is read once per group and the dot
+products have >= 16 rows. For small batches the context is split across programs
+(flash-decoding): each split writes a partial output and its log-sum-exp, and a reduce kernel
+combines them. Split boundaries are derived from each sequence's own length inside the kernel,
+so the number of splits changes only speed, never the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagekeeper_engine.kernels import (
+    check_device,
+    check_heads,
+    check_index_tensor,
+    check_paged_cache,
+    dot_precision,
+    next_power_of_2,
+)
+
+LOG2_E = 1.4426950408889634
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def gather_kv_offsets(
+    block_table_ptr,  # this sequence's row of the block table
+    offs_n,  # (BLOCK_N,) token positions
+    n_mask,  # (BLOCK_N,) positions inside the sequence
+    offs_d,  # (HEAD_DIM,)
+    kv_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Element offsets (BLOCK_N, HEAD_DIM) of tokens `offs_n` of one KV head in the cache."""
+    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+    # int64: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 on large GPUs.
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,  # (B, num_heads, NUM_SPLITS, HEAD_DIM) fp32, unused when NUM_SPLITS == 1
+    part_lse_ptr,  # (B, num_heads, NUM_SPLITS) fp32 log2-sum-exp2 of the scaled scores
+    q_token_stride,
+    q_head_stride,
+    out_token_stride,
+    out_head_stride,
+    block_table_stride,
+    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Each split covers a whole number of BLOCK_N tiles of this sequence; trailing splits of a
+    # short sequence may be empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    hd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # (GROUP_PAD, HEAD_DIM)
+    # (GROUP_PAD, HEAD_DIM): padding rows are zero and never stored.
+    q = tl.load(
+        q_ptr + seq * q_token_stride + heads[:, None] * q_head_stride + offs_d[None, :],
+        mask=hd_mask,
+        other=0.0,
+    )
+    block_table_ptr = block_tables_ptr + seq * block_table_stride
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        kv_offs = gather_kv_offsets(
+            block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+        )
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))  # (GROUP_PAD, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # seq_len >= 1, so every real row saw at least one key and l_i > 0.
+        out = acc / l_i[:, None]
+        out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        is_empty = l_i == 0.0
+        safe_l = tl.where(is_empty, 1.0, l_i)
+        out = acc / safe_l[:, None]
+        lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(safe_l))
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
+        tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr,  # (B, num_heads, NUM_SPLITS, HEAD_DIM) fp32
+    part_lse_ptr,  # (B, num_heads, NUM_SPLITS) fp32
+    out_ptr,
+    out_token_stride,
+    out_head_stride,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s  # (SPLITS_PAD,)
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    # Split 0 is never empty (seq_len >= 1), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh exp2(-inf) = 0
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(
+        out_ptr + seq * out_token_stride + head * out_head_stride + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, waves: float = 2.0
+) -> int:
+    """Split the context only while (sequence, KV head) programs leave the GPU under-filled."""
+    num_programs = num_seqs * num_kv_heads
+    wanted = -(-int(waves * num_sms) // num_programs)
+    by_length = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def paged_decode(
+    q: torch.Tensor,  # (B, num_heads, head_dim): one query token per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks_per_seq) int32
+    seq_lens: torch.Tensor,  # (B,) int32, each >= 1, including the query token
+    scale: float,
+    out: torch.Tensor | None = None,  # (B, num_heads, head_dim); may be a strided view
+    num_splits: int = 1,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Attention of each sequence's last token over its `seq_lens[b]` cached tokens."""
+    _, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    num_heads = check_heads("q", q, num_kv_heads, head_dim, k_cache.dtype)
+    num_seqs = int(q.shape[0])
+    check_index_tensor("block_tables", block_tables, 2, torch.int32)
+    check_index_tensor("seq_lens", seq_lens, 1, torch.int32)
+    assert block_tables.shape[0] == num_seqs, (
+        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences"
+    )
+    assert seq_lens.shape[0] == num_seqs, (
+        f"seq_lens has {seq_lens.shape[0]} entries, not {num_seqs}"
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}"
+    assert out.dtype == q.dtype, f"out is {out.dtype}, q is {q.dtype}"
+    assert out.stride(2) == 1, "out must be contiguous in head_dim"
+    for name, tensor in (("q", q), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        check_device(name, tensor, k_cache.device)
+    check_device("out", out, k_cache.device)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} not a power of 2"
+    if num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    else:  # never read: the kernel writes `out` directly
+        part_out = part_lse = out
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        scale * LOG2_E,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,103 @@
+"""Plain torch references for the paged kernels: slow, obvious, and computed in fp32.
+
+Tests compare each Triton kernel with these on the same inputs; nothing in the engine's hot path
+calls them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64; negative entries are skipped
+) -> None:
+    is_real = slot_mapping >= 0
+    slots = slot_mapping[is_real]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[is_real]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[is_real]
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_table: torch.Tensor,  # (max_blocks_per_seq,) int
+    seq_len: int,
+) -> torch.Tensor:  # (seq_len, num_kv_heads, head_dim)
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len, device=cache.device)
+    block_ids = block_table.long()[positions // block_size]
+    return cache[block_ids, positions % block_size]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # (T, num_heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (S, max_blocks_per_seq) int32
+    seq_lens: torch.Tensor,  # (S,) int32
+    query_start_loc: torch.Tensor,  # (S + 1,) int32
+    scale: float,
+) -> torch.Tensor:  # (T, num_heads, head_dim) in q's dtype; rows outside the ranges are zero
+    """Causal attention of each sequence's query rows over its cached keys, one at a time."""
+    out = torch.zeros_like(q)
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[seq], starts[seq + 1])
+        q_len = starts[seq + 1] - starts[seq]
+        keys = gather_sequence_kv(k_cache, block_tables[seq], seq_len).float()
+        values = gather_sequence_kv(v_cache, block_tables[seq], seq_len).float()
+        keys = keys.repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        key_pos = torch.arange(seq_len, device=q.device)
+        is_visible = key_pos[None, :] <= query_pos[:, None]  # (q_len, seq_len)
+        scores = scores.masked_fill(~is_visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,  # (B, num_heads, head_dim)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode is attention with one query row per sequence, at the sequence's last position."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's RMSNorm: sum rounded to dtype, fp32 statistics, weight multiply in dtype."""
+    summed = x + residual if residual is not None else None
+    source = summed if summed is not None else x
+    x32 = source.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), summed
+
+
+def rotary_ref(
+    x: torch.Tensor,  # (T, heads, head_dim)
+    positions: torch.Tensor,  # (T,)
+    cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Neox-style rotation of the two halves of each head, in fp32."""
+    cos_t = cos[positions].unsqueeze(1)
+    sin_t = sin[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos_t - x2 * sin_t, x2 * cos_t + x1 * sin_t), dim=-1).to(x.dtype)

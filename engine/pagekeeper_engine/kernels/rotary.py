@@ -1,0 +1,121 @@
+# Triton kernels take untyped pointer and stride arguments by design.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""Neox-style rotary embedding applied to q and k in place: one launch instead of ~24.
+
+Same arithmetic as the model's torch RotaryEmbedding: fp32 cos/sin tables indexed by position,
+rotation in fp32, the result rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power_of_2
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    token,
+    token_stride,
+    head_stride,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < NUM_HEADS)[:, None]
+    first = x_ptr + token * token_stride + offs_h[:, None] * head_stride + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)  # (HEADS_PAD, HALF)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    tl.store(first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * HALF + offs_d)[None, :]  # (1, HALF) fp32
+    sin = tl.load(sin_ptr + position * HALF + offs_d)[None, :]
+    _rotate_heads(
+        q_ptr, token, q_token_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
+    )
+    _rotate_heads(
+        k_ptr, token, k_token_stride, k_head_stride, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF
+    )
+
+
+def apply_rotary_(
+    q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place; may be a strided view
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim), rotated in place
+    positions: torch.Tensor,  # (T,) int64
+    cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
+    sin: torch.Tensor,
+) -> None:
+    """Rotate the halves of every head of q and k by the angle of each token's position."""
+    assert q.dim() == 3 and k.dim() == 3, "q and k must be (tokens, heads, head_dim)"
+    assert q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype, "q and k must share a float dtype"
+    num_tokens, _, head_dim = q.shape
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, (
+        f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}"
+    )
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must be contiguous in head_dim"
+    half = head_dim // 2
+    assert head_dim % 2 == 0 and half == next_power_of_2(half), (
+        f"head_dim {head_dim} must be twice a power of 2"
+    )
+    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64, (
+        f"positions must be ({num_tokens},) int64, got {tuple(positions.shape)} {positions.dtype}"
+    )
+    for name, table in (("cos", cos), ("sin", sin)):
+        assert table.dtype == torch.float32, f"{name} must be float32, got {table.dtype}"
+        assert table.dim() == 2 and table.shape[1] == half, (
+            f"{name} must be (max_position, {half}), got {tuple(table.shape)}"
+        )
+        assert table.is_contiguous(), f"{name} must be contiguous"
+    for name, tensor in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
+        check_device(name, tensor, q.device)
+    check_device("q", q, q.device)
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        NUM_Q_HEADS=q.shape[1],
+        NUM_K_HEADS=k.shape[1],
+        Q_HEADS_PAD=next_power_of_2(q.shape[1]),
+        K_HEADS_PAD=next_power_of_2(k.shape[1]),
+        HALF=half,
+        num_warps=4,
+    )

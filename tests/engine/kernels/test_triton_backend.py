@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagekeeper_engine.attention.base import AttentionMetadata
+from pagekeeper_engine.attention.torch_ref import TorchRefBackend
+from pagekeeper_engine.attention.triton_backend import TritonAttentionBackend
+from pagekeeper_engine.kernels.reference import paged_attention_ref, write_kv_ref
+from tests.engine.kernels.paged_cases import (
+    TOLERANCE,
+    PagedCache,
+    make_paged_cache,
+    random_tensor,
+    relative_error,
+)
+
+
+@dataclass
+class MixedStep:
+    cache: PagedCache
+    meta: AttentionMetadata
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _mixed_step(
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+) -> MixedStep:
+    """Three decodes, then two prefill chunks (one after a cached prefix), as the runner packs."""
+    prefix_lens = [40, 1, 300, 19, 0]
+    q_lens = [1, 1, 1, 23, 30]
+    seq_lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
+    cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    slots = []  # each new token's slot, read off the block tables
+    for seq, (prefix, q_len) in enumerate(zip(prefix_lens, q_lens, strict=True)):
+        for pos in range(prefix, prefix + q_len):
+            block = int(cache.block_tables[seq, pos // block_size])
+            slots.append(block * block_size + pos % block_size)
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=cache.seq_lens,
+        block_tables=cache.block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decode_seqs=3,
+    )
+    num_rows = starts[-1]
+    return MixedStep(
+        cache=cache,
+        meta=meta,
+        q=random_tensor((num_rows, group * num_kv_heads, head_dim), dtype, device, gen),
+        k=random_tensor((num_rows, num_kv_heads, head_dim), dtype, device, gen),
+        v=random_tensor((num_rows, num_kv_heads, head_dim), dtype, device, gen),
+    )
+
+
+@pytest.mark.parametrize(("num_sms", "block_size"), [(1, 8), (64, 16), (4, 32)])
+def test_mixed_step_matches_reference(
+    num_sms: int, block_size: int, device: torch.device, generator: torch.Generator
+) -> None:
+    step = _mixed_step(block_size, 2, 4, 64, torch.float32, device, generator)
+    cache, meta = step.cache, step.meta
+    ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+    write_kv_ref(step.k, step.v, ref_k_cache, ref_v_cache, meta.slot_mapping)
+    ref = paged_attention_ref(
+        step.q,
+        ref_k_cache,
+        ref_v_cache,
+        cache.block_tables,
+        cache.seq_lens,
+        meta.query_start_loc,
+        0.1,
+    )
+
+    backend = TritonAttentionBackend(num_sms=num_sms)
+    out = backend.forward(step.q, step.k, step.v, cache.k_cache, cache.v_cache, meta, 0.1)
+
+    assert backend.name == "triton"
+    assert torch.equal(cache.k_cache, ref_k_cache) and torch.equal(cache.v_cache, ref_v_cache)
+    assert out.shape == step.q.shape
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[torch.float32], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
+def test_matches_the_engine_torch_backend(
+    dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    """The GPU path and the engine's CPU reference path compute the same attention."""
+    step = _mixed_step(16, 2, 8, 128, dtype, device, generator)
+    cache, meta = step.cache, step.meta
+    ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+    ref = TorchRefBackend().forward(
+        step.q, step.k, step.v, ref_k_cache, ref_v_cache, meta, 128**-0.5
+    )
+
+    out = TritonAttentionBackend().forward(
+        step.q, step.k, step.v, cache.k_cache, cache.v_cache, meta, 128**-0.5
+    )
+
+    assert torch.equal(cache.k_cache, ref_k_cache) and torch.equal(cache.v_cache, ref_v_cache)
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
