@@ -53,5 +53,9 @@ cluster: venv tools
 cluster-down:
 	bash hack/cluster.sh down pagekeeper-dev
 
+# Provisions what is missing, then runs the narrated alert -> roll loop; cleans up on exit.
+demo: venv
+	$(PY) hack/demo.py
+
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

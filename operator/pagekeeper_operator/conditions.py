@@ -1,12 +1,21 @@
 """Status from observation (pure): conditions, replica counts and the effective policy.
 
-The operator owns every status field except `remediationHistory`, `lastRemediation` and the
-`MemoryHealthy` condition once remediation has set it; those are carried over unchanged.
+The operator owns every status field except `remediationHistory`, `lastRemediation` and
+`lastOutOfMemory`, which remediation writes and this module carries over unchanged.
+
+MemoryHealthy follows `lastOutOfMemory` (set by the response to an out-of-memory termination,
+which also sets the condition False with the classified reason):
+- no out-of-memory termination recorded: True, NoMemoryEvents;
+- the last one less than `spec.remediation.memoryHealthyAfterSeconds` ago: False, keeping the
+  reason remediation gave (OutOfMemory if the condition was lost in a concurrent write);
+- the last one at least that long ago: True again, NoRecentMemoryEvents. The resync re-plans
+  every server periodically, so the condition recovers within one resync of the deadline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -14,6 +23,8 @@ from pagekeeper_operator.api.status import Condition, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.render.meta import selector_string
 
+MEMORY_HEALTHY = "MemoryHealthy"
+NO_EVENTS_MESSAGE = "no out-of-memory events recorded"
 # Status fields this module computes; the others belong to remediation.
 OWNED_FIELDS = (
     "observedGeneration",
@@ -126,6 +137,43 @@ def _condition(
     )
 
 
+def _parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def memory_condition(server: LLMServer, now: str) -> Condition:
+    """MemoryHealthy as the rule in the module docstring says."""
+    status = server.status
+    previous = status.condition(MEMORY_HEALTHY)
+    generation = server.metadata.generation
+    last_text = status.last_out_of_memory
+    if last_text is None and previous is not None and previous.status == "False":
+        # Set by an operator that did not record lastOutOfMemory: the transition is the OOM.
+        last_text = previous.last_transition_time
+    last, current = _parse_time(last_text), _parse_time(now)
+    if last is None or current is None:
+        if previous is not None and last_text is not None:
+            return previous  # an unreadable time: leave the condition as remediation set it
+        return _condition(
+            previous, MEMORY_HEALTHY, True, "NoMemoryEvents", NO_EVENTS_MESSAGE, generation, now
+        )
+    window = server.spec.remediation.memory_healthy_after_seconds
+    if current < last + timedelta(seconds=window):
+        if previous is not None and previous.status == "False":
+            return previous
+        message = f"out-of-memory termination at {last_text}"
+        return _condition(previous, MEMORY_HEALTHY, False, "OutOfMemory", message, generation, now)
+    message = f"no out-of-memory termination for {window}s (the last at {last_text})"
+    return _condition(
+        previous, MEMORY_HEALTHY, True, "NoRecentMemoryEvents", message, generation, now
+    )
+
+
 def compute_status(
     server: LLMServer,
     deployment: Mapping[str, Any] | None,
@@ -139,15 +187,7 @@ def compute_status(
         _condition(old.condition(type_), type_, is_true, reason, message, generation, now)
         for type_, is_true, reason, message in _judge(server, deployment, apply_error)
     ]
-    memory = old.condition("MemoryHealthy") or _condition(
-        None,
-        "MemoryHealthy",
-        True,
-        "NoMemoryEvents",
-        "no out-of-memory events recorded",
-        generation,
-        now,
-    )
+    memory = memory_condition(server, now)
     dep_status = (deployment or {}).get("status", {})
     policy = effective_memory_policy(server)
     return old.model_copy(

@@ -1,4 +1,5 @@
-"""The operator's only Kubernetes I/O: reads, server-side applies and status patches.
+"""The operator's only Kubernetes I/O: reads, server-side applies, deletes of objects the
+spec no longer wants, and status patches.
 
 Every write is a server-side apply under one field manager. `force=True` is safe because we
 apply only the fields we render: it takes back a field we own that someone else changed, and
@@ -103,6 +104,20 @@ class Kube:
             body=dict(manifest),
             content_type="application/apply-patch+yaml",
         )
+
+    def delete(self, key: ObjectKey, namespace: str, uid: str) -> None:
+        """Delete an object if it is still the one with `uid`; already gone is fine."""
+        api_version, kind, name = key
+        try:
+            self._request(
+                "DELETE",
+                resource_path(api_version, kind, namespace, name),
+                body={"preconditions": {"uid": uid}},
+                content_type="application/json",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         """Merge-patch LLMServer status (the status subresource)."""

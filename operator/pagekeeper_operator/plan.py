@@ -3,7 +3,9 @@
 An object needs a write when it is missing, when what we render changed since our last apply
 (an annotation holds the hash of what we applied, which also catches fields we stopped
 setting), or when a field we set was changed by someone else (drift). Fields we do not set --
-API-server defaults, fields of other managers -- never cause a write.
+API-server defaults, fields of other managers -- never cause a write. Objects the spec no
+longer wants (a PodDisruptionBudget once the user brings their own) are deleted when we
+control them.
 """
 
 from __future__ import annotations
@@ -150,6 +152,39 @@ def judge(desired: Mapping[str, Any], observed: Mapping[str, Any] | None) -> Rea
     if not is_subset(desired, observed):
         return "drifted"
     return None
+
+
+def is_controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
+    """Whether `obj` names the object with `owner_uid` as its controller."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return bool(owner_uid) and any(
+        ref.get("controller") and ref.get("uid") == owner_uid for ref in refs
+    )
+
+
+@dataclass(frozen=True)
+class Delete:
+    """One delete to issue: the object, and its uid as observed (a delete precondition)."""
+
+    key: ObjectKey
+    uid: str
+
+
+def prune(
+    unwanted: Sequence[ObjectKey],
+    observed: Mapping[ObjectKey, Mapping[str, Any] | None],
+    owner_uid: str,
+) -> list[Delete]:
+    """The unwanted objects to delete: those present and controlled by the owner.
+
+    An object of the same name that someone else made (a user's own PodDisruptionBudget
+    named like the server) is never ours to delete.
+    """
+    return [
+        Delete(key=key, uid=str(obj["metadata"].get("uid", "")))
+        for key in unwanted
+        if (obj := observed.get(key)) is not None and is_controlled_by(obj, owner_uid)
+    ]
 
 
 def plan(

@@ -18,8 +18,8 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.kube import Kube
-from pagekeeper_operator.plan import Apply, key_of, plan
-from pagekeeper_operator.render import render_all
+from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
+from pagekeeper_operator.render import render_all, unwanted_objects
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class ReconcileResult:
     """What a reconcile did and what status it wants written."""
 
     applied: list[Apply] = field(default_factory=list)
+    deleted: list[ObjectKey] = field(default_factory=list)
     status_patch: dict[str, Any] = field(default_factory=dict)
     error: ApiException | None = None
 
@@ -74,10 +75,32 @@ def reconcile(
             key[2],
             action.reason,
         )
+    if result.error is None:
+        error_text = _prune(kube, server, result)
     deployment = next((obj for key, obj in observed.items() if key[1] == "Deployment"), None)
     status = compute_status(server, deployment, now or utc_now(), error_text)
     result.status_patch = status_patch(server, status)
     return result
+
+
+def _prune(kube: Kube, server: LLMServer, result: ReconcileResult) -> str | None:
+    """Delete the objects the spec no longer wants; the error text of a failure."""
+    namespace = server.metadata.namespace
+    unwanted = unwanted_objects(server)
+    if not unwanted:
+        return None
+    for delete in prune(unwanted, kube.observe(namespace, unwanted), server.metadata.uid):
+        key = delete.key
+        try:
+            kube.delete(key, namespace, uid=delete.uid)
+        except ApiException as exc:
+            result.error = exc
+            text = f"deleting {key[1]}/{key[2]} failed ({exc.status} {exc.reason})"
+            logger.warning("%s/%s: %s", namespace, server.metadata.name, text)
+            return text
+        result.deleted.append(key)
+        logger.info("%s/%s: deleted %s/%s", namespace, server.metadata.name, key[1], key[2])
+    return None
 
 
 def refresh_status(

@@ -16,7 +16,16 @@ PAGEKEEPER_LOG_FORMAT (default: full)
 PAGEKEEPER_LOG_LEVEL (default: info)
     debug, info or warning.
 PAGEKEEPER_WEBHOOK_PORT (default: 8443)
-    Port of the Alertmanager webhook receiver (remediation).
+    Port of the Alertmanager webhook receiver (remediation): `POST /alertmanager`,
+    `GET /healthz`, on every address of the pod.
+PAGEKEEPER_WEBHOOK_TOKEN_FILE (no default)
+    File holding the bearer token Alertmanager must send (`Authorization: Bearer ...`); the
+    chart mounts it from a Secret. Read on every request, so a rotated Secret applies without
+    a restart. Unset: the receiver does not start (logged as a warning); an empty file: the
+    operator refuses to start.
+PAGEKEEPER_WEBHOOK_TLS_CERT_FILE, PAGEKEEPER_WEBHOOK_TLS_KEY_FILE (default: unset)
+    PEM certificate chain and private key: set both to serve the receiver over HTTPS, or
+    neither for plain HTTP (inside the cluster network, behind the bearer token).
 PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0)
     Image for runtime pagekeeper when spec.image is unset.
 PAGEKEEPER_VLLM_IMAGE (default: docker.io/vllm/vllm-openai:v0.11.0)

@@ -182,6 +182,7 @@ def test_oom_response_steps_down_in_status_and_records_it() -> None:
     assert status["effectiveMemoryPolicy"]["maxNumBatchedTokens"] == 8192
     assert len(status["specMemoryPolicyHash"]) == 16
     assert status["lastRemediation"] == "2026-03-01T12:00:00Z"
+    assert status["lastOutOfMemory"] == "2026-03-01T12:00:00Z"
     assert status["remediationHistory"] == [
         {
             "time": "2026-03-01T12:00:00Z",
@@ -216,6 +217,8 @@ def test_oom_response_without_step_down() -> None:
     response = respond_to_oom(server_body(), "chat-a", startup, "k2", "t", NOW)
     assert response is not None
     assert "effectiveMemoryPolicy" not in response.status
+    # Every OOM counts for MemoryHealthy, whether or not it steps the policy down.
+    assert response.status["lastOutOfMemory"] == "2026-03-01T12:00:00Z"
     assert response.record.outcome == "not-applicable"
     assert (response.event_type, response.event_reason) == ("Warning", "GPUOutOfMemoryAtStartup")
 

@@ -6,7 +6,15 @@ import copy
 from typing import Any
 
 from pagekeeper_operator.conditions import compute_status, merge_patch, status_patch
-from pagekeeper_operator.plan import APPLIED_HASH_ANNOTATION, is_subset, key_of, plan, stamp
+from pagekeeper_operator.plan import (
+    APPLIED_HASH_ANNOTATION,
+    Delete,
+    is_subset,
+    key_of,
+    plan,
+    prune,
+    stamp,
+)
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
@@ -124,6 +132,26 @@ def test_atomic_lists_must_match_exactly() -> None:
     assert not is_subset({"x": True}, {"x": 1})
 
 
+def test_prune_deletes_only_what_the_server_controls() -> None:
+    pdb = ("policy/v1", "PodDisruptionBudget", "qwen")
+    ours = {
+        "metadata": {
+            "name": "qwen",
+            "uid": "pdb-uid",
+            "ownerReferences": [{"kind": "LLMServer", "uid": "uid-1", "controller": True}],
+        }
+    }
+    assert prune([pdb], {pdb: ours}, "uid-1") == [Delete(key=pdb, uid="pdb-uid")]
+    assert prune([pdb], {pdb: None}, "uid-1") == []
+    # A user's budget of the same name, or one another server controls, stays.
+    users = {"metadata": {"name": "qwen", "uid": "user-uid"}}
+    assert prune([pdb], {pdb: users}, "uid-1") == []
+    assert prune([pdb], {pdb: ours}, "uid-2") == []
+    referenced = copy.deepcopy(ours)
+    referenced["metadata"]["ownerReferences"][0]["controller"] = False
+    assert prune([pdb], {pdb: referenced}, "uid-1") == []
+
+
 def _deployment_status(
     ready: int,
     updated: int,
@@ -214,15 +242,102 @@ def test_status_keeps_transition_times_and_remediation_fields() -> None:
         + [memory],
     }
     again = make_server({"replicas": 1}, status=stored)
-    later = compute_status(again, _deployment_status(1, 1, 1), "2030-01-01T00:00:00Z")
+    # Within spec.remediation.memoryHealthyAfterSeconds (default 3600) of the OOM.
+    later = compute_status(again, _deployment_status(1, 1, 1), "2025-01-02T03:34:05Z")
     assert status_patch(again, later) == {}
     assert later.last_remediation == NOW
     assert _conditions(later)["MemoryHealthy"] == ("False", "RuntimeGPUOOM")
-    flipped = compute_status(again, _deployment_status(0, 1, 1), "2030-01-01T00:00:00Z")
+    flipped = compute_status(again, _deployment_status(0, 1, 1), "2025-01-02T03:34:05Z")
     ready = flipped.condition("Ready")
-    assert ready is not None and ready.last_transition_time == "2030-01-01T00:00:00Z"
+    assert ready is not None and ready.last_transition_time == "2025-01-02T03:34:05Z"
     patch = status_patch(again, flipped)
     assert sorted(patch) == ["conditions", "readyReplicas"]
+
+
+def _memory_healthy(status: Any) -> dict[str, Any]:
+    condition = status.condition("MemoryHealthy")
+    assert condition is not None
+    return {
+        k: v
+        for k, v in condition.to_api().items()
+        if k in ("status", "reason", "message", "lastTransitionTime")
+    }
+
+
+def test_memory_healthy_recovers_after_the_quiet_period() -> None:
+    oom = {
+        "type": "MemoryHealthy",
+        "status": "False",
+        "reason": "GPUOutOfMemoryAtRuntime",
+        "message": "pod qwen-a: step failed",
+        "lastTransitionTime": "2025-01-02T03:00:00Z",
+        "observedGeneration": 3,
+    }
+    # A second OOM at 03:30 keeps the transition time and restarts the quiet period.
+    status = {"conditions": [oom], "lastOutOfMemory": "2025-01-02T03:30:00Z"}
+    server = make_server({"remediation": {"memoryHealthyAfterSeconds": 600}}, status=status)
+    deployment = _deployment_status(1, 1, 1)
+    still = compute_status(server, deployment, "2025-01-02T03:39:59Z")
+    assert _memory_healthy(still) == {
+        "status": "False",
+        "reason": "GPUOutOfMemoryAtRuntime",
+        "message": "pod qwen-a: step failed",
+        "lastTransitionTime": "2025-01-02T03:00:00Z",
+    }
+    recovered = compute_status(server, deployment, "2025-01-02T03:40:00Z")
+    assert _memory_healthy(recovered) == {
+        "status": "True",
+        "reason": "NoRecentMemoryEvents",
+        "message": "no out-of-memory termination for 600s (the last at 2025-01-02T03:30:00Z)",
+        "lastTransitionTime": "2025-01-02T03:40:00Z",
+    }
+    patch = status_patch(server, recovered)
+    assert [c for c in patch["conditions"] if c["type"] == "MemoryHealthy"] == [
+        {**_memory_healthy(recovered), "type": "MemoryHealthy", "observedGeneration": 3}
+    ]
+    # Once recovered, the next resync changes nothing.
+    stored = make_server(
+        {"remediation": {"memoryHealthyAfterSeconds": 600}},
+        status={**recovered.to_api(), "lastOutOfMemory": "2025-01-02T03:30:00Z"},
+    )
+    assert status_patch(stored, compute_status(stored, deployment, "2025-01-02T04:00:00Z")) == {}
+
+
+def test_memory_healthy_follows_last_out_of_memory() -> None:
+    healthy = compute_status(make_server(), _deployment_status(1, 1, 1), NOW)
+    assert _memory_healthy(healthy) == {
+        "status": "True",
+        "reason": "NoMemoryEvents",
+        "message": "no out-of-memory events recorded",
+        "lastTransitionTime": NOW,
+    }
+    # The condition was lost to a concurrent write, but lastOutOfMemory is recent: False.
+    lost = make_server(status={**healthy.to_api(), "lastOutOfMemory": "2025-01-02T03:00:00Z"})
+    assert _memory_healthy(compute_status(lost, _deployment_status(1, 1, 1), NOW)) == {
+        "status": "False",
+        "reason": "OutOfMemory",
+        "message": "out-of-memory termination at 2025-01-02T03:00:00Z",
+        "lastTransitionTime": NOW,
+    }
+    # A False condition written without lastOutOfMemory counts from its transition time.
+    legacy = make_server(
+        status={
+            "conditions": [
+                {
+                    "type": "MemoryHealthy",
+                    "status": "False",
+                    "reason": "HostOutOfMemory",
+                    "lastTransitionTime": "2025-01-02T02:04:05Z",
+                }
+            ]
+        }
+    )
+    assert _memory_healthy(compute_status(legacy, _deployment_status(1, 1, 1), NOW)) == {
+        "status": "True",
+        "reason": "NoRecentMemoryEvents",
+        "message": "no out-of-memory termination for 3600s (the last at 2025-01-02T02:04:05Z)",
+        "lastTransitionTime": NOW,
+    }
 
 
 def test_merge_patch() -> None:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import kopf
 import pytest
 
+from pagekeeper_operator.adaptive import OOMClassification
 from pagekeeper_operator.remediation import handlers
+from pagekeeper_operator.remediation.remediator import Remediator
 from tests.operator.remediation_fakes import alert_json, message_json
+from tests.operator.servers import server_body
 
 KUBECONFIG = """
 apiVersion: v1
@@ -79,3 +84,64 @@ def test_empty_token_file_refuses_to_start(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("PAGEKEEPER_WEBHOOK_TOKEN_FILE", str(token))
     with pytest.raises(kopf.PermanentError, match="is empty"):
         asyncio.run(handlers.start_remediation(memo=kopf.Memo()))
+
+
+class _StatusPort:
+    """The part of the cluster port the OOM response uses: one LLMServer's object."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.events: list[str] = []
+
+    async def read_server_object(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.body)
+
+    async def patch_server_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+    ) -> bool:
+        assert resource_version == self.body["metadata"]["resourceVersion"]
+        self.body["status"] = {**self.body.get("status", {}), **status}
+        self.body["metadata"]["resourceVersion"] = str(int(resource_version) + 1)
+        return True
+
+    async def emit_event(
+        self, namespace: str, server: str, type_: str, reason: str, message: str
+    ) -> None:
+        self.events.append(reason)
+
+
+@pytest.mark.parametrize(
+    ("classification", "adaptive", "reconciled", "event"),
+    [
+        (OOMClassification("gpu", "runtime", "step failed"), {}, True, "PolicySteppedDown"),
+        (OOMClassification("gpu", "startup", ""), {}, False, "GPUOutOfMemoryAtStartup"),
+        (
+            OOMClassification("gpu", "runtime", ""),
+            {"enabled": False},
+            False,
+            "GPUOutOfMemoryAtRuntime",
+        ),
+    ],
+)
+def test_a_step_down_reconciles_the_server_at_once(
+    classification: OOMClassification, adaptive: dict[str, Any], reconciled: bool, event: str
+) -> None:
+    body = server_body()
+    body["metadata"]["resourceVersion"] = "7"
+    body["spec"]["remediation"] = {"adaptive": adaptive}
+    port = _StatusPort(body)
+    calls: list[tuple[str, str, float]] = []
+
+    async def reconcile_server(namespace: str, name: str) -> None:
+        # Reconciles after the lowered policy is in status, so it renders that one.
+        policy = port.body["status"].get("effectiveMemoryPolicy", {})
+        calls.append((namespace, name, policy.get("gpuMemoryUtilization", 0.0)))
+
+    runtime = handlers.RemediationRuntime(
+        port=port,  # type: ignore[arg-type]
+        remediator=Remediator(port),  # type: ignore[arg-type]
+        reconcile_server=reconcile_server,
+    )
+    asyncio.run(handlers._respond(runtime, "ml", "qwen", "qwen-a", classification, "k1", "t"))
+    assert port.events == [event]
+    assert calls == ([("ml", "qwen", 0.85)] if reconciled else [])

@@ -12,6 +12,7 @@ from pagekeeper_operator.render import (
     render_pod_disruption_budget,
     render_service,
     render_service_monitor,
+    unwanted_objects,
 )
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
@@ -371,9 +372,44 @@ def test_service_pdb_and_service_monitor_exactly() -> None:
         "metadata": META,
         "spec": {
             "selector": {"matchLabels": SELECTOR},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "endpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": "15s",
+                    "relabelings": [
+                        {
+                            "sourceLabels": ["__meta_kubernetes_namespace"],
+                            "targetLabel": "namespace",
+                            "action": "replace",
+                        },
+                        {
+                            "sourceLabels": ["__meta_kubernetes_pod_name"],
+                            "targetLabel": "pod",
+                            "action": "replace",
+                        },
+                        {
+                            "sourceLabels": [
+                                "__meta_kubernetes_pod_label_pagekeeper_dev_llmserver"
+                            ],
+                            "targetLabel": "llmserver",
+                            "action": "replace",
+                        },
+                    ],
+                }
+            ],
         },
     }
+
+
+def test_user_brings_their_own_disruption_budget() -> None:
+    managed = make_server()
+    assert managed.spec.disruption_budget.managed is True
+    assert unwanted_objects(managed) == []
+    own = make_server({"disruptionBudget": {"managed": False}})
+    kinds = [o["kind"] for o in render_all(own, DEFAULT_IMAGES, ClusterFeatures(True, True))]
+    assert kinds == ["Service", "Deployment", "ServiceMonitor", "PrometheusRule"]
+    assert unwanted_objects(own) == [("policy/v1", "PodDisruptionBudget", "qwen")]
 
 
 def test_render_all_follows_cluster_features() -> None:

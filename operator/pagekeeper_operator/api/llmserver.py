@@ -217,6 +217,20 @@ class RolloutSpec(ApiModel):
         return self
 
 
+class DisruptionBudgetSpec(ApiModel):
+    """Who provides the PodDisruptionBudget that every eviction of the pods must respect."""
+
+    managed: bool = Field(
+        default=True,
+        description=(
+            "true: the operator renders a PodDisruptionBudget allowing "
+            "spec.remediation.maxUnavailable pods down at a time. false: bring your own (the "
+            "operator deletes the one it made); the operator's evictions then obey yours. A pod "
+            "covered by two budgets cannot be evicted at all, so keep only one."
+        ),
+    )
+
+
 class LLMServerSpec(ApiModel):
     """Desired state of an LLMServer."""
 
@@ -249,6 +263,10 @@ class LLMServerSpec(ApiModel):
         description="What the operator may do when a memory alert fires.",
     )
     service: ServiceSpec = Field(default_factory=ServiceSpec, description="The Service.")
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec,
+        description="The PodDisruptionBudget of the pods: rendered by the operator or your own.",
+    )
     pod_template: PodTemplateOverrides = Field(
         default_factory=PodTemplateOverrides, description="Additions to the rendered pods."
     )

@@ -243,6 +243,17 @@ class RemediationSpec(_Model):
         alias="hysteresisSeconds",
         description="Act only on alerts that have been firing (by startsAt) for this long.",
     )
+    memory_healthy_after_seconds: int = Field(
+        default=3600,
+        ge=1,
+        le=604800,
+        alias="memoryHealthyAfterSeconds",
+        description=(
+            "The MemoryHealthy condition, set False by an out-of-memory termination, turns True "
+            "again once no other has been seen for this many seconds (status.lastOutOfMemory). "
+            "A stepped-down effective memory policy stays stepped down."
+        ),
+    )
     history_limit: int = Field(
         default=20,
         ge=1,

@@ -75,6 +75,14 @@ class LLMServerStatus(ApiModel):
     last_remediation: str | None = Field(
         default=None, description="Time of the most recent remediation (RFC 3339)."
     )
+    last_out_of_memory: str | None = Field(
+        default=None,
+        description=(
+            "When the operator last saw a pod's container end by running out of memory "
+            "(RFC 3339); MemoryHealthy stays False until "
+            "spec.remediation.memoryHealthyAfterSeconds have passed since."
+        ),
+    )
     remediation_history: list[RemediationRecord] = Field(
         default_factory=list,
         max_length=MAX_HISTORY,

@@ -1,5 +1,6 @@
 """kopf wiring of remediation: the Alertmanager webhook server, the retry loop for deferred
-alerts, and the out-of-memory watcher that steps the effective policy down.
+alerts, and the out-of-memory watcher that steps the effective policy down and then reconciles
+the server at once, so the pods roll to the lowered policy without waiting for the resync.
 
 Settings (environment; the chart mounts the token from a Secret):
 
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,8 +29,12 @@ from typing import Any
 import kopf
 import kubernetes
 from aiohttp import web
+from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adaptive import OOMClassification
+from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
+from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.remediation.actions import KubeClusterPort
 from pagekeeper_operator.remediation.oom import oom_terminations, respond_to_oom, termination_key
 from pagekeeper_operator.remediation.remediator import Remediator
@@ -98,12 +103,47 @@ def read_token(path: Path) -> str:
     return path.read_text(encoding="utf-8").strip()
 
 
+ServerReconciler = Callable[[str, str], Awaitable[None]]
+"""Reconciles the LLMServer (namespace, name) now."""
+
+
+def server_reconciler(kube: Kube, default_images: Mapping[str, str]) -> ServerReconciler:
+    """Render, plan and apply one server, and write its status: what the kopf handlers do."""
+
+    async def reconcile_server(namespace: str, name: str) -> None:
+        body = await asyncio.to_thread(kube.get, API_VERSION, KIND, namespace, name)
+        if body is None:
+            return
+        result = await asyncio.to_thread(reconcile, kube, LLMServer.from_body(body), default_images)
+        if result.status_patch:
+            await asyncio.to_thread(kube.patch_status, namespace, name, result.status_patch)
+        if result.error is not None:
+            # The periodic resync tries again.
+            logger.warning(
+                "%s/%s: reconcile after a step-down failed: %s %s",
+                namespace,
+                name,
+                result.error.status,
+                result.error.reason,
+            )
+        else:
+            logger.info(
+                "%s/%s: reconciled after a step-down: %d applied",
+                namespace,
+                name,
+                len(result.applied),
+            )
+
+    return reconcile_server
+
+
 @dataclass
 class RemediationRuntime:
     """What the startup handler starts and the cleanup handler stops."""
 
     port: KubeClusterPort
     remediator: Remediator
+    reconcile_server: ServerReconciler
     runner: web.AppRunner | None = None
     retry_task: asyncio.Task[None] | None = None
     seen_terminations: set[str] = field(default_factory=set)
@@ -131,8 +171,12 @@ async def _retry_loop(remediator: Remediator) -> None:
 @kopf.on.startup()
 async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
     settings = webhook_settings(os.environ)
-    port = KubeClusterPort(api_client(os.environ))
-    runtime = RemediationRuntime(port=port, remediator=Remediator(port))
+    api = api_client(os.environ)
+    port = KubeClusterPort(api)
+    reconciler = server_reconciler(Kube(api), load_settings(os.environ).default_images)
+    runtime = RemediationRuntime(
+        port=port, remediator=Remediator(port), reconcile_server=reconciler
+    )
     memo[MEMO_KEY] = runtime
     token_file = settings.token_file
     if token_file is None:
@@ -214,5 +258,11 @@ async def _respond(
                 response.event_reason,
                 response.record.message,
             )
+            if response.record.outcome == "applied":
+                try:
+                    await runtime.reconcile_server(namespace, server)
+                except ApiException as error:
+                    # Status holds the lowered policy; the periodic resync rolls it out.
+                    logger.warning("%s/%s: reconcile failed: %s", namespace, server, error)
             return
     raise kopf.TemporaryError(f"status of {namespace}/{server} kept changing", delay=5)

@@ -1,9 +1,10 @@
 """The response to an out-of-memory termination (pure): status patch, history record, Event.
 
 The effective policy is stepped down in status (never spec) for run-time GPU OOMs; every OOM
-is classified into the MemoryHealthy condition and recorded once in remediationHistory,
-identified by (pod uid, container, finishedAt) so a restarted operator does not step twice.
-The reconcile's resync renders the stepped-down policy and rolls the pods.
+is classified into the MemoryHealthy condition (and `lastOutOfMemory`, from which the condition
+recovers: see `conditions`) and recorded once in remediationHistory, identified by (pod uid,
+container, finishedAt) so a restarted operator does not step twice. After a step-down the
+handler reconciles the server at once, so the stepped-down policy rolls the pods.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def respond_to_oom(
         alertStartsAt=finished_at,
     )
     patch["remediationHistory"] = bounded_history(history, record, remediation.history_limit)
+    patch["lastOutOfMemory"] = when
     patch["conditions"] = _conditions(
         status.get("conditions") or [],
         classification.condition_reason,

@@ -32,11 +32,10 @@ def render_all(
     server: LLMServer, default_images: Mapping[str, str], features: ClusterFeatures
 ) -> list[dict[str, Any]]:
     """Every object the server needs, in apply order (the Deployment's Service first)."""
-    objects = [
-        render_service(server),
-        render_pod_disruption_budget(server),
-        render_deployment(server, default_images),
-    ]
+    objects = [render_service(server)]
+    if server.spec.disruption_budget.managed:
+        objects.append(render_pod_disruption_budget(server))
+    objects.append(render_deployment(server, default_images))
     if features.has_service_monitor:
         objects.append(render_service_monitor(server))
     if features.has_prometheus_rule:
@@ -51,6 +50,14 @@ def render_all(
     return objects
 
 
+def unwanted_objects(server: LLMServer) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of objects this server may once have had and must not have now;
+    the reconcile deletes those it controls."""
+    if server.spec.disruption_budget.managed:
+        return []
+    return [("policy/v1", "PodDisruptionBudget", server.metadata.name)]
+
+
 __all__ = [
     "ClusterFeatures",
     "render_all",
@@ -58,4 +65,5 @@ __all__ = [
     "render_pod_disruption_budget",
     "render_service",
     "render_service_monitor",
+    "unwanted_objects",
 ]

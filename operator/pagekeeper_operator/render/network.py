@@ -5,9 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.render.meta import HTTP_PORT_NAME, object_meta, selector_labels
+from pagekeeper_operator.render.meta import (
+    HTTP_PORT_NAME,
+    SERVER_LABEL,
+    object_meta,
+    selector_labels,
+)
 
 METRICS_INTERVAL = "15s"
+# Prometheus's name for a pod label: every character outside [a-zA-Z0-9_] becomes `_`.
+SERVER_LABEL_META = "__meta_kubernetes_pod_label_" + "".join(
+    ch if ch.isalnum() else "_" for ch in SERVER_LABEL
+)
 
 
 def render_service(server: LLMServer) -> dict[str, Any]:
@@ -53,16 +62,30 @@ def render_pod_disruption_budget(server: LLMServer) -> dict[str, Any]:
     }
 
 
+def _copy_label(source: str, target: str) -> dict[str, Any]:
+    return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
+
+
 def render_service_monitor(server: LLMServer) -> dict[str, Any]:
-    """Tells a Prometheus Operator to scrape the engine's /metrics through the Service."""
+    """Tells a Prometheus Operator to scrape the engine's /metrics through the Service.
+
+    The alerts select and group by `namespace`, `pod` and `llmserver` (see `alerts`): the
+    relabelings set all three from the target's metadata, so every series names its pod and
+    its LLMServer whatever the Prometheus Operator's defaults.
+    """
+    endpoint = {
+        "port": HTTP_PORT_NAME,
+        "path": "/metrics",
+        "interval": METRICS_INTERVAL,
+        "relabelings": [
+            _copy_label("__meta_kubernetes_namespace", "namespace"),
+            _copy_label("__meta_kubernetes_pod_name", "pod"),
+            _copy_label(SERVER_LABEL_META, "llmserver"),
+        ],
+    }
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
         "metadata": object_meta(server),
-        "spec": {
-            "selector": {"matchLabels": selector_labels(server)},
-            "endpoints": [
-                {"port": HTTP_PORT_NAME, "path": "/metrics", "interval": METRICS_INTERVAL}
-            ],
-        },
+        "spec": {"selector": {"matchLabels": selector_labels(server)}, "endpoints": [endpoint]},
     }

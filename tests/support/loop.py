@@ -1,0 +1,315 @@
+"""The alert -> roll loop's moving parts, shared by the e2e test and `make demo`.
+
+The operator runs as a subprocess with its Alertmanager webhook on a loopback port behind a
+bearer token file. Prometheus scrapes the CPU engine (`cpu_engine`) with static labels that make
+its series look like those of one chosen KWOK pod (`namespace`, `pod`, `llmserver`, as the
+ServiceMonitor's relabelings set them in a cluster), evaluates the rules the operator renders for
+the server, and is reloaded (`--web.enable-lifecycle`) to point the series at another pod.
+Alertmanager posts to the webhook.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import urllib3
+import yaml
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from pagekeeper_operator.alerts import render_rules_file
+from pagekeeper_operator.api.llmserver import GROUP, PLURAL, VERSION, LLMServer
+from pagekeeper_operator.render.meta import SERVER_LABEL
+from tests.support.cluster import Cluster, wait_for
+from tests.support.processes import Service, free_port, wait_http_ok
+from tests.support.tools import REPO, tool
+
+CRD_PATH = REPO / "crds" / "llmservers.pagekeeper.dev.yaml"
+# Status and drift are re-planned this often; 5 is the least the settings accept.
+RESYNC_SECONDS = 10
+
+
+def install_crd(cluster: Cluster, path: Path = CRD_PATH) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    cluster.wait_established(f"{PLURAL}.{GROUP}")
+
+
+def restrict_namespace(cluster: Cluster, namespace: str) -> None:
+    """The operator's pods must pass PodSecurity `restricted`."""
+    cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+
+
+class OperatorProcess:
+    """`kopf run -m pagekeeper_operator.main` watching one namespace, webhook on loopback."""
+
+    def __init__(self, kubeconfig: str, namespace: str, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(24)
+        self.token_file = workdir / "webhook-token"
+        self.token_file.write_text(self.token + "\n")
+        self.token_file.chmod(0o600)
+        self.port = free_port()
+        self.log = workdir / "operator.log"
+        env = {
+            **os.environ,
+            "KUBECONFIG": kubeconfig,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+            "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
+            "PAGEKEEPER_WEBHOOK_PORT": str(self.port),
+            "PAGEKEEPER_WEBHOOK_TOKEN_FILE": str(self.token_file),
+        }
+        kopf = Path(sys.executable).with_name("kopf")
+        argv = [str(kopf), "run", "-m", "pagekeeper_operator.main", "--standalone"]
+        with self.log.open("wb") as sink:
+            self.proc = subprocess.Popen(
+                [*argv, "--namespace", namespace],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+
+    @property
+    def webhook_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/alertmanager"
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        try:
+            wait_http_ok(f"http://127.0.0.1:{self.port}/healthz", timeout=timeout, proc=self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"operator did not start: {exc}\n{self.log_tail()}") from exc
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def llmserver(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "LLMServer",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def get_server(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+    return obj
+
+
+def rules_file(cluster: Cluster, namespace: str, name: str, path: Path) -> Path:
+    """The server's alerts as a plain rules file, rendered from its spec as stored."""
+    server = LLMServer.from_body(get_server(cluster, namespace, name))
+    path.write_text(render_rules_file(name, namespace, server.spec.remediation))
+    return path
+
+
+def server_pods(cluster: Cluster, namespace: str, name: str) -> list[client.V1Pod]:
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
+        namespace, label_selector=f"{SERVER_LABEL}={name}"
+    )
+    return sorted(pods.items, key=lambda pod: pod.metadata.name)
+
+
+def is_pod_ready(pod: client.V1Pod) -> bool:
+    conditions = (pod.status.conditions if pod.status else None) or []
+    is_ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    return is_ready and pod.metadata.deletion_timestamp is None
+
+
+def wait_ready_pods(
+    cluster: Cluster, namespace: str, name: str, num_pods: int, timeout: float = 120
+) -> list[str]:
+    """Until exactly `num_pods` pods of the server are Ready and none is terminating."""
+
+    def ready() -> list[str] | None:
+        pods = server_pods(cluster, namespace, name)
+        if len(pods) == num_pods and all(is_pod_ready(pod) for pod in pods):
+            return [pod.metadata.name for pod in pods]
+        return None
+
+    names: list[str] = wait_for(ready, timeout=timeout, what=f"{num_pods} Ready pods of {name}")
+    return names
+
+
+def history(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = (get_server(cluster, namespace, name).get("status") or {}).get(
+        "remediationHistory", []
+    )
+    return entries
+
+
+def wait_history(
+    cluster: Cluster, namespace: str, name: str, timeout: float, **fields: str
+) -> dict[str, Any]:
+    """Until the server's remediation history holds an entry with these field values."""
+
+    def found() -> dict[str, Any] | None:
+        for entry in history(cluster, namespace, name):
+            if all(entry.get(key) == value for key, value in fields.items()):
+                return entry
+        return None
+
+    entry: dict[str, Any] = wait_for(found, timeout=timeout, interval=1, what=f"history {fields}")
+    return entry
+
+
+def server_events(cluster: Cluster, namespace: str, name: str) -> list[client.CoreV1Event]:
+    events = client.CoreV1Api(cluster.api).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.kind=LLMServer,involvedObject.name={name}"
+    )
+    return list(events.items)
+
+
+class PodWatch:
+    """Every pod change in a namespace, recorded from a watch on a background thread, so a
+    pod that comes and goes between two polls is still seen."""
+
+    def __init__(self, kubeconfig: str, namespace: str) -> None:
+        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.namespace = namespace
+        self.seen: list[tuple[str, client.V1Pod]] = []
+        self.error: Exception | None = None
+        self._is_stopping = False
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, name="pod-watch", daemon=True)
+
+    def start(self) -> PodWatch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        core = client.CoreV1Api(self.api)
+        try:
+            for event in self._watch.stream(core.list_namespaced_pod, self.namespace):
+                self.seen.append((str(event["type"]), event["object"]))
+        except (ApiException, ValueError, urllib3.exceptions.HTTPError) as exc:
+            if not self._is_stopping:
+                self.error = exc  # the test checks it: a broken watch saw nothing
+
+    def stop(self) -> None:
+        self._is_stopping = True
+        self._watch.stop()
+        self.api.close()
+
+    def versions_of(self, pod: str) -> list[client.V1Pod]:
+        return [obj for _, obj in list(self.seen) if obj.metadata.name == pod]
+
+    def disruption_of(self, pod: str) -> tuple[str, str] | None:
+        """(reason, message) of the DisruptionTarget condition the API server sets on a pod
+        it evicts through the Eviction API; None if no version of the pod carried one."""
+        for obj in self.versions_of(pod):
+            for condition in (obj.status.conditions if obj.status else None) or []:
+                if condition.type == "DisruptionTarget" and condition.status == "True":
+                    return condition.reason or "", condition.message or ""
+        return None
+
+    def was_deleted(self, pod: str) -> bool:
+        return any(
+            obj.metadata.deletion_timestamp is not None or kind == "DELETED"
+            for kind, obj in list(self.seen)
+            if obj.metadata.name == pod
+        )
+
+
+PodIdentity = tuple[str, str, str]
+"""(namespace, pod, LLMServer name) that scraped series are labelled with."""
+ENGINE_JOB = "engine"
+
+
+def engine_scrape(engine: Service, *identities: PodIdentity) -> dict[str, Any]:
+    """One scrape job reading the engine once per identity, each with that pod's labels.
+
+    Reloads keep this job and change only its targets: Prometheus marks the series of a
+    removed target stale at once, but not those of a removed job, whose alerts would keep
+    firing for the query lookback (5 minutes).
+    """
+    return {
+        "job_name": ENGINE_JOB,
+        "scrape_interval": "1s",
+        "static_configs": [
+            {
+                "targets": [f"127.0.0.1:{engine.port}"],
+                "labels": {"namespace": namespace, "pod": pod, "llmserver": server},
+            }
+            for namespace, pod, server in identities
+        ],
+    }
+
+
+class Prometheus:
+    """A real Prometheus on loopback whose scrape targets can be changed with a reload."""
+
+    def __init__(self, workdir: Path, rule_files: list[Path], alertmanager: Service) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.rule_files = rule_files
+        self.alertmanager = alertmanager
+        self.config_path = workdir / "prometheus.yml"
+        self.service: Service | None = None
+
+    def _write(self, scrape_configs: list[dict[str, Any]]) -> None:
+        target = self.alertmanager.url.removeprefix("http://")
+        prometheus_config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(path) for path in self.rule_files],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]},
+            "scrape_configs": scrape_configs,
+        }
+        self.config_path.write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
+
+    def start(self, scrape_configs: list[dict[str, Any]]) -> Prometheus:
+        self._write(scrape_configs)
+        port = free_port()
+        argv = [
+            tool("prometheus"),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ]
+        log = self.workdir / "prometheus.log"
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=self.workdir)
+        self.service = Service(name="prometheus", proc=proc, port=port, log=log)
+        try:
+            wait_http_ok(f"{self.service.url}/-/ready", proc=proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self.service.stop()
+            raise RuntimeError(
+                f"prometheus did not start: {exc}\n{log.read_text()[-3000:]}"
+            ) from exc
+        return self
+
+    def reload(self, scrape_configs: list[dict[str, Any]]) -> None:
+        """Rewrite the scrape targets and apply them (POST /-/reload answers once applied)."""
+        assert self.service is not None, "start() first"
+        self._write(scrape_configs)
+        request = urllib.request.Request(f"{self.service.url}/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200, f"reload answered {response.status}"
+
+    def stop(self) -> None:
+        if self.service is not None:
+            self.service.stop()
