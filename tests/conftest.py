@@ -1,4 +1,4 @@
-"""Session fixtures shared by the integration and end-to-end suites.
+"""Session set-up: Triton's interpreter without a GPU, and the control-plane fixtures.
 
 The control-plane helpers are imported inside the fixtures, so suites that never ask for a
 cluster (the GPU and kernel tests on the device machine) do not need the kubernetes client.
@@ -6,11 +6,19 @@ cluster (the GPU and kernel tests on the device machine) do not need the kuberne
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before any test
+# module imports a kernel, in whatever order the suites are collected: without a GPU, kernels
+# run in Triton's CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
     from tests.support.cluster import Cluster

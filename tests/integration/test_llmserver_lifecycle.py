@@ -8,6 +8,7 @@ from kubernetes import client
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
+from pagekeeper_operator.render.network import render_service_monitor
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     OperatorProcess,
@@ -190,7 +191,10 @@ def test_service_monitor_and_rules_are_created_and_owned(
     )
     for child in (monitor, rule):
         assert child["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    rendered = render_service_monitor(LLMServer.model_validate(obj))
+    assert monitor["spec"]["endpoints"] == rendered["spec"]["endpoints"]
+    relabelled = {r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"]}
+    assert {"namespace", "pod", "llmserver"} <= relabelled
     service = client.CoreV1Api(cluster.api).read_namespaced_service("small", namespace)
     assert service.spec.ports[0].name == "http" and service.spec.ports[0].target_port == "http"
     pdb = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget("small", namespace)
