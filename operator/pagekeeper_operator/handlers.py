@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
 from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.metrics import serve_metrics
 from pagekeeper_operator.reconcile import reconcile, refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
 from pagekeeper_operator.settings import load_settings
@@ -53,6 +54,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     kubernetes.config.load_config()  # type: ignore[no-untyped-call]
     memo["kube"] = Kube(kubernetes.client.ApiClient())
+    if SETTINGS.metrics_port is not None:
+        serve_metrics(SETTINGS.metrics_port)
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:

@@ -30,6 +30,8 @@ PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0
     Image for runtime pagekeeper when spec.image is unset.
 PAGEKEEPER_VLLM_IMAGE (default: docker.io/vllm/vllm-openai:v0.11.0)
     Image for runtime vllm when spec.image is unset.
+PAGEKEEPER_METRICS_PORT (default: unset, no metrics endpoint)
+    Port of the operator's own Prometheus /metrics (`pagekeeper_remediations_total`).
 PAGEKEEPER_RESYNC_SECONDS (default: 60)
     How often each LLMServer is re-planned (drift repair, a policy stepped down in status);
     a re-plan with nothing to change writes nothing.
@@ -65,6 +67,7 @@ class OperatorSettings:
     log_format: LogFormat = "full"
     log_level: LogLevel = "info"
     webhook_port: int = 8443
+    metrics_port: int | None = None
     default_images: Mapping[str, str] = field(
         default_factory=lambda: {
             "pagekeeper": "ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0",
@@ -119,6 +122,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
         log_format=_choice(env, "PAGEKEEPER_LOG_FORMAT", _LOG_FORMATS, defaults.log_format),
         log_level=_choice(env, "PAGEKEEPER_LOG_LEVEL", _LOG_LEVELS, defaults.log_level),
         webhook_port=_int(env, "PAGEKEEPER_WEBHOOK_PORT", defaults.webhook_port, 1, 65535),
+        metrics_port=(
+            _int(env, "PAGEKEEPER_METRICS_PORT", 0, 1, 65535)
+            if env.get("PAGEKEEPER_METRICS_PORT", "").strip()
+            else None
+        ),
         default_images=images,
         resync_seconds=float(_int(env, "PAGEKEEPER_RESYNC_SECONDS", 60, 5, 86400)),
     )

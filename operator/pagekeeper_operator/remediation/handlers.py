@@ -34,6 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.adaptive import OOMClassification
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.remediation.actions import KubeClusterPort
 from pagekeeper_operator.remediation.oom import oom_terminations, respond_to_oom, termination_key
@@ -251,6 +252,7 @@ async def _respond(
         version = body["metadata"]["resourceVersion"]
         if await runtime.port.patch_server_status(namespace, server, response.status, version):
             logger.warning("%s/%s: %s", namespace, pod, response.record.message)
+            count_remediation(namespace, server, response.record)
             await runtime.port.emit_event(
                 namespace,
                 server,

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
+from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.decide import (
     Decision,
     PodKey,
@@ -243,6 +244,7 @@ class Remediator:
         await self.port.append_history(
             info.state.namespace, info.state.name, record, info.state.remediation.history_limit
         )
+        count_remediation(info.state.namespace, info.state.name, record)
 
     async def _event(self, server: ServerKey, type_: EventType, reason: str, message: str) -> None:
         namespace, name = server
