@@ -163,7 +163,9 @@ def write_checkpoint(shape: str, root: Path) -> Path:
     return model_dir
 
 
-def build_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
+def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, dict[str, Any]]:
+    """The engine, and how long its start took (CUDA-graph capture included)."""
+    started = time.perf_counter()
     config = EngineConfig(
         model=str(model_dir),
         load_format="dummy",
@@ -179,7 +181,23 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
         enforce_eager=args.enforce_eager,
     )
     runner = ModelRunner(config, progress=False)
-    return LLMEngine(config, runner, NullTokenizer(runner.eos_token_ids))
+    start = {
+        "startup_s": time.perf_counter() - started,
+        "cuda_graphs": runner.graphs is not None,
+        "graph_capture_s": 0.0 if runner.graphs is None else runner.graphs.capture_seconds,
+        "graph_pool_mib": 0.0 if runner.graphs is None else runner.graphs.pool_bytes / 2**20,
+        "num_gpu_blocks": runner.num_gpu_blocks,
+    }
+    print(
+        f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
+        + (
+            f"{len(runner.graphs.batch_sizes)} sizes captured in {start['graph_capture_s']:.1f} s, "
+            f"{start['graph_pool_mib']:.0f} MiB"
+            if runner.graphs is not None
+            else "off (--enforce-eager)"
+        )
+    )
+    return LLMEngine(config, runner, NullTokenizer(runner.eos_token_ids)), start
 
 
 def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str, Any]:
@@ -325,8 +343,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             floor = physical_floor(SHAPES[shape], work, bandwidth, rate)
-            engine = build_engine(write_checkpoint(shape, Path(tmp)), args)
-            row = {"shape": shape, "floor_s": floor, **run_engine(engine, work, args.time_limit)}
+            engine, start = build_engine(write_checkpoint(shape, Path(tmp)), args)
+            row = {
+                "shape": shape,
+                "floor_s": floor,
+                **start,
+                **run_engine(engine, work, args.time_limit),
+            }
             print_row(row, work)
             if args.itl:
                 row["itl_s"] = batch1_itl(engine)

@@ -3,6 +3,12 @@
 The model is not thread-safe, so exactly one thread touches the `LLMEngine`. Requests reach it
 through a thread-safe command queue; its outputs reach each request's `asyncio.Queue` through
 `loop.call_soon_threadsafe`.
+
+The step thread holds the GIL for long stretches of Python (scheduling, packing a batch,
+detokenizing). At CPython's default switch interval of 5 ms, the HTTP thread waits up to that
+long at every GIL hand-over, several times per request, so /health and token streams stall
+behind a busy engine. `start` shortens the interval (process-wide: the engine thread is what
+makes it necessary) and the loop yields the GIL after every step.
 """
 
 from __future__ import annotations
@@ -10,20 +16,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import RequestRejectedError
-from pagekeeper_engine.core.stats import EngineStats
-from pagekeeper_engine.engine import LLMEngine
+from pagekeeper_engine.engine import DefragmentResult, LLMEngine, LoopStats
+from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how often an idle loop wakes to heartbeat
+SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while the step thread runs (CPython: 0.005)
 _DRAIN_POLL_S = 0.05
 
 
@@ -51,7 +60,16 @@ class _Abort:
     request_id: str
 
 
-_Command = _Add | _Abort | None  # None only wakes the loop
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn` on the loop thread between steps; its result completes `future`."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+_Command = _Add | _Abort | _Call | None  # None only wakes the loop
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,10 @@ class AsyncLLMEngine:
     and frees its blocks. `drain` stops admission and waits for requests in flight; `is_alive`
     is what /health reports: the loop thread runs, has heartbeated within `heartbeat_timeout_s`
     and its runner is not failing step after step.
+
+    When out-of-memory errors repeat past the engine's limit, the loop stops, fails every
+    request in flight, records `fatal_error` and calls `on_fatal` (from the loop thread): the
+    process must exit so that the pod restarts (see `cli`).
     """
 
     def __init__(
@@ -75,8 +97,11 @@ class AsyncLLMEngine:
         *,
         heartbeat_timeout_s: float = 60.0,
         max_consecutive_failed_steps: int = 3,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: str | None = None
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_consecutive_failed_steps = max_consecutive_failed_steps
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -97,9 +122,13 @@ class AsyncLLMEngine:
         with self._lock:
             return len(self._streams)
 
-    def start(self) -> None:
+    def start(self, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
+        """Start the step thread; `switch_interval_s` (None: leave it) sets the interpreter's
+        GIL switch interval."""
         if self._thread is not None:
             return
+        if switch_interval_s is not None:
+            sys.setswitchinterval(switch_interval_s)
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -113,9 +142,23 @@ class AsyncLLMEngine:
             and self.engine.num_consecutive_failed_steps < self.max_consecutive_failed_steps
         )
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> LoopStats:
         """The snapshot the loop published after its latest step."""
         return self._stats
+
+    @property
+    def has_allocator(self) -> bool:
+        return self.engine.has_allocator
+
+    async def defragment(self, max_running: int) -> DefragmentResult:
+        """Release the allocator's cached segments on the loop thread, between steps, if at
+        most `max_running` sequences are running (else a result with `is_done` False)."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[DefragmentResult] = loop.create_future()
+        self._commands.put(_Call(lambda: self.engine.defragment(max_running), loop, future))
+        return await future
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -197,16 +240,23 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
+                except EngineOutOfMemoryError as exc:
+                    self._give_up(str(exc))
+                    return
                 except Exception:  # a scheduler bug: fail what is in flight, keep serving
                     logger.exception("engine step raised; failing every request in flight")
                     self._fail_all(RequestFailedError("the engine failed while stepping"))
                     outputs = []
                 self._stats = self.engine.stats()
                 self._dispatch(outputs)
+                time.sleep(0)  # let the HTTP thread take the GIL between steps
         except Exception:
             logger.exception("the engine loop crashed")
         finally:
-            self._fail_all(EngineDeadError("the engine loop stopped"))
+            reason = "the engine loop stopped"
+            if self.fatal_error is not None:
+                reason += f": {self.fatal_error}"
+            self._fail_all(EngineDeadError(reason))
 
     def _apply_commands(self, *, wait: bool) -> None:
         try:
@@ -214,6 +264,7 @@ class AsyncLLMEngine:
                 self._commands.get(timeout=_IDLE_WAIT_S) if wait else self._commands.get_nowait()
             )
         except queue.Empty:
+            self.engine.sample_memory()
             self._stats = self.engine.stats()
             return
         while True:
@@ -233,6 +284,16 @@ class AsyncLLMEngine:
                 self._send(command.request_id, exc)
         elif isinstance(command, _Abort):
             self.engine.abort(command.request_id)
+        elif isinstance(command, _Call):
+            _call(command)
+
+    def _give_up(self, reason: str) -> None:
+        logger.critical("giving up: %s", reason)
+        self.fatal_error = reason
+        self._is_draining = True
+        self._stats = self.engine.stats()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -259,3 +320,20 @@ class AsyncLLMEngine:
                 self.engine.abort(request_id)
             except Exception:  # state may be what broke; the requests are failed regardless
                 logger.exception("could not abort %s", request_id)
+
+
+def _call(command: _Call) -> None:
+    def settle(ok: bool, value: Any) -> None:
+        if command.future.done():  # its awaiter was cancelled
+            return
+        if ok:
+            command.future.set_result(value)
+        else:
+            command.future.set_exception(value)
+
+    try:
+        result = command.fn()
+    except Exception as exc:  # handed to the awaiting coroutine, which reports it
+        command.loop.call_soon_threadsafe(settle, False, exc)
+    else:
+        command.loop.call_soon_threadsafe(settle, True, result)

@@ -16,6 +16,10 @@ BLOCK_SIZES = (8, 16, 32)
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
 # activations stay a small share of memory.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# Sequences that may wait beyond the running ones, per running slot, unless
+# --max-waiting-requests says otherwise. Larger than the queue backlog alert's ratio
+# (waiting > 3 x running), so the alert can fire before 429s start.
+WAITING_PER_RUNNING_SLOT = 8
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -90,10 +94,21 @@ class EngineConfig:
     enforce_eager: bool = False
     shutdown_timeout: float = 30.0
     admin_token_env: str = "PAGEKEEPER_ADMIN_TOKEN"
+    max_waiting_requests: int | None = None
+    max_consecutive_ooms: int = 8
+    termination_log_path: str = "/dev/termination-log"
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def max_num_in_flight(self) -> int:
+        """Sequences admitted at once: the running slots plus the bounded waiting queue."""
+        waiting = self.max_waiting_requests
+        if waiting is None:
+            waiting = WAITING_PER_RUNNING_SLOT * self.max_num_seqs
+        return self.max_num_seqs + waiting
 
 
 def resolve_max_num_batched_tokens(
@@ -181,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-env",
         default="PAGEKEEPER_ADMIN_TOKEN",
         help="environment variable holding the bearer token for /admin endpoints",
+    )
+    add(
+        "--max-waiting-requests",
+        type=_bounded(int, 0, None),
+        default=None,
+        help="sequences that may queue beyond the --max-num-seqs running ones before new "
+        f"requests get 429; default {WAITING_PER_RUNNING_SLOT} x --max-num-seqs",
+    )
+    add(
+        "--max-consecutive-ooms",
+        type=_bounded(int, 0, None),
+        default=8,
+        help="device out-of-memory errors in a row (each halving the step) before the engine "
+        "gives up and exits",
+    )
+    add(
+        "--termination-log-path",
+        default="/dev/termination-log",
+        help="where an out-of-memory exit writes its reason for the operator",
     )
     return parser
 

@@ -2,11 +2,23 @@
 
 Single-threaded by design (the model runner is not thread-safe); `AsyncLLMEngine` drives it
 from one thread. Imports no torch: the runner and tokenizer come in through the protocols below.
+
+Out of device memory inside a step, the loop does not fail the step's requests: the runner has
+freed what the step allocated and the scheduler's state is as before the step (no token was
+computed), so it halves the step's token budget (`memory.step_budget`), preempts the running
+sequences that the smaller budget cannot serve, newest first, and schedules again. Only after
+`--max-consecutive-ooms` such errors with no clean step between them does it give up
+(`EngineOutOfMemoryError`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
 from pagekeeper_engine.config import EngineConfig
@@ -15,9 +27,19 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus, check_token_stop
 from pagekeeper_engine.core.stats import FINISH_REASONS, EngineStats
+from pagekeeper_engine.memory.allocator import AllocatorStats, PeriodicReader
+from pagekeeper_engine.memory.oom import (
+    OOM_EVENT_KINDS,
+    DeviceOutOfMemoryError,
+    EngineOutOfMemoryError,
+)
+from pagekeeper_engine.memory.step_budget import StepTokenBudget
 
 __all__ = [
+    "AllocatorMonitorProtocol",
+    "DefragmentResult",
     "LLMEngine",
+    "LoopStats",
     "ModelRunnerProtocol",
     "RequestOutput",
     "RequestRejectedError",
@@ -25,6 +47,41 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+ALLOCATOR_READ_INTERVAL_S = 1.0  # allocator statistics are read at most this often
+
+
+class AllocatorMonitorProtocol(Protocol):
+    """The device's caching allocator (`memory.cuda.CudaAllocatorMonitor`); absent on the CPU."""
+
+    def read(self) -> AllocatorStats: ...
+
+    def release_cached(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LoopStats(EngineStats):
+    """`EngineStats` plus what the step loop knows of memory: out-of-memory events by kind,
+    the live step token budget, and the newest allocator reading (None on the CPU)."""
+
+    num_oom_events: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType(dict.fromkeys(OOM_EVENT_KINDS, 0))
+    )
+    step_token_budget: int = 0
+    max_step_token_budget: int = 0
+    allocator: AllocatorStats | None = None
+
+
+@dataclass(frozen=True)
+class DefragmentResult:
+    """What `/admin/defragment` reports. `is_done` False: too busy (nothing was released)."""
+
+    is_done: bool
+    num_running: int
+    bytes_freed: int = 0
+    before: AllocatorStats | None = None
+    after: AllocatorStats | None = None
+    seconds: float = 0.0
 
 
 class ModelRunnerProtocol(Protocol):
@@ -41,7 +98,18 @@ class ModelRunnerProtocol(Protocol):
     @property
     def num_cpu_blocks(self) -> int: ...
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+    @property
+    def num_swap_ooms(self) -> int:
+        """Swaps that found no device memory and fell back to an allocation-free copy."""
+        ...
+
+    @property
+    def allocator_monitor(self) -> AllocatorMonitorProtocol | None: ...
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Raises DeviceOutOfMemoryError, having freed the step's memory, when the device
+        runs out; the KV cache holds what it held before the step."""
+        ...
 
 
 class TokenizerProtocol(Protocol):
@@ -61,7 +129,8 @@ class LLMEngine:
     `add_request` queues (or raises RequestRejectedError for a request that can never run),
     `step` runs one batch and returns what each touched request produced, `abort` ends a
     request and frees its blocks (its final output comes from the next `step`). A step whose
-    runner raises is logged, and the requests in it fail with an `error` in their output.
+    runner raises is logged, and the requests in it fail with an `error` in their output; a
+    step that runs out of device memory is retried smaller (see the module docstring).
     """
 
     def __init__(
@@ -79,6 +148,18 @@ class LLMEngine:
             runner.num_gpu_blocks,
             runner.num_cpu_blocks,
         )
+        self.step_budget = StepTokenBudget(self.scheduler.max_num_batched_tokens)
+        self.max_consecutive_ooms = config.max_consecutive_ooms
+        self.num_oom_events = dict.fromkeys(OOM_EVENT_KINDS, 0)
+        self._num_swap_ooms_seen = 0
+        # The scheduler reads its step budget in check_request too (without chunked prefill a
+        # prompt must fit one step): other threads check requests under this lock, and the step
+        # loop shrinks the budget only while it holds it.
+        self._budget_lock = threading.Lock()
+        monitor = runner.allocator_monitor
+        self._allocator = (
+            PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
+        )
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
@@ -94,7 +175,8 @@ class LLMEngine:
         so other threads may call it."""
         if params.max_tokens < 1:
             raise RequestRejectedError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        self.scheduler.check_request(len(prompt_token_ids))
+        with self._budget_lock:
+            self.scheduler.check_request(len(prompt_token_ids))
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -115,27 +197,123 @@ class LLMEngine:
         return bool(self._pending) or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        """One batch. Raises EngineOutOfMemoryError when out-of-memory errors repeat past
+        `max_consecutive_ooms`: the engine cannot serve at any step size and must restart."""
+        out = self._schedule()
         outputs, self._pending = self._pending, []
         if out.is_empty:
+            if self.step_budget.is_reduced and self.scheduler.has_work():
+                # nothing fits the reduced budget (a prompt without chunked prefill, say)
+                self.step_budget.restore()
             return outputs
         try:
             runner_out = self.runner.execute(out)
+        except DeviceOutOfMemoryError as exc:
+            self._count_swap_ooms()
+            self._recover_from_oom(out, exc)
+            return outputs
         except Exception as exc:  # the runner's failure must not take the loop down
+            self._count_swap_ooms()
             return outputs + self._fail_step(out, exc)
+        self._count_swap_ooms()
+        self.step_budget.on_clean_step()
         self.num_steps += 1
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total += out.num_batched_tokens
         for seq in self.scheduler.update(out, runner_out):
             outputs.append(self._process_token(seq))
+        if self._allocator is not None:
+            self._allocator.maybe_read()
         return outputs
 
-    def stats(self) -> EngineStats:
+    def _schedule(self) -> SchedulerOutput:
+        budget = self.step_budget
+        if not budget.is_reduced:
+            return self.scheduler.schedule()
+        with self._budget_lock:
+            self.scheduler.max_num_batched_tokens = budget.current
+            try:
+                return self.scheduler.schedule()
+            finally:
+                self.scheduler.max_num_batched_tokens = budget.ceiling
+
+    def _count_swap_ooms(self) -> None:
+        num_new = self.runner.num_swap_ooms - self._num_swap_ooms_seen
+        if num_new:
+            self._num_swap_ooms_seen += num_new
+            self.num_oom_events["swap"] += num_new
+
+    def _recover_from_oom(self, out: SchedulerOutput, exc: DeviceOutOfMemoryError) -> None:
+        """Shrink the step, preempt what the smaller step cannot serve, retry next step."""
+        self.num_oom_events[exc.kind] += 1
+        failed_budget = self.step_budget.current
+        new_budget = self.step_budget.on_oom()
+        num_in_a_row = self.step_budget.num_consecutive_ooms
+        if num_in_a_row > self.max_consecutive_ooms:
+            raise EngineOutOfMemoryError(
+                f"{num_in_a_row} out-of-memory errors in a row, the last at a step of "
+                f"{out.num_batched_tokens} tokens ({len(out.seqs)} sequences) within a step "
+                f"budget of {failed_budget} of {self.step_budget.ceiling} tokens: {exc}"
+            )
+        step_ids = {s.request_id for s in out.seqs}
+        sched = self.scheduler
+        num_preempted = 0
+        # every running sequence needs at least one token of a step; the newest beyond the
+        # budget would only wait, holding blocks, so they go back to the queue
+        for seq in reversed(list(sched.running)):
+            if len(sched.running) <= new_budget:
+                break
+            if seq.request_id in step_ids:
+                _preempt_for_recompute(sched, seq)
+                num_preempted += 1
+        logger.warning(
+            "out of device memory in a step of %d tokens (%d sequences): step budget now %d, "
+            "%d sequences preempted, %d errors in a row; retrying: %s",
+            out.num_batched_tokens,
+            len(out.seqs),
+            new_budget,
+            num_preempted,
+            num_in_a_row,
+            exc,
+        )
+
+    def sample_memory(self) -> None:
+        """Refresh the allocator reading if one is due (the idle loop calls this)."""
+        if self._allocator is not None:
+            self._allocator.maybe_read()
+
+    def defragment(self, max_running: int) -> DefragmentResult:
+        """Release the allocator's cached segments if at most `max_running` sequences run.
+
+        Call on the thread that steps: no step is in flight while the cache is emptied.
+        """
+        assert self._allocator is not None and self.runner.allocator_monitor is not None
+        num_running = len(self.scheduler.running)
+        if num_running > max_running:
+            return DefragmentResult(is_done=False, num_running=num_running)
+        started = time.monotonic()
+        before = self._allocator.read_now()
+        bytes_freed = self.runner.allocator_monitor.release_cached()
+        after = self._allocator.read_now()
+        return DefragmentResult(
+            is_done=True,
+            num_running=num_running,
+            bytes_freed=bytes_freed,
+            before=before,
+            after=after,
+            seconds=time.monotonic() - started,
+        )
+
+    @property
+    def has_allocator(self) -> bool:
+        return self._allocator is not None
+
+    def stats(self) -> LoopStats:
         sched = self.scheduler
         kv = sched.kv
         pool = kv.pool
         cpu_pool = sched.cpu_pool
-        return EngineStats(
+        return LoopStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
@@ -160,6 +338,10 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_requests_success=dict(self.num_requests_success),
+            num_oom_events=dict(self.num_oom_events),
+            step_token_budget=self.step_budget.current,
+            max_step_token_budget=self.step_budget.ceiling,
+            allocator=self._allocator.latest if self._allocator is not None else None,
         )
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -209,6 +391,18 @@ class LLMEngine:
         reason = status.finish_reason
         assert reason is not None
         self.num_requests_success[reason] += 1
+
+
+def _preempt_for_recompute(sched: Scheduler, seq: Sequence) -> None:
+    """Back to the head of the queue with no blocks; it recomputes (mostly prefix-cache hits:
+    its full blocks stay cached) when it is admitted again."""
+    sched.running.remove(seq)
+    sched.kv.free(seq)
+    seq.num_computed_tokens = 0
+    seq.num_preemptions += 1
+    seq.status = SequenceStatus.WAITING
+    sched.waiting.appendleft(seq)
+    sched.num_recompute_preemptions += 1
 
 
 def _output(

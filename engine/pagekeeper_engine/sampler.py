@@ -65,21 +65,29 @@ class Sampler:
         assert len(params) == num_rows == len(num_output_tokens), "one parameter set per row"
         raw_logits = logits
         logits = self._mask_early_stops(logits, params, num_output_tokens)
-        token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy_rows:
+        is_greedy = [p.is_greedy for p in params]
+        # Uniform batches (the common case) skip the row gathers and scatters.
+        if all(is_greedy):
+            token_ids = logits.argmax(dim=-1)
+        elif not any(is_greedy):
+            token_ids = self._sample_random(logits, params, num_output_tokens)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            greedy_rows = [i for i, g in enumerate(is_greedy) if g]
+            random_rows = [i for i, g in enumerate(is_greedy) if not g]
             rows = torch.tensor(greedy_rows, device=logits.device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
-        if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            picked = [params[i] for i in random_rows]
             token_ids[rows] = self._sample_random(
-                logits[rows], picked, [num_output_tokens[i] for i in random_rows]
+                logits[rows],
+                [params[i] for i in random_rows],
+                [num_output_tokens[i] for i in random_rows],
             )
         chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1)
         logprobs = chosen - raw_logits.logsumexp(dim=-1)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs.tolist())
+        # One device-to-host transfer (one wait) for both; ids < 2**53 are exact in float64.
+        token_col, logprob_col = torch.stack((token_ids.double(), logprobs.double())).tolist()
+        return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
 
     def _mask_early_stops(
         self,
@@ -107,8 +115,12 @@ class Sampler:
         num_output_tokens: Sequence[int],
     ) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
+        temperatures = {p.temperature for p in params}
+        if len(temperatures) == 1:  # one scalar: no host-to-device copy
+            logits = logits / temperatures.pop()
+        else:
+            temperature = torch.tensor([p.temperature for p in params], device=device)
+            logits = logits / temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
@@ -116,7 +128,9 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
+        if len(unseeded) == len(params):  # the same draws as below, without the scatter
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
             noise[unseeded] = torch.empty(
                 len(unseeded), probs.shape[1], device=device
             ).exponential_(generator=self.generator)

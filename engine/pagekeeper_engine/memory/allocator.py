@@ -4,19 +4,24 @@
 inside reserved segments says whether a large allocation can still be served without asking CUDA
 for more. A forward pass that needs a bigger block than that, when the device has no room left
 for a new segment, is the fragmentation OOM this project exists to prevent.
+
+Pure: no torch import, so the HTTP server can use these types before torch is loaded. The reads
+themselves live in `memory.cuda`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
-import torch
+# torch >= 2.9 reads PYTORCH_ALLOC_CONF and falls back to the older CUDA-specific name.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# The options the memory policy sets (ARCHITECTURE.md, allocator.*); exported as info labels.
+REPORTED_OPTIONS = ("expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
 
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,40 @@ class AllocatorStats:
     def fragmentation(self) -> int:
         return self.reserved - self.allocated
 
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "reserved_bytes": self.reserved,
+            "allocated_bytes": self.allocated,
+            "fragmentation_bytes": self.fragmentation,
+            "largest_free_block_bytes": self.largest_free_block,
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+        }
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """The allocator configuration in effect: which variable set it, and its options."""
+
+    variable: str  # "" when neither variable is set (the allocator's defaults)
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if not self.variable:
+            return "PyTorch defaults (neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF set)"
+        text = ",".join(f"{k}:{v}" for k, v in self.options.items())
+        return f"{self.variable}={text}"
+
 
 def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
-    """The allocator options in effect, from PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF.
+    """The allocator options in effect, from PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF."""
+    return dict(read_alloc_settings(env).options)
 
-    torch reads PYTORCH_ALLOC_CONF first in recent releases and the CUDA-specific name before
-    that; pagekeeper sets both to the same value, and reports the first one that is set.
+
+def read_alloc_settings(env: Mapping[str, str]) -> AllocatorSettings:
+    """The first of ALLOC_CONF_VARS that is set, parsed; ValueError naming it if malformed.
+
+    pagekeeper's operator sets both variables to the same value; a user may set either.
     """
     for var in ALLOC_CONF_VARS:
         text = env.get(var, "").strip()
@@ -49,8 +82,8 @@ def parse_alloc_conf(env: Mapping[str, str]) -> dict[str, str]:
                 if not sep or not key.strip():
                     raise ValueError(f"{var}: cannot parse {item!r} (expected key:value)")
                 options[key.strip()] = value.strip()
-            return options
-    return {}
+            return AllocatorSettings(var, options)
+    return AllocatorSettings("")
 
 
 def largest_free_block(segments: Iterable[Mapping[str, Any]]) -> int:
@@ -99,30 +132,39 @@ class SnapshotSampler:
         return self.value
 
 
-def _snapshot_largest_free(device: torch.device) -> int:
-    return largest_free_block(torch.cuda.memory_snapshot())  # type: ignore[no-untyped-call]
+class PeriodicReader(Generic[T]):
+    """Calls `read` at most once per `interval_s`; `latest` is the newest reading (or None).
 
+    The step loop calls `maybe_read` after every step; only one call a second reaches the
+    allocator, so a step costs one clock read when nothing is due.
+    """
 
-class CudaAllocatorMonitor:
-    """Reads allocator statistics for one device; the snapshot part is rate-limited."""
+    def __init__(
+        self,
+        read: Callable[[], T],
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert interval_s > 0.0, interval_s
+        self._read = read
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next_at = float("-inf")
+        self.latest: T | None = None
+        self.num_reads = 0
 
-    def __init__(self, device: torch.device, max_overhead: float = 0.01) -> None:
-        self.device = device
-        self.sampler = SnapshotSampler(lambda: _snapshot_largest_free(device), max_overhead)
-        self.settings = parse_alloc_conf(os.environ)
+    def maybe_read(self) -> T | None:
+        now = self._clock()
+        if now >= self._next_at:
+            self.latest = self._read()
+            self.num_reads += 1
+            self._next_at = now + self._interval_s
+        return self.latest
 
-    def read(self) -> AllocatorStats:
-        stats = torch.cuda.memory_stats(self.device)
-        return AllocatorStats(
-            reserved=int(stats.get("reserved_bytes.all.current", 0)),
-            allocated=int(stats.get("allocated_bytes.all.current", 0)),
-            largest_free_block=self.sampler.maybe_sample(),
-            num_alloc_retries=int(stats.get("num_alloc_retries", 0)),
-            num_ooms=int(stats.get("num_ooms", 0)),
-        )
-
-    def release_cached(self) -> int:
-        """Return cached, unused segments to CUDA; the bytes of reserved memory released."""
-        before = torch.cuda.memory_reserved(self.device)
-        torch.cuda.empty_cache()
-        return before - torch.cuda.memory_reserved(self.device)
+    def read_now(self) -> T:
+        """Read regardless of the interval (after a defragmentation, say)."""
+        value = self._read()
+        self.latest = value
+        self.num_reads += 1
+        self._next_at = self._clock() + self._interval_s
+        return value

@@ -10,6 +10,7 @@ one max-model-len request or when the GPU has less free memory than this instanc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -21,6 +22,7 @@ FRAGMENTATION_SAFETY_FACTOR = 2.0
 # Never budget less than this for fragmentation, even when the warm-up left nothing cached:
 # one max_split_size-class segment of slack keeps a step's largest temporary allocatable.
 MIN_FRAGMENTATION_BUFFER = 64 * MiB
+CPU_KV_MEMORY_FRACTION = 0.25  # at most this share of host RAM for the KV cache on the CPU
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,12 @@ class MemoryBudget:
     """The decided budget. `terms` is what /metrics exports as pagekeeper_memory_budget_bytes."""
 
     total: int
+    free_at_start: int
     allowed: int
     weights: int
     peak_activations: int
     non_torch: int
+    measured_fragmentation: int  # the warm-up's reserved - allocated, before the safety factor
     fragmentation_buffer: int
     kv_cache: int
     num_blocks: int
@@ -76,10 +80,12 @@ class MemoryBudget:
     def terms(self) -> dict[str, int]:
         return {
             "total": self.total,
+            "free_at_start": self.free_at_start,
             "allowed": self.allowed,
             "weights": self.weights,
             "peak_activations": self.peak_activations,
             "non_torch": self.non_torch,
+            "measured_fragmentation": self.measured_fragmentation,
             "fragmentation_buffer": self.fragmentation_buffer,
             "kv_cache": self.kv_cache,
         }
@@ -115,10 +121,12 @@ def compute_budget(
     num_blocks = max(kv_cache, 0) // layout.bytes_per_block
     budget = MemoryBudget(
         total=measured.total,
+        free_at_start=measured.free_at_start,
         allowed=allowed,
         weights=measured.weights,
         peak_activations=measured.peak_activations,
         non_torch=measured.non_torch,
+        measured_fragmentation=measured.warmup_fragmentation,
         fragmentation_buffer=buffer,
         kv_cache=max(kv_cache, 0),
         num_blocks=num_blocks,
@@ -140,6 +148,38 @@ def compute_budget(
             f"lower --max-model-len or --max-num-batched-tokens ({budget.describe()})"
         )
     return budget
+
+
+def num_cpu_kv_blocks(
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    bytes_per_block: int,
+    host_memory_bytes: int,
+) -> int:
+    """Blocks for a CPU run: every sequence at full length, bounded by a share of host RAM."""
+    wanted = math.ceil(max_num_seqs * max_model_len / block_size)
+    affordable = int(host_memory_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
+    num_blocks = min(wanted, affordable)
+    if num_blocks * block_size < max_model_len:
+        raise MemoryBudgetError(
+            f"the CPU KV cache budget ({affordable} blocks of {bytes_per_block} bytes, "
+            f"{CPU_KV_MEMORY_FRACTION:.0%} of host memory) cannot hold one --max-model-len "
+            f"{max_model_len} request; lower --max-model-len or set --num-gpu-blocks-override"
+        )
+    return num_blocks
+
+
+def check_num_blocks(num_blocks: int, block_size: int, max_model_len: int, source: str) -> int:
+    """`num_blocks` (block 0 being the null block) if they hold one max-model-len request."""
+    num_needed = math.ceil(max_model_len / block_size)
+    if num_blocks - 1 < num_needed:
+        raise MemoryBudgetError(
+            f"{source} {num_blocks} leaves {num_blocks - 1} usable blocks of {block_size} "
+            f"tokens; one --max-model-len {max_model_len} request needs {num_needed}"
+        )
+    return num_blocks
 
 
 def _fmt(num_bytes: int) -> str:

@@ -39,3 +39,26 @@ def write_termination_log(
         logger.warning("could not write the termination message to %s: %s", path, exc)
         return False
     return True
+
+
+# Kinds of out-of-memory event, as `pagekeeper_oom_events_total{kind}` counts them: inside a
+# forward step (recovered by shrinking the step), while copying blocks to or from the swap pool
+# (recovered by a copy that allocates nothing), and at start-up (the process exits).
+OOM_EVENT_KINDS: tuple[str, ...] = ("step", "swap", "startup")
+
+
+class DeviceOutOfMemoryError(RuntimeError):
+    """The device ran out of memory inside one step; what the step allocated has been freed.
+
+    Raised by the model runner in place of `torch.OutOfMemoryError`, so the step loop (which
+    imports no torch) can tell it from other failures and recover.
+    """
+
+    def __init__(self, kind: str, detail: str) -> None:
+        assert kind in OOM_EVENT_KINDS, kind
+        super().__init__(detail)
+        self.kind = kind
+
+
+class EngineOutOfMemoryError(RuntimeError):
+    """Out-of-memory errors repeated past the retry limit: the engine gives up and exits."""

@@ -4,11 +4,17 @@ Parameters are created with `torch.empty` (no init kernels): the loader fills ev
 from a checkpoint or from the dummy generator. Projections that read the same input are fused
 (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so each is one matmul; the loader packs the
 checkpoint's separate tensors into their row slices.
+
+On CUDA the elementwise steps run as fused Triton kernels (`kernels/rms_norm.py`, `rotary.py`,
+`swiglu.py`: one launch each instead of 3-24 torch ops); on the CPU the torch code below is the
+reference they are tested against.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -16,6 +22,15 @@ from torch.nn import functional
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
 from pagekeeper_engine.model.hf_config import RopeScaling
+
+
+@functools.cache
+def _kernel(name: str) -> ModuleType:
+    """The Triton kernel module `name`, imported on first CUDA use: a kernel module fixes
+    interpreted or native mode (`TRITON_INTERPRET`) when it is imported."""
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(f"pagekeeper_engine.kernels.{name}")
 
 
 class Linear(nn.Module):
@@ -46,12 +61,22 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x)
+        """x: (..., dim) -> same shape; on CUDA through a 2-D (rows, dim) view of x."""
+        if not x.is_cuda:
+            return self._norm(x)
+        out: torch.Tensor
+        out, _ = _kernel("rms_norm").rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        return out.view(x.shape)
 
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the new residual stream too."""
+        """x, residual: (T, dim). Returns (norm(x + residual), x + residual): the new residual
+        stream too."""
+        if x.is_cuda:
+            out, summed = _kernel("rms_norm").rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
         summed = x + residual
         return self._norm(summed), summed
 
@@ -98,6 +123,16 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return rotated.to(x.dtype)
 
+    def forward_qk(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). On CUDA one kernel rotates both in place (q and k may be views of
+        the qkv projection's output: v, beside them, is not touched)."""
+        if not q.is_cuda:
+            return self(positions, q), self(positions, k)
+        _kernel("rotary").apply_rotary_(q, k, positions, self.cos, self.sin)
+        return q, k
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one (2I, H) matrix."""
@@ -109,8 +144,13 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
-        out: torch.Tensor = self.down_proj(functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if gate_up.is_cuda:
+            activated: torch.Tensor = _kernel("swiglu").swiglu(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
+            activated = functional.silu(gate) * up
+        out: torch.Tensor = self.down_proj(activated)
         return out
 
 
@@ -162,8 +202,7 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rotary(positions, q)
-        k = self.rotary(positions, k)
+        q, k = self.rotary.forward_qk(positions, q, k)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, H)
         return projected

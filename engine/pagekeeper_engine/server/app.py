@@ -19,7 +19,9 @@ from pydantic import ValidationError
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.core.stats import EngineStats
+from pagekeeper_engine.engine import LoopStats
+from pagekeeper_engine.memory.allocator import AllocatorSettings
+from pagekeeper_engine.server import admin
 from pagekeeper_engine.server import responses as r
 from pagekeeper_engine.server.errors import (
     APIError,
@@ -28,14 +30,14 @@ from pagekeeper_engine.server.errors import (
     from_validation_error,
     read_json_object,
 )
-from pagekeeper_engine.server.metrics import AllocatorStats, EngineCollector, ServerMetrics
+from pagekeeper_engine.server.metrics import EngineCollector, ServerMetrics
 from pagekeeper_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
 )
 from pagekeeper_engine.server.serving import Job, check_prompt, resolve_max_tokens
-from pagekeeper_engine.server.state import ServerState, max_num_in_flight
+from pagekeeper_engine.server.state import ServerState
 from pagekeeper_engine.server.streaming import ChatRenderer, CompletionRenderer, respond
 from pagekeeper_engine.tokenizer import ChatTemplateError
 
@@ -167,6 +169,10 @@ async def ready(request: web.Request) -> web.Response:
     )
 
 
+async def defragment(request: web.Request) -> web.Response:
+    return await admin.defragment(request, request.app[STATE])
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -175,24 +181,25 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(
     config: EngineConfig,
     *,
-    read_allocator: Callable[[], AllocatorStats] | None = None,
     read_budget: Callable[[], Mapping[str, int] | None] | None = None,
+    allocator_settings: AllocatorSettings | None = None,
 ) -> web.Application:
-    """The application, loading until `app[STATE].attach(...)`; hooks feed CUDA-only metrics."""
+    """The application, loading until `app[STATE].attach(...)`; `read_budget` gives the
+    start-up memory budget's terms once measured."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     state: ServerState | None = None
 
-    def read_stats() -> EngineStats | None:
+    def read_stats() -> LoopStats | None:
         return state.read_stats() if state is not None else None
 
     def is_draining() -> bool:
         return state is not None and state.is_draining
 
     collector = EngineCollector(
-        config.model_name, read_stats, is_draining, read_allocator, read_budget
+        config.model_name, read_stats, is_draining, read_budget, allocator_settings
     )
     state = ServerState(
-        config, ServerMetrics(config.model_name, collector), max_num_in_flight(config)
+        config, ServerMetrics(config.model_name, collector), config.max_num_in_flight
     )
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
@@ -201,4 +208,5 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/admin/defragment", defragment)
     return app

@@ -21,11 +21,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    409: "conflict_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_implemented_error",
     503: "service_unavailable_error",
 }
 

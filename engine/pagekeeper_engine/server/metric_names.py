@@ -37,7 +37,16 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     "pagekeeper_allocator_allocated_bytes": ("gauge", ()),
     "pagekeeper_allocator_fragmentation_bytes": ("gauge", ()),  # reserved - allocated
     "pagekeeper_allocator_largest_free_segment_bytes": ("gauge", ()),
+    "pagekeeper_allocator_alloc_retries_total": ("counter", ()),  # cudaMalloc retried after a flush
+    # 1 per process: the allocator configuration in effect (PYTORCH_ALLOC_CONF or the older
+    # PYTORCH_CUDA_ALLOC_CONF; `variable` is "" when neither is set), one label per option.
+    "pagekeeper_allocator_config_info": (
+        "gauge",
+        ("variable", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"),
+    ),
     "pagekeeper_memory_budget_bytes": ("gauge", ("term",)),
+    # tokens per step now: --max-num-batched-tokens, or less while recovering from an OOM
+    "pagekeeper_step_token_budget": ("gauge", ()),
 }
 
 # Exported only where they mean something: the CUDA caching allocator, and a start-up budget
@@ -48,15 +57,16 @@ CUDA_ONLY: Final[frozenset[str]] = frozenset(
         "pagekeeper_allocator_allocated_bytes",
         "pagekeeper_allocator_fragmentation_bytes",
         "pagekeeper_allocator_largest_free_segment_bytes",
+        "pagekeeper_allocator_alloc_retries_total",
         "pagekeeper_memory_budget_bytes",
     }
 )
 
 FINISHED_REASONS: Final[tuple[str, ...]] = ("stop", "length", "abort")
 KV_BLOCK_STATES: Final[tuple[str, ...]] = ("free", "used", "cached")
-# Out-of-memory errors the engine recovers from: inside a forward step on the device, and
-# allocating pinned host memory for swap.
-OOM_KINDS: Final[tuple[str, ...]] = ("device_step", "host_swap")
+# Device out-of-memory events (`memory.oom.OOM_EVENT_KINDS`): inside a forward step and while
+# swapping blocks (both recovered), and at start-up (the process exits; its series stays 0).
+OOM_KINDS: Final[tuple[str, ...]] = ("step", "swap", "startup")
 REJECT_REASONS: Final[tuple[str, ...]] = ("overloaded", "draining", "loading")
 
 

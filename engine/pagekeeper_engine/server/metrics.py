@@ -3,14 +3,14 @@
 Gauges and counters the engine already keeps (`AsyncLLMEngine.stats()`) are read when Prometheus
 scrapes, so no step of the engine loop pays for them. Latency histograms are observed by the
 request handlers, which see each token leave. Allocator figures come from the CUDA caching
-allocator and are absent on the CPU (see `metric_names.CUDA_ONLY`).
+allocator, read by the step loop at most once a second (a scrape never touches the allocator,
+whose lock the model's thread needs), and are absent on the CPU (see `metric_names.CUDA_ONLY`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -22,7 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagekeeper_engine.core.stats import EngineStats
+from pagekeeper_engine.engine import LoopStats
+from pagekeeper_engine.memory.allocator import REPORTED_OPTIONS, AllocatorSettings, AllocatorStats
 from pagekeeper_engine.server.metric_names import (
     FINISHED_REASONS,
     KV_BLOCK_STATES,
@@ -39,60 +40,30 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5, 5.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
-@dataclass(frozen=True)
-class AllocatorStats:
-    """The CUDA caching allocator's view of this process's device memory, in bytes."""
-
-    reserved_bytes: int
-    allocated_bytes: int
-    largest_free_segment_bytes: int
-
-    @property
-    def fragmentation_bytes(self) -> int:
-        return self.reserved_bytes - self.allocated_bytes
-
-
-def read_cuda_allocator_stats(device_index: int | None = None) -> AllocatorStats:
-    """Read the caching allocator; the snapshot walk costs milliseconds, so call it per scrape."""
-    import torch  # noqa: PLC0415  (CUDA only; CPU servers never pay for the import here)
-
-    stats = torch.cuda.memory_stats(device_index)
-    largest = 0
-    for segment in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
-        if device_index is not None and segment.get("device") != device_index:
-            continue
-        # Free bytes inside a segment are split into inactive blocks; the largest one is the
-        # biggest allocation the segment can satisfy without asking the driver for more.
-        for block in segment.get("blocks", []):
-            if block.get("state") == "inactive":
-                largest = max(largest, int(block.get("size", 0)))
-    return AllocatorStats(
-        reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
-        allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
-        largest_free_segment_bytes=largest,
-    )
-
-
 def _desc(name: str) -> str:
     return f"{name} ({METRICS[name][0]})"
 
 
 class EngineCollector(Collector):
-    """Builds the engine's gauges and counters from one `EngineStats` read per scrape."""
+    """Builds the engine's gauges and counters from one `LoopStats` read per scrape.
+
+    `allocator_settings` (the allocator configuration in effect) is exported as an info series
+    whatever the device; `read_budget` gives the start-up budget's terms once measured.
+    """
 
     def __init__(
         self,
         model_name: str,
-        read_stats: Callable[[], EngineStats | None],
+        read_stats: Callable[[], LoopStats | None],
         is_draining: Callable[[], bool],
-        read_allocator: Callable[[], AllocatorStats] | None = None,
         read_budget: Callable[[], Mapping[str, int] | None] | None = None,
+        allocator_settings: AllocatorSettings | None = None,
     ) -> None:
         self._model_name = model_name
         self._read_stats = read_stats
         self._is_draining = is_draining
-        self._read_allocator = read_allocator
         self._read_budget = read_budget
+        self._allocator_settings = allocator_settings
 
     def _gauge(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> Metric:
         extra = dict(labels or {})
@@ -107,11 +78,13 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self._gauge("pagekeeper_drain_state", 1.0 if self._is_draining() else 0.0)
+        if self._allocator_settings is not None:
+            yield self._allocator_info(self._allocator_settings)
         stats = self._read_stats()
         if stats is not None:  # None while the model is still loading
             yield from self._engine_metrics(stats)
-        if self._read_allocator is not None:
-            yield from self._allocator_metrics(self._read_allocator())
+            if stats.allocator is not None:
+                yield from self._allocator_metrics(stats.allocator)
         budget = self._read_budget() if self._read_budget is not None else None
         if budget:
             name = "pagekeeper_memory_budget_bytes"
@@ -120,7 +93,15 @@ class EngineCollector(Collector):
                 family.add_metric([self._model_name, term], num_bytes)
             yield family
 
-    def _engine_metrics(self, stats: EngineStats) -> Iterator[Metric]:
+    def _allocator_info(self, settings: AllocatorSettings) -> Metric:
+        name = "pagekeeper_allocator_config_info"
+        labels = ["model_name", "variable", *REPORTED_OPTIONS]
+        family = GaugeMetricFamily(name, _desc(name), labels=labels)
+        values = [settings.options.get(option, "") for option in REPORTED_OPTIONS]
+        family.add_metric([self._model_name, settings.variable, *values], 1.0)
+        return family
+
+    def _engine_metrics(self, stats: LoopStats) -> Iterator[Metric]:
         yield self._gauge("vllm:num_requests_running", stats.num_running)
         yield self._gauge("vllm:num_requests_waiting", stats.num_waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", stats.kv_cache_usage)
@@ -154,20 +135,22 @@ class EngineCollector(Collector):
 
         name = "pagekeeper_oom_events_total"
         ooms = CounterMetricFamily(name, _desc(name), labels=["model_name", "kind"])
-        # The engine survives some out-of-memory errors; until it counts them, none happened.
-        oom_events: Mapping[str, int] = getattr(stats, "num_oom_events", {})
-        for kind, count in sorted((dict.fromkeys(OOM_KINDS, 0) | dict(oom_events)).items()):
+        # Every kind is present from the start, at 0, so increase() sees the first event.
+        for kind, count in sorted(
+            (dict.fromkeys(OOM_KINDS, 0) | dict(stats.num_oom_events)).items()
+        ):
             ooms.add_metric([self._model_name, kind], count)
         yield ooms
+        yield self._gauge("pagekeeper_step_token_budget", stats.step_token_budget)
 
     def _allocator_metrics(self, allocator: AllocatorStats) -> Iterator[Metric]:
-        yield self._gauge("pagekeeper_allocator_reserved_bytes", allocator.reserved_bytes)
-        yield self._gauge("pagekeeper_allocator_allocated_bytes", allocator.allocated_bytes)
-        yield self._gauge("pagekeeper_allocator_fragmentation_bytes", allocator.fragmentation_bytes)
+        yield self._gauge("pagekeeper_allocator_reserved_bytes", allocator.reserved)
+        yield self._gauge("pagekeeper_allocator_allocated_bytes", allocator.allocated)
+        yield self._gauge("pagekeeper_allocator_fragmentation_bytes", allocator.fragmentation)
         yield self._gauge(
-            "pagekeeper_allocator_largest_free_segment_bytes",
-            allocator.largest_free_segment_bytes,
+            "pagekeeper_allocator_largest_free_segment_bytes", allocator.largest_free_block
         )
+        yield self._counter("pagekeeper_allocator_alloc_retries_total", allocator.num_alloc_retries)
 
 
 class ServerMetrics:

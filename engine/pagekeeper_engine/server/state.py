@@ -14,14 +14,11 @@ from dataclasses import dataclass, field
 
 from pagekeeper_engine.async_engine import AsyncLLMEngine
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.stats import EngineStats
+from pagekeeper_engine.engine import LoopStats
 from pagekeeper_engine.server.errors import APIError
 from pagekeeper_engine.server.metrics import ServerMetrics
 from pagekeeper_engine.tokenizer import Tokenizer
 
-# Sequences that may wait beyond the running ones, per running slot. Larger than the queue
-# backlog alert's ratio (waiting > 3 x running), so the alert can fire before 429s start.
-WAITING_PER_RUNNING_SLOT = 8
 RETRY_AFTER_OVERLOADED_S = 1.0
 RETRY_AFTER_LOADING_S = 10.0
 RETRY_AFTER_DRAINING_S = 5.0  # time for the load balancer to drop this endpoint
@@ -31,11 +28,6 @@ class Phase(enum.Enum):
     LOADING = "loading"
     SERVING = "serving"
     DRAINING = "draining"
-
-
-def max_num_in_flight(config: EngineConfig) -> int:
-    """Sequences admitted at once: the running slots plus a bounded waiting queue."""
-    return config.max_num_seqs * (1 + WAITING_PER_RUNNING_SLOT)
 
 
 @dataclass
@@ -84,7 +76,7 @@ class ServerState:
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING and self.is_alive
 
-    def read_stats(self) -> EngineStats | None:
+    def read_stats(self) -> LoopStats | None:
         return self.engine.stats() if self.engine is not None else None
 
     def require_serving(self) -> tuple[AsyncLLMEngine, Tokenizer]:

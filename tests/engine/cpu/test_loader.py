@@ -18,7 +18,7 @@ from pagekeeper_engine.model.hf_config import (
 )
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import ProgressBar, load_model, resolve_dtype
-from tests.engine.cpu.test_model_vs_hf import write_checkpoint
+from tests.engine.checkpoints import write_checkpoint
 
 BASE: dict[str, Any] = {
     "model_type": "llama",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagekeeper_engine.memory.allocator import SnapshotSampler, largest_free_block, parse_alloc_conf
+from pagekeeper_engine.memory.allocator import (
+    AllocatorSettings,
+    PeriodicReader,
+    SnapshotSampler,
+    largest_free_block,
+    parse_alloc_conf,
+    read_alloc_settings,
+)
 from pagekeeper_engine.memory.budget import (
     MIN_FRAGMENTATION_BUFFER,
     GiB,
@@ -12,8 +19,10 @@ from pagekeeper_engine.memory.budget import (
     MemoryBudgetError,
     MemoryMeasurements,
     MiB,
+    check_num_blocks,
     compute_budget,
     fragmentation_buffer,
+    num_cpu_kv_blocks,
 )
 
 # Llama-3.1-8B on an 80 GiB card: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks.
@@ -43,10 +52,12 @@ def test_budget_subtracts_every_term() -> None:
     assert budget.num_blocks == kv // (2 * MiB) == 27_292
     assert budget.terms == {
         "total": 80 * GiB,
+        "free_at_start": 79 * GiB,
         "allowed": allowed,
         "weights": 15 * GiB,
         "peak_activations": 3 * GiB,
         "non_torch": 512 * MiB,
+        "measured_fragmentation": 100 * MiB,
         "fragmentation_buffer": buffer,
         "kv_cache": kv,
     }
@@ -76,6 +87,8 @@ def test_refuses_when_one_request_cannot_fit_and_names_every_term() -> None:
     assert "needs 8192" in message
     for term in (
         "total=",
+        "free_at_start=",
+        "measured_fragmentation=",
         "allowed=",
         "weights=",
         "peak_activations=",
@@ -90,6 +103,57 @@ def test_refuses_when_the_gpu_has_less_free_than_asked() -> None:
     shared = MemoryMeasurements(**{**MEASURED.__dict__, "free_at_start": 40 * GiB})
     with pytest.raises(MemoryBudgetError, match=r"has 40\.00 GiB free but"):
         compute_budget(shared, LAYOUT, 0.9, "auto", max_model_len=8192)
+
+
+def test_alloc_settings_name_the_variable_torch_reads() -> None:
+    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": "x:1"}
+    settings = read_alloc_settings(both)
+    assert settings == AllocatorSettings("PYTORCH_ALLOC_CONF", {"expandable_segments": "True"})
+    assert settings.describe() == "PYTORCH_ALLOC_CONF=expandable_segments:True"
+    assert read_alloc_settings({"PYTORCH_CUDA_ALLOC_CONF": " max_split_size_mb: 512 "}) == (
+        AllocatorSettings("PYTORCH_CUDA_ALLOC_CONF", {"max_split_size_mb": "512"})
+    )
+    assert read_alloc_settings({}).describe() == (
+        "PyTorch defaults (neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF set)"
+    )
+
+
+def test_periodic_reader_reads_at_most_once_per_interval() -> None:
+    now = [100.0]
+    reader = PeriodicReader(lambda: now[0], interval_s=1.0, clock=lambda: now[0])
+    assert reader.latest is None
+    assert reader.maybe_read() == 100.0
+    now[0] = 100.9
+    assert reader.maybe_read() == 100.0  # not due: the old reading
+    now[0] = 101.0
+    assert reader.maybe_read() == 101.0
+    now[0] = 101.2
+    assert reader.read_now() == 101.2  # forced, and the next is due a second after it
+    now[0] = 102.1
+    assert reader.maybe_read() == 101.2
+    assert reader.num_reads == 3
+
+
+def test_cpu_kv_blocks_and_overrides_must_hold_one_request() -> None:
+    fields = {"block_size": 16, "bytes_per_block": 1000}
+    assert (
+        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=100, host_memory_bytes=10**9, **fields)
+        == 25
+    )
+    # Bounded by a quarter of host memory: 40 blocks of 1000 bytes.
+    assert (
+        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=600, host_memory_bytes=160_000, **fields)
+        == 40
+    )
+    with pytest.raises(MemoryBudgetError, match="cannot hold one --max-model-len 700"):
+        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=700, host_memory_bytes=160_000, **fields)
+    assert check_num_blocks(9, 8, 64, "--num-gpu-blocks-override") == 9
+    with pytest.raises(MemoryBudgetError) as err:
+        check_num_blocks(8, 8, 64, "--num-gpu-blocks-override")
+    assert str(err.value) == (
+        "--num-gpu-blocks-override 8 leaves 7 usable blocks of 8 tokens; "
+        "one --max-model-len 64 request needs 8"
+    )
 
 
 def test_alloc_conf_prefers_the_first_variable_set() -> None:

@@ -13,13 +13,8 @@ from pagekeeper_engine.config import (
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.model.hf_config import load_model_config
-from pagekeeper_engine.runner import (
-    ModelRunner,
-    kv_bytes_per_block,
-    num_cpu_kv_blocks,
-    resolve_max_model_len,
-)
-from tests.engine.cpu.test_model_vs_hf import make_runner, seq, tokens, write_checkpoint
+from pagekeeper_engine.runner import ModelRunner, kv_bytes_per_block, resolve_max_model_len
+from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +49,6 @@ def test_swap_space_sets_cpu_blocks(checkpoint: Path) -> None:
         checkpoint, swap_space=5.5 * per_block / 2**30, num_cpu_blocks_override=None
     )
     assert runner.num_cpu_blocks == 5
-
-
-def test_cpu_block_budget() -> None:
-    fields = {"block_size": 16, "bytes_per_block": 1000}
-    assert (
-        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=100, host_memory_bytes=10**9, **fields)
-        == 25
-    )
-    # Bounded by a quarter of host memory: 40 blocks of 1000 bytes.
-    assert (
-        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=600, host_memory_bytes=160_000, **fields)
-        == 40
-    )
-    with pytest.raises(ValueError, match="cannot hold one --max-model-len 700"):
-        num_cpu_kv_blocks(max_num_seqs=4, max_model_len=700, host_memory_bytes=160_000, **fields)
 
 
 def test_limits_resolved_from_config_and_flags(checkpoint: Path) -> None:

@@ -1,8 +1,8 @@
 """A tiny Llama checkpoint with a character-level tokenizer and a chat template.
 
-The model is the CPU model tests' random-weight Llama (`make_hf_model`), saved with
-`save_pretrained`; the tokenizer maps each character to one token, so any ASCII text encodes
-and the expected text of a generation is easy to compute. `greedy_reference` is the plain
+The model is the shared random-weight Llama (`tests.engine.checkpoints.make_hf_model`), saved
+with `save_pretrained`; the tokenizer maps each character to one token, so any ASCII text
+encodes and the expected text of a generation is easy to compute. `greedy_reference` is the plain
 transformers forward, for exact comparisons with what the server returns.
 """
 
@@ -17,7 +17,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import PreTrainedModel
 
-from tests.engine.cpu.test_model_vs_hf import make_hf_model
+from tests.engine.checkpoints import make_hf_model
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 BOS_ID, EOS_ID = 1, 2

@@ -7,31 +7,27 @@ from typing import Any
 
 import pytest
 import requests
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekeeper_engine.core.stats import EngineStats
-from pagekeeper_engine.server.metric_names import CUDA_ONLY, METRICS, family_name
-from pagekeeper_engine.server.metrics import (
-    AllocatorStats,
-    EngineCollector,
-    RequestTimer,
-    ServerMetrics,
-    read_cuda_allocator_stats,
-)
+from pagekeeper_engine.engine import LoopStats
+from pagekeeper_engine.memory.allocator import AllocatorSettings, AllocatorStats
+from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
+from pagekeeper_engine.server.metric_names import CUDA_ONLY, METRICS, OOM_KINDS, family_name
+from pagekeeper_engine.server.metrics import EngineCollector, RequestTimer, ServerMetrics
 from tests.engine.server.checkpoint import encode
 from tests.engine.server.conftest import MODEL_NAME, Server
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def make_stats(**overrides: Any) -> EngineStats:
-    values: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+def make_stats(**overrides: Any) -> LoopStats:
+    values: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(LoopStats)}
     values["kv_cache_usage"] = 0.0
     values["kv_internal_fragmentation"] = 0.0
-    del values["num_requests_success"]
+    for defaulted in ("num_requests_success", "num_oom_events", "allocator"):
+        del values[defaulted]
     values.update(overrides)
-    return EngineStats(**values)
+    return LoopStats(**values)
 
 
 def parse(text: str) -> tuple[dict[str, str], Samples]:
@@ -56,6 +52,7 @@ def test_collector_exports_engine_stats_exactly() -> None:
         kv_internal_fragmentation=0.125, num_swap_blocks_used=4, prefix_cache_queries=90,
         prefix_cache_hits=40, num_preemptions=2, num_prompt_tokens=500,
         num_generation_tokens=800, num_requests_success={"stop": 5, "length": 6, "abort": 1},
+        num_oom_events={"step": 3, "swap": 1, "startup": 0}, step_token_budget=2048,
     )  # fmt: skip
     collector = EngineCollector("m", lambda: stats, lambda: True)
     types, samples = parse(ServerMetrics("m", collector).render().decode())
@@ -78,42 +75,83 @@ def test_collector_exports_engine_stats_exactly() -> None:
         ("pagekeeper_kv_blocks", label("m", state="cached")): 10.0,
         ("pagekeeper_kv_internal_fragmentation_ratio", label("m")): 0.125,
         ("pagekeeper_swap_blocks_used", label("m")): 4.0,
-        ("pagekeeper_oom_events_total", label("m", kind="device_step")): 0.0,
-        ("pagekeeper_oom_events_total", label("m", kind="host_swap")): 0.0,
+        ("pagekeeper_oom_events_total", label("m", kind="step")): 3.0,
+        ("pagekeeper_oom_events_total", label("m", kind="swap")): 1.0,
+        ("pagekeeper_oom_events_total", label("m", kind="startup")): 0.0,
+        ("pagekeeper_step_token_budget", label("m")): 2048.0,
     }
     assert {k: samples[k] for k in expected} == expected
-    # No allocator on this collector: those series are absent, not zero.
+    # No allocator reading and no budget: those series are absent, not zero.
     assert not CUDA_ONLY & set(types)
     for name, (kind, _) in METRICS.items():
-        if name not in CUDA_ONLY:
+        if name not in CUDA_ONLY and name != "pagekeeper_allocator_config_info":
             assert types[family_name(name)] == kind, name
 
 
-def test_allocator_and_budget_hooks() -> None:
+def test_allocator_reading_budget_and_allocator_settings() -> None:
     allocator = AllocatorStats(
-        reserved_bytes=1000, allocated_bytes=700, largest_free_segment_bytes=200
+        reserved=1000, allocated=700, largest_free_block=200, num_alloc_retries=2, num_ooms=0
+    )
+    stats = make_stats(allocator=allocator, step_token_budget=64)
+    settings = AllocatorSettings(
+        "PYTORCH_CUDA_ALLOC_CONF", {"expandable_segments": "True", "other": "1"}
     )
     collector = EngineCollector(
-        "m",
-        lambda: None,
-        lambda: False,
-        lambda: allocator,
-        lambda: {"weights": 10, "kv_cache": 20},
+        "m", lambda: stats, lambda: False, lambda: {"weights": 10, "kv_cache": 20}, settings
     )
     types, samples = parse(ServerMetrics("m", collector).render().decode())
-    assert {k: v for k, v in samples.items() if k[0].startswith("pagekeeper_")} == {
-        ("pagekeeper_drain_state", label("m")): 0.0,
+    wanted = {
+        k: v
+        for k, v in samples.items()
+        if k[0].startswith(("pagekeeper_allocator", "pagekeeper_memory"))
+    }
+    assert wanted == {
         ("pagekeeper_allocator_reserved_bytes", label("m")): 1000.0,
         ("pagekeeper_allocator_allocated_bytes", label("m")): 700.0,
         ("pagekeeper_allocator_fragmentation_bytes", label("m")): 300.0,
         ("pagekeeper_allocator_largest_free_segment_bytes", label("m")): 200.0,
+        ("pagekeeper_allocator_alloc_retries_total", label("m")): 2.0,
+        (
+            "pagekeeper_allocator_config_info",
+            label(
+                "m",
+                variable="PYTORCH_CUDA_ALLOC_CONF",
+                expandable_segments="True",
+                garbage_collection_threshold="",
+                max_split_size_mb="",
+            ),
+        ): 1.0,
         ("pagekeeper_memory_budget_bytes", label("m", term="kv_cache")): 20.0,
         ("pagekeeper_memory_budget_bytes", label("m", term="weights")): 10.0,
+    }
+    for name, (kind, _) in METRICS.items():
+        assert types[family_name(name)] == kind, name
+
+
+def test_loading_exports_only_drain_state_rejections_and_settings() -> None:
+    collector = EngineCollector("m", lambda: None, lambda: False, None, AllocatorSettings(""))
+    types, samples = parse(ServerMetrics("m", collector).render().decode())
+    assert {k: v for k, v in samples.items() if k[0].startswith("pagekeeper_")} == {
+        ("pagekeeper_drain_state", label("m")): 0.0,
+        (
+            "pagekeeper_allocator_config_info",
+            label(
+                "m",
+                variable="",
+                expandable_segments="",
+                garbage_collection_threshold="",
+                max_split_size_mb="",
+            ),
+        ): 1.0,
         ("pagekeeper_requests_rejected_total", label("m", reason="overloaded")): 0.0,
         ("pagekeeper_requests_rejected_total", label("m", reason="draining")): 0.0,
         ("pagekeeper_requests_rejected_total", label("m", reason="loading")): 0.0,
     }
     assert "vllm:num_requests_running" not in types  # no engine yet: loading
+
+
+def test_oom_kinds_of_the_contract_are_the_engines() -> None:
+    assert OOM_KINDS == OOM_EVENT_KINDS == ("step", "swap", "startup")
 
 
 def test_request_timer_observes_each_token() -> None:
@@ -194,21 +232,3 @@ def test_live_counters_move_by_one_request(server: Server) -> None:
 def test_probes_while_serving(server: Server, path: str) -> None:
     response = requests.get(f"{server.url}{path}", timeout=10)
     assert response.status_code == 200
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_allocator_stats_read_the_caching_allocator() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = read_cuda_allocator_stats()
-    # 3 MiB lands in the large pool, which reserves a 20 MiB segment for requests of 1-10 MiB:
-    # 17 MiB of it stay reserved but unallocated, in one free block.
-    block = torch.empty(3 * 2**20, dtype=torch.uint8, device="cuda")
-    after = read_cuda_allocator_stats()
-    assert after.reserved_bytes - before.reserved_bytes == 20 * 2**20
-    assert after.allocated_bytes - before.allocated_bytes == 3 * 2**20
-    assert after.fragmentation_bytes == after.reserved_bytes - after.allocated_bytes
-    assert after.largest_free_segment_bytes >= 17 * 2**20
-    assert after.largest_free_segment_bytes <= after.fragmentation_bytes
-    del block

@@ -1,0 +1,296 @@
+"""A step's input tensors in one static buffer, and CUDA graphs of decode steps that read them.
+
+Packing (`StepInputBuilder`): every index tensor of a step (input ids, positions, slots, query
+start offsets, sequence lengths, block tables, sampled rows) is computed with numpy, written into
+one pinned host buffer and moved to the device in a single copy, into a device buffer that is
+reused every step. Each field is a typed view at an offset that depends only on the step's
+(rows, sequences, block-table width), so a decode step padded to a captured batch size lands at
+exactly the addresses its graph was captured with.
+
+Graphs (`DecodeGraphs`): the model's forward for decode-only batches of the captured sizes,
+recorded once after the KV cache is bound, in one private memory pool, largest first so the
+smaller graphs reuse its memory. Padding rows write no KV (slot -1) and attend to one token of
+block 0, which the block pool never hands out. The decode kernel's split count is fixed at
+capture by `choose_num_splits` at `max_model_len`; the kernel derives each split's range from the
+sequence's own length, so the graph is valid at any length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from pagekeeper_engine.attention.base import AttentionMetadata
+from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
+
+
+@dataclass
+class StepInputs:
+    """The packed tensors of one step, on the runner's device."""
+
+    input_ids: torch.Tensor  # (T,) int64; T includes padding rows of a graph batch
+    positions: torch.Tensor  # (T,) int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # (N,) int64: rows of the hidden states to compute logits for
+    sampled_seqs: list[int]  # (N,) index into the step's seqs of each sampled row
+    graph_batch: int | None = None  # the captured batch size this step was padded to
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs, and max_num_seqs itself: a
+    batch pads by at most 15 rows beyond 8."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 16))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def _layout(num_rows: int, num_seqs: int, width: int, num_sampled: int) -> dict[str, int]:
+    """Byte offset of each field, and the total under "end". Fields a graph reads come first;
+    sample_indices, whose count varies at a fixed graph shape, last."""
+    sizes = {
+        "input_ids": 8 * num_rows,
+        "positions": 8 * num_rows,
+        "slot_mapping": 8 * num_rows,
+        "query_start_loc": 4 * (num_seqs + 1),
+        "seq_lens": 4 * num_seqs,
+        "block_tables": 4 * num_seqs * width,
+        "sample_indices": 8 * num_sampled,
+    }
+    offsets, end = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = end
+        end += -(-size // _ALIGN) * _ALIGN
+    offsets["end"] = end
+    return offsets
+
+
+class StepInputBuilder:
+    """Packs scheduled sequences into a step's tensors with one host-to-device copy.
+
+    The device buffer is overwritten by the next step's copy (stream-ordered after this step's
+    kernels), so a step's tensors are valid until the next `build` on CUDA; on the CPU each step
+    gets fresh tensors.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+    ):
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_width = -(-max_model_len // block_size)  # block-table columns of a graph step
+        max_rows = max(max_num_tokens, max_num_seqs)  # a padded graph step has max_num_seqs
+        self.capacity = _layout(max_rows, max_num_seqs, self.max_width, max_num_seqs)["end"]
+        is_cuda = device.type == "cuda"
+        self._staging = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=is_cuda)
+        self._device_buffer = (
+            torch.empty(self.capacity, dtype=torch.uint8, device=device) if is_cuda else None
+        )
+        # the last copy out of staging
+        self._staged = torch.cuda.Event() if is_cuda else None  # type: ignore[no-untyped-call]
+
+    def build(self, seqs: Sequence[ScheduledSeq], pad_to: int | None = None) -> StepInputs:
+        """Pack `seqs` (decodes first). With `pad_to`, the seqs are all one-token decodes and
+        the step is padded to that many rows at the full block-table width, for a graph."""
+        bs = self.block_size
+        num_seqs = len(seqs)
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, num_seqs)
+        num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, num_seqs)
+        ends = starts + num_tokens
+        self._check(seqs, num_tokens, ends, num_blocks)
+        total = int(num_tokens.sum())
+        if pad_to is None:
+            rows, padded_seqs, width = total, num_seqs, int(num_blocks.max())
+        else:
+            assert total == num_seqs <= pad_to, "a graph step holds one-token decodes only"
+            rows, padded_seqs, width = pad_to, pad_to, self.max_width
+
+        query_start_loc = np.arange(padded_seqs + 1, dtype=np.int32) + (total - num_seqs)
+        query_start_loc[: num_seqs + 1] = 0
+        np.cumsum(num_tokens, out=query_start_loc[1 : num_seqs + 1], dtype=np.int32)
+        seq_lens = np.ones(padded_seqs, dtype=np.int32)  # padding rows attend to one token
+        seq_lens[:num_seqs] = ends
+        block_tables = np.zeros((padded_seqs, width), dtype=np.int32)
+        has_block = np.arange(width)[None, :] < num_blocks[:, None]  # (num_seqs, width)
+        block_tables[:num_seqs][has_block] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(has_block.sum())
+        )
+        token_seq = np.repeat(np.arange(num_seqs), num_tokens)  # (total,) row -> its sequence
+        positions = np.zeros(rows, dtype=np.int64)
+        positions[:total] = np.arange(total) - query_start_loc[token_seq] + starts[token_seq]
+        real_positions = positions[:total]
+        input_ids = np.zeros(rows, dtype=np.int64)
+        input_ids[:total] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, total
+        )
+        slot_mapping = np.full(rows, -1, dtype=np.int64)  # -1: a padding row stores no KV
+        slot_mapping[:total] = (
+            block_tables[token_seq, real_positions // bs].astype(np.int64) * bs
+            + real_positions % bs
+        )
+        needs_sample = np.fromiter((s.needs_sample for s in seqs), np.bool_, num_seqs)
+        sampled_seqs = np.flatnonzero(needs_sample)
+        sample_indices = query_start_loc[1 : num_seqs + 1][sampled_seqs].astype(np.int64) - 1
+
+        arrays: dict[str, np.ndarray] = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+            "block_tables": block_tables,
+            "sample_indices": sample_indices,
+        }
+        views = self._upload(arrays, _layout(rows, padded_seqs, width, len(sampled_seqs)))
+        is_one = num_tokens == 1
+        num_decode_seqs = num_seqs if is_one.all() else int(is_one.argmin())
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"].view(padded_seqs, width),
+            max_query_len=int(num_tokens.max(initial=1)),
+            max_seq_len=int(ends.max(initial=1)),
+            num_decode_seqs=num_decode_seqs if pad_to is None else pad_to,
+        )
+        return StepInputs(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            meta=meta,
+            sample_indices=views["sample_indices"],
+            sampled_seqs=sampled_seqs.tolist(),
+            graph_batch=pad_to,
+        )
+
+    def _check(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        num_tokens: np.ndarray,
+        ends: np.ndarray,
+        num_blocks: np.ndarray,
+    ) -> None:
+        is_bad = (
+            (num_tokens <= 0) | (ends > self.max_model_len) | (num_blocks * self.block_size < ends)
+        )
+        if is_bad.any():
+            seq = seqs[int(is_bad.argmax())]
+            raise AssertionError(
+                f"{seq.request_id}: {seq.num_tokens} tokens from {seq.start_pos} with "
+                f"{len(seq.block_ids)} blocks of {self.block_size} (max_model_len "
+                f"{self.max_model_len}): empty, too long or a block table too short"
+            )
+
+    def _upload(
+        self, arrays: dict[str, np.ndarray], layout: dict[str, int]
+    ) -> dict[str, torch.Tensor]:
+        """Write the fields into host memory, copy once, and return typed device views."""
+        end = layout["end"]
+        fits = end <= self.capacity
+        if self._staged is not None and fits:
+            self._staged.synchronize()  # the previous copy has left the staging buffer
+        host = self._staging if fits else torch.empty(end, dtype=torch.uint8)
+        host_bytes = host.numpy()
+        for name, array in arrays.items():
+            start = layout[name]
+            host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
+        if self._device_buffer is None:
+            buffer = host[:end].clone()  # CPU: fresh tensors every step
+        elif fits:
+            buffer = self._device_buffer
+            buffer[:end].copy_(host[:end], non_blocking=True)
+            assert self._staged is not None
+            self._staged.record()
+        else:  # a step larger than the sizes the buffer was made for (a profiling pass)
+            buffer = host[:end].pin_memory().to(self.device, non_blocking=True)
+        views = {}
+        for name, array in arrays.items():
+            start = layout[name]
+            dtype = torch.int64 if array.dtype == np.int64 else torch.int32
+            views[name] = buffer[start : start + array.nbytes].view(dtype)
+        return views
+
+
+class DecodeGraphs:
+    """Captured decode forwards, one per batch size, replayed over the builder's buffers."""
+
+    def __init__(self, model: CausalLM, builder: StepInputBuilder, batch_sizes: list[int]):
+        self.model = model
+        self.builder = builder
+        self.batch_sizes = sorted(batch_sizes)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool_bytes = 0
+        self.capture_seconds = 0.0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one graph per batch size; the model's KV cache must be bound."""
+        started = time.perf_counter()
+        device = self.builder.device
+        torch.cuda.empty_cache()  # so the reserved bytes below count the graphs' pool alone
+        reserved_before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.batch_sizes):
+            step = self.builder.build([], pad_to=batch)
+            # Splits chosen for the longest sequence a graph may meet; fixed from here on.
+            meta = replace(step.meta, max_seq_len=self.builder.max_model_len)
+            self.model(step.input_ids, step.positions, meta)  # compiles this shape's kernels
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(step.input_ids, step.positions, meta)  # (batch, H)
+            self._graphs[batch] = (graph, hidden)
+        for batch, (graph, _) in self._graphs.items():
+            # The first replay uploads the graph to the device: pay it here, not in a step. The
+            # padding inputs are rebuilt first, so no KV slot is written.
+            self.builder.build([], pad_to=batch)
+            graph.replay()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up runs' cached blocks; the private pool stays
+        # The private pool's memory, held for as long as the graphs live.
+        self.pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        self.capture_seconds = time.perf_counter() - started
+        logger.info(
+            "captured %d decode graphs (batch %d..%d) in %.1f s, %.1f MiB held",
+            len(self._graphs),
+            self.batch_sizes[0],
+            self.batch_sizes[-1],
+            self.capture_seconds,
+            self.pool_bytes / 2**20,
+        )
+
+    def batch_size_for(self, seqs: Sequence[ScheduledSeq]) -> int | None:
+        """The captured size to pad a decode-only step to; None runs the step eagerly."""
+        if not self._graphs or any(s.num_tokens != 1 for s in seqs):
+            return None
+        for batch in self.batch_sizes:
+            if batch >= len(seqs):
+                return batch
+        return None
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Hidden states (rows, H) of the step: replayed when it was padded for a graph."""
+        if step.graph_batch is None:
+            hidden: torch.Tensor = self.model(step.input_ids, step.positions, step.meta)
+            return hidden
+        graph, hidden = self._graphs[step.graph_batch]
+        graph.replay()
+        return hidden

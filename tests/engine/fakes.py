@@ -1,0 +1,150 @@
+"""A fake model runner that reads its KV cache back, and helpers to drive `LLMEngine` with it.
+
+`PagedFakeRunner` stores token ids where a model stores keys and values (one slot per token,
+addressed through the block tables, swapped through its own CPU pool) and samples a pure
+function of the history it reads back. A wrong block id, a stale prefix-cache hit or a lost
+swap changes the tokens that follow. `oom_at_steps` injects device out-of-memory errors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
+from pagekeeper_engine.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.scheduler import SchedulerConfig
+from pagekeeper_engine.engine import AllocatorMonitorProtocol, LLMEngine
+from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # token id -> one character
+EOS = len(ALPHABET) - 1  # "N"
+BS = 4
+
+
+class CharTokenizer:
+    eos_token_ids = frozenset({EOS})
+    vocab_size = len(ALPHABET)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ALPHABET.index(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(ALPHABET[i] for i in ids)
+
+
+def next_token(history: list[int]) -> int:
+    """The fake model: a pure function of the whole token history; never EOS."""
+    return (sum(history) * 7 + len(history)) % EOS
+
+
+def rollout(prompt: list[int], num_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class PagedFakeRunner:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        script: dict[str, list[int]] | None = None,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.gpu: list[list[int | None]] = [[None] * BS for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * BS for _ in range(num_cpu_blocks)]
+        self.script = script
+        self.step_delay_s = step_delay_s
+        self.fail_next = False
+        self.oom_at_steps: set[int] = set()  # calls of execute (0-based) that run out of memory
+        self.num_calls = 0
+        self.num_swap_ooms = 0
+        self.allocator_monitor: AllocatorMonitorProtocol | None = None
+        self.num_batched_tokens: list[int] = []
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        call = self.num_calls
+        self.num_calls += 1
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device fell over")
+        if call in self.oom_at_steps:
+            raise DeviceOutOfMemoryError("step", f"injected at call {call}")
+        time.sleep(self.step_delay_s)
+        assert not (out.blocks_to_swap_out and out.blocks_to_swap_in)
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = list(self.gpu[gpu])
+        for cpu, gpu in out.blocks_to_swap_in:
+            self.gpu[gpu] = list(self.cpu[cpu])
+        self.num_batched_tokens.append(out.num_batched_tokens)
+        tokens: list[int | None] = []
+        for s in out.seqs:
+            assert NULL_BLOCK_ID not in s.block_ids
+            for offset, token in enumerate(s.token_ids):
+                pos = s.start_pos + offset
+                self.gpu[s.block_ids[pos // BS]][pos % BS] = token
+            if not s.needs_sample:
+                tokens.append(None)
+                continue
+            end = s.start_pos + s.num_tokens
+            history = [self.gpu[s.block_ids[p // BS]][p % BS] for p in range(end)]
+            assert None not in history, f"{s.request_id} read an unwritten slot"
+            if self.script is not None:
+                tokens.append(self.script[s.request_id][s.num_output_tokens])
+            else:
+                tokens.append(next_token([t for t in history if t is not None]))
+        logprobs = [None if t is None else -t / 100 for t in tokens]
+        return RunnerOutput(tokens, logprobs)
+
+
+def make_engine(
+    num_gpu_blocks: int = 256,
+    num_cpu_blocks: int = 0,
+    budget: int = 64,
+    chunked: bool = True,
+    prefix: bool = True,
+    max_model_len: int = 128,
+    min_swap_tokens: int = 512,
+    script: dict[str, list[int]] | None = None,
+    step_delay_s: float = 0.0,
+    max_consecutive_ooms: int = 8,
+    runner: PagedFakeRunner | None = None,
+) -> tuple[LLMEngine, PagedFakeRunner]:
+    config = EngineConfig(
+        model="fake",
+        block_size=BS,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_consecutive_ooms=max_consecutive_ooms,
+    )
+    sched_config = replace(
+        SchedulerConfig.from_engine_config(config), min_swap_tokens=min_swap_tokens
+    )
+    if runner is None:
+        runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script, step_delay_s)
+    return LLMEngine(config, runner, CharTokenizer(), sched_config), runner
+
+
+def run_all(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(5000):
+        if not engine.has_work():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not finish within 5000 steps")
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for out in outs for t in out.new_token_ids]
+
+
+def text_of(outs: list[RequestOutput]) -> str:
+    return "".join(out.new_text for out in outs)

@@ -1,0 +1,57 @@
+"""The allocator readings and the start-up profile on a real GPU (skipped without one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
+from tests.engine.checkpoints import make_runner, write_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_monitor_reads_the_caching_allocator_and_releases_its_cache() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    monitor = CudaAllocatorMonitor(device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = monitor.read()
+    # 3 MiB lands in the large pool, which reserves a 20 MiB segment for requests of 1-10 MiB:
+    # 17 MiB of it stay reserved but unallocated, in one free block.
+    block = torch.empty(3 * 2**20, dtype=torch.uint8, device=device)
+    monitor.sampler._next_at = float("-inf")  # take a snapshot now
+    after = monitor.read()
+    assert after.reserved - before.reserved == 20 * 2**20
+    assert after.allocated - before.allocated == 3 * 2**20
+    assert 17 * 2**20 <= after.largest_free_block <= after.fragmentation
+    del block
+    assert monitor.release_cached() >= 20 * 2**20
+
+
+def test_budget_on_the_gpu_names_every_term(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, "llama")
+    runner = make_runner(
+        tmp_path,
+        device="cuda",
+        dtype="bfloat16",
+        num_gpu_blocks_override=None,
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=256,
+    )
+    budget = runner.memory_budget
+    assert budget is not None and runner.memory_budget_bytes == budget.terms
+    assert runner.num_gpu_blocks == budget.num_blocks > 0
+    assert budget.kv_cache == (
+        budget.allowed
+        - budget.weights
+        - budget.peak_activations
+        - budget.non_torch
+        - budget.fragmentation_buffer
+    )
+    assert budget.weights > 0 and budget.peak_activations > 0

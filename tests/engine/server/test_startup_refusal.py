@@ -1,0 +1,39 @@
+"""A KV cache that cannot hold one max-model-len request: the server refuses to start, says why
+in its log and in the termination message the operator reads, and exits 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.engine.server.conftest import REPO_ROOT, Checkpoint
+from tests.support.processes import free_port
+
+
+def test_server_refuses_a_budget_that_cannot_hold_one_request(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    termination_log = tmp_path / "termination-log"
+    argv = [
+        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(checkpoint.path),
+        "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+        "--port", str(free_port()), "--block-size", "8", "--max-model-len", "64",
+        "--num-gpu-blocks-override", "8", "--num-cpu-blocks-override", "0",
+        "--termination-log-path", str(termination_log),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
+    reason = (
+        "--num-gpu-blocks-override 8 leaves 7 usable blocks of 8 tokens; "
+        "one --max-model-len 64 request needs 8"
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert termination_log.read_text() == (
+        f"pagekeeper-oom kind=host phase=startup detail={reason}\n"
+    )
+    assert f"exiting: out of memory at startup: {reason}" in result.stderr
+    assert "CUDA caching allocator: PYTORCH_ALLOC_CONF=expandable_segments:True" in result.stderr
