@@ -1,6 +1,8 @@
 """kopf handlers for LLMServer: thin wrappers over `reconcile` (render -> plan -> apply).
 
-- create / update / resume / a periodic resync: reconcile, then write status if it changed.
+- create / update / resume: reconcile, then write status if it changed.
+- every LLMServer event: keep the registry that the periodic resync (`resync.py`) walks; no
+  kopf timer, because a timer would put a finalizer on every server.
 - events of our Deployments: recompute status (replicas ready, rollout progress).
 - delete: nothing to do; owner references let the garbage collector remove the children,
   so deletion never waits on the operator.
@@ -8,6 +10,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -20,6 +24,7 @@ from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import serve_metrics
 from pagekeeper_operator.reconcile import reconcile, refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
+from pagekeeper_operator.resync import ServerRegistry, resync_forever, server_reconciler
 from pagekeeper_operator.settings import load_settings
 
 SETTINGS = load_settings()
@@ -58,6 +63,25 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         serve_metrics(SETTINGS.metrics_port)
 
 
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    registry = ServerRegistry()
+    memo["servers"] = registry
+    reconciler = server_reconciler(_kube(memo), SETTINGS.default_images)
+    memo["resync_task"] = asyncio.create_task(
+        resync_forever(registry, reconciler, SETTINGS.resync_seconds)
+    )
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("resync_task")
+    if isinstance(task, asyncio.Task):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
     server = _parse(body)
     result = reconcile(_kube(memo), server, SETTINGS.default_images)
@@ -85,14 +109,14 @@ def reconcile_server(
     _reconcile(body, patch, memo, logger)
 
 
-@kopf.timer(
-    GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds
-)
-def resync_server(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def track_server(
+    type: str | None, name: str, namespace: str | None, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Repairs drift and picks up a policy stepped down in status."""
-    _reconcile(body, patch, memo, logger)
+    """Registers the servers the resync repairs drift on and picks stepped-down policies up for."""
+    registry = memo.get("servers")
+    assert isinstance(registry, ServerRegistry), "the startup handler sets memo.servers"
+    registry.observe(type, str(namespace), name)
 
 
 @kopf.on.event(

@@ -11,6 +11,7 @@ from kubernetes import client
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.plan import stamp
 from pagekeeper_operator.render import ClusterFeatures, render_all
+from pagekeeper_operator.resync import RESYNC_DONE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     RESYNC_SECONDS,
@@ -68,7 +69,7 @@ def test_restarted_operator_resumes_without_writes(
     operator.stop()
     operator.start()
     operator.wait_for_log("Resuming is processed: 1 succeeded")
-    operator.wait_for_log("Timer 'resync_server' succeeded", timeout=RESYNC_SECONDS * 4)
+    operator.wait_for_log(RESYNC_DONE, timeout=RESYNC_SECONDS * 4)
     assert "reconciled generation 1: 0 applied, status unchanged" in operator.log()
     assert _versions(cluster, namespace, "m") == before
 
@@ -150,9 +151,9 @@ def test_second_manager_conflicts_only_on_our_fields(
 
     # The operator's resyncs see nothing of ours changed: they write nothing at all.
     before = _quiet_versions(cluster, namespace, "m")
-    num_resyncs = operator.log().count("Timer 'resync_server' succeeded")
+    num_resyncs = operator.log().count(RESYNC_DONE)
     wait_for(
-        lambda: operator.log().count("Timer 'resync_server' succeeded") >= num_resyncs + 2,
+        lambda: operator.log().count(RESYNC_DONE) >= num_resyncs + 2,
         timeout=RESYNC_SECONDS * 6,
         what="two more resyncs",
     )

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,15 +32,14 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adaptive import OOMClassification
-from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_remediation
-from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.remediation.actions import KubeClusterPort
 from pagekeeper_operator.remediation.oom import oom_terminations, respond_to_oom, termination_key
 from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.resync import ServerReconciler, server_reconciler
 from pagekeeper_operator.settings import load_settings
 
 logger = logging.getLogger(__name__)
@@ -102,40 +101,6 @@ def api_client(env: Mapping[str, str]) -> kubernetes.client.ApiClient:
 
 def read_token(path: Path) -> str:
     return path.read_text(encoding="utf-8").strip()
-
-
-ServerReconciler = Callable[[str, str], Awaitable[None]]
-"""Reconciles the LLMServer (namespace, name) now."""
-
-
-def server_reconciler(kube: Kube, default_images: Mapping[str, str]) -> ServerReconciler:
-    """Render, plan and apply one server, and write its status: what the kopf handlers do."""
-
-    async def reconcile_server(namespace: str, name: str) -> None:
-        body = await asyncio.to_thread(kube.get, API_VERSION, KIND, namespace, name)
-        if body is None:
-            return
-        result = await asyncio.to_thread(reconcile, kube, LLMServer.from_body(body), default_images)
-        if result.status_patch:
-            await asyncio.to_thread(kube.patch_status, namespace, name, result.status_patch)
-        if result.error is not None:
-            # The periodic resync tries again.
-            logger.warning(
-                "%s/%s: reconcile after a step-down failed: %s %s",
-                namespace,
-                name,
-                result.error.status,
-                result.error.reason,
-            )
-        else:
-            logger.info(
-                "%s/%s: reconciled after a step-down: %d applied",
-                namespace,
-                name,
-                len(result.applied),
-            )
-
-    return reconcile_server
 
 
 @dataclass
