@@ -92,6 +92,8 @@ class EngineConfig:
     num_cpu_blocks_override: int | None = None
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    # None: on where the runner prefers it (CUDA), off elsewhere
+    async_scheduling: bool | None = None
     shutdown_timeout: float = 30.0
     admin_token_env: str = "PAGEKEEPER_ADMIN_TOKEN"
     max_waiting_requests: int | None = None
@@ -186,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--num-cpu-blocks-override", type=_bounded(int, 0, None), default=None)
     add("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and pack the next step while the device runs the current one; "
+        "default on for --device cuda, off for cpu",
+    )
     add(
         "--shutdown-timeout",
         type=_bounded(float, 0.0, None),

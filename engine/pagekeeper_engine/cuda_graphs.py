@@ -5,7 +5,9 @@ start offsets, sequence lengths, block tables, sampled rows) is computed with nu
 one pinned host buffer and moved to the device in a single copy, into a device buffer that is
 reused every step. Each field is a typed view at an offset that depends only on the step's
 (rows, sequences, block-table width), so a decode step padded to a captured batch size lands at
-exactly the addresses its graph was captured with.
+exactly the addresses its graph was captured with. Rows whose input token is not known on the
+host yet (`PLACEHOLDER_TOKEN_ID`, asynchronous scheduling) are listed with the row of the
+previous step's sampled ids that holds it; the runner gathers them on the device.
 
 Graphs (`DecodeGraphs`): the model's forward for decode-only batches of the captured sizes,
 recorded once after the KV cache is bound, in one private memory pool, largest first so the
@@ -20,7 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,6 +30,7 @@ import torch
 
 from pagekeeper_engine.attention.base import AttentionMetadata
 from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,10 @@ class StepInputs:
     sample_indices: torch.Tensor  # (N,) int64: rows of the hidden states to compute logits for
     sampled_seqs: list[int]  # (N,) index into the step's seqs of each sampled row
     graph_batch: int | None = None  # the captured batch size this step was padded to
+    # (P,) int64 each: rows of input_ids still to fill, and the rows of the previous step's
+    # sampled ids that hold their tokens; None when every input is known
+    placeholder_rows: torch.Tensor | None = None
+    placeholder_sources: torch.Tensor | None = None
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -56,9 +63,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-def _layout(num_rows: int, num_seqs: int, width: int, num_sampled: int) -> dict[str, int]:
+def _layout(
+    num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int = 0
+) -> dict[str, int]:
     """Byte offset of each field, and the total under "end". Fields a graph reads come first;
-    sample_indices, whose count varies at a fixed graph shape, last."""
+    those whose count varies at a fixed graph shape last."""
     sizes = {
         "input_ids": 8 * num_rows,
         "positions": 8 * num_rows,
@@ -67,6 +76,8 @@ def _layout(num_rows: int, num_seqs: int, width: int, num_sampled: int) -> dict[
         "seq_lens": 4 * num_seqs,
         "block_tables": 4 * num_seqs * width,
         "sample_indices": 8 * num_sampled,
+        "placeholder_rows": 8 * num_placeholders,
+        "placeholder_sources": 8 * num_placeholders,
     }
     offsets, end = {}, 0
     for name, size in sizes.items():
@@ -98,7 +109,9 @@ class StepInputBuilder:
         self.max_model_len = max_model_len
         self.max_width = -(-max_model_len // block_size)  # block-table columns of a graph step
         max_rows = max(max_num_tokens, max_num_seqs)  # a padded graph step has max_num_seqs
-        self.capacity = _layout(max_rows, max_num_seqs, self.max_width, max_num_seqs)["end"]
+        self.capacity = _layout(max_rows, max_num_seqs, self.max_width, max_num_seqs, max_num_seqs)[
+            "end"
+        ]
         is_cuda = device.type == "cuda"
         self._staging = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=is_cuda)
         self._device_buffer = (
@@ -107,9 +120,16 @@ class StepInputBuilder:
         # the last copy out of staging
         self._staged = torch.cuda.Event() if is_cuda else None  # type: ignore[no-untyped-call]
 
-    def build(self, seqs: Sequence[ScheduledSeq], pad_to: int | None = None) -> StepInputs:
+    def build(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        pad_to: int | None = None,
+        previous_rows: Mapping[str, int] | None = None,
+    ) -> StepInputs:
         """Pack `seqs` (decodes first). With `pad_to`, the seqs are all one-token decodes and
-        the step is padded to that many rows at the full block-table width, for a graph."""
+        the step is padded to that many rows at the full block-table width, for a graph.
+        `previous_rows`: request id -> row of the previous step's sampled ids, for the
+        placeholder inputs."""
         bs = self.block_size
         num_seqs = len(seqs)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
@@ -147,6 +167,11 @@ class StepInputBuilder:
             block_tables[token_seq, real_positions // bs].astype(np.int64) * bs
             + real_positions % bs
         )
+        placeholder_rows = np.flatnonzero(input_ids[:total] == PLACEHOLDER_TOKEN_ID)
+        placeholder_sources = self._placeholder_sources(
+            seqs, token_seq[placeholder_rows], previous_rows
+        )
+        input_ids[placeholder_rows] = 0  # a valid id until the gather overwrites it
         needs_sample = np.fromiter((s.needs_sample for s in seqs), np.bool_, num_seqs)
         sampled_seqs = np.flatnonzero(needs_sample)
         sample_indices = query_start_loc[1 : num_seqs + 1][sampled_seqs].astype(np.int64) - 1
@@ -159,8 +184,12 @@ class StepInputBuilder:
             "seq_lens": seq_lens,
             "block_tables": block_tables,
             "sample_indices": sample_indices,
+            "placeholder_rows": placeholder_rows.astype(np.int64),
+            "placeholder_sources": placeholder_sources,
         }
-        views = self._upload(arrays, _layout(rows, padded_seqs, width, len(sampled_seqs)))
+        layout = _layout(rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows))
+        views = self._upload(arrays, layout)
+        has_placeholders = len(placeholder_rows) > 0
         is_one = num_tokens == 1
         num_decode_seqs = num_seqs if is_one.all() else int(is_one.argmin())
         meta = AttentionMetadata(
@@ -179,7 +208,29 @@ class StepInputBuilder:
             sample_indices=views["sample_indices"],
             sampled_seqs=sampled_seqs.tolist(),
             graph_batch=pad_to,
+            placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
+            placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
         )
+
+    @staticmethod
+    def _placeholder_sources(
+        seqs: Sequence[ScheduledSeq],
+        seq_of_row: np.ndarray,
+        previous_rows: Mapping[str, int] | None,
+    ) -> np.ndarray:
+        """Row of the previous step's sampled ids for each placeholder input (its sequence's
+        newest token, sampled by that step)."""
+        if len(seq_of_row) == 0:
+            return np.zeros(0, dtype=np.int64)
+        rows = previous_rows or {}
+        try:
+            return np.fromiter(
+                (rows[seqs[i].request_id] for i in seq_of_row.tolist()), np.int64, len(seq_of_row)
+            )
+        except KeyError as exc:
+            raise AssertionError(
+                f"{exc.args[0]}: an unknown input token, but the previous step sampled none"
+            ) from None
 
     def _check(
         self,

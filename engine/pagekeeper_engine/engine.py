@@ -9,6 +9,16 @@ computed), so it halves the step's token budget (`memory.step_budget`), preempts
 sequences that the smaller budget cannot serve, newest first, and schedules again. Only after
 `--max-consecutive-ooms` such errors with no clean step between them does it give up
 (`EngineOutOfMemoryError`).
+
+Asynchronous scheduling (`--async-scheduling`, on by default where the runner prefers it, i.e.
+on CUDA): each `step()` schedules and launches step N+1 while the device still runs step N,
+then reads step N's tokens back and applies them. The scheduler books one unknown token for
+every sequence step N samples (a placeholder the runner fills on the device from step N's
+sampled ids), so the host's scheduling, packing and bookkeeping hide behind the device's work.
+A sequence that stops at step N has taken part in step N+1 for nothing: that token is dropped
+and its computed count rolled back before its blocks are freed, so the KV accounting is what
+the synchronous loop would hold. Errors first settle the step in flight, then are handled as
+in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
@@ -112,8 +122,45 @@ class ModelRunnerProtocol(Protocol):
         ...
 
 
+class PendingStepProtocol(Protocol):
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    def result(self) -> RunnerOutput:
+        """Wait for the tokens (the same object `execute` would have returned)."""
+        ...
+
+
+class AsyncModelRunnerProtocol(ModelRunnerProtocol, Protocol):
+    """A runner that can launch a step without waiting for it.
+
+    `launch` enqueues the step and returns at once; a row whose input token is
+    `PLACEHOLDER_TOKEN_ID` takes the token the previous launched step sampled for the same
+    request. `result()` of a step must be called before the step after next is launched.
+    """
+
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        """Whether overlapping pays (a device that runs beside the host)."""
+        ...
+
+    def launch(self, out: SchedulerOutput) -> PendingStepProtocol: ...
+
+
+@dataclass
+class _InFlight:
+    """A launched step: what was scheduled, the sequences it booked, its pending tokens."""
+
+    out: SchedulerOutput
+    seqs: list[Sequence]
+    pending: PendingStepProtocol
+
+
 class TokenizerProtocol(Protocol):
-    """Text <-> token ids. `decode` is what the client sees (special tokens skipped)."""
+    """Text <-> token ids. `decode` is what the client sees (special tokens skipped).
+
+    A tokenizer that also has `decode_batch(list[list[int]]) -> list[str]` (the same as
+    `decode` on each) lets the loop detokenize a whole step in one call.
+    """
 
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
@@ -161,6 +208,11 @@ class LLMEngine:
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
         )
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self._decode_batch: Callable[[list[list[int]]], list[str]] = getattr(
+            tokenizer, "decode_batch", None
+        ) or (lambda windows: [tokenizer.decode(w) for w in windows])
+        self._launch = _resolve_launch(config, runner)
+        self._in_flight: _InFlight | None = None
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
         self.num_failed_steps = 0
@@ -193,12 +245,19 @@ class LLMEngine:
         self._pending.append(_output(seq, [], "", []))
         return True
 
+    @property
+    def is_async(self) -> bool:
+        """Whether steps overlap (see the module docstring)."""
+        return self._launch is not None
+
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One batch. Raises EngineOutOfMemoryError when out-of-memory errors repeat past
         `max_consecutive_ooms`: the engine cannot serve at any step size and must restart."""
+        if self._launch is not None:
+            return self._step_async(self._launch)
         out = self._schedule()
         outputs, self._pending = self._pending, []
         if out.is_empty:
@@ -220,11 +279,72 @@ class LLMEngine:
         self.num_steps += 1
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total += out.num_batched_tokens
-        for seq in self.scheduler.update(out, runner_out):
-            outputs.append(self._process_token(seq))
+        outputs += self._process_tokens(self.scheduler.update(out, runner_out))
         if self._allocator is not None:
             self._allocator.maybe_read()
         return outputs
+
+    def _step_async(
+        self, launch: Callable[[SchedulerOutput], PendingStepProtocol]
+    ) -> list[RequestOutput]:
+        """Launch the next step, then settle the one in flight (its tokens were sampled while
+        this one was being scheduled)."""
+        out = self._schedule()
+        outputs, self._pending = self._pending, []
+        if out.is_empty:
+            if self._in_flight is not None:
+                return outputs + self._settle()
+            if self.step_budget.is_reduced and self.scheduler.has_work():
+                self.step_budget.restore()
+            return outputs
+        try:
+            pending = launch(out)
+        except DeviceOutOfMemoryError as exc:
+            self._count_swap_ooms()
+            outputs += self._settle()  # recovery preempts with every token known
+            self._recover_from_oom(out, exc)
+            return outputs
+        except Exception as exc:  # the runner's failure must not take the loop down
+            self._count_swap_ooms()
+            outputs += self._settle()
+            return outputs + self._fail_step(out, exc)
+        self._count_swap_ooms()
+        previous, self._in_flight = (
+            self._in_flight,
+            _InFlight(out, self.scheduler.advance(out), pending),
+        )
+        self.step_budget.on_clean_step()
+        self.num_steps += 1
+        self.num_consecutive_failed_steps = 0
+        self.num_batched_tokens_total += out.num_batched_tokens
+        if previous is not None:
+            outputs += self._settle(previous)
+        if self._allocator is not None:
+            self._allocator.maybe_read()
+        return outputs
+
+    def _settle(self, step: _InFlight | None = None) -> list[RequestOutput]:
+        """Read a launched step's tokens back and apply them (default: the step in flight).
+
+        A step that fails here fails its requests, and the one launched after it too (its
+        inputs came from the failed one)."""
+        if step is None:
+            step, self._in_flight = self._in_flight, None
+            if step is None:
+                return []
+        try:
+            runner_out = step.pending.result()
+        except Exception as exc:
+            outputs = self._fail_step(step.out, exc)
+            later, self._in_flight = self._in_flight, None
+            if later is not None:
+                outputs += self._fail_step(later.out, exc)
+            return outputs
+        return self._process_tokens(self.scheduler.fill(step.out, step.seqs, runner_out))
+
+    def drain(self) -> None:
+        """Settle the step in flight now; its outputs come with the next `step()`."""
+        self._pending += self._settle()
 
     def _schedule(self) -> SchedulerOutput:
         budget = self.step_budget
@@ -288,6 +408,7 @@ class LLMEngine:
         Call on the thread that steps: no step is in flight while the cache is emptied.
         """
         assert self._allocator is not None and self.runner.allocator_monitor is not None
+        self.drain()
         num_running = len(self.scheduler.running)
         if num_running > max_running:
             return DefragmentResult(is_done=False, num_running=num_running)
@@ -359,34 +480,59 @@ class LLMEngine:
                 outputs.append(_output(seq, [], "", [], error=error))
         return outputs
 
-    def _process_token(self, seq: Sequence) -> RequestOutput:
-        params = seq.sampling
-        self.num_generation_tokens += 1
-        if seq.num_output_tokens == 1:
-            self.num_prompt_tokens += seq.num_prompt_tokens
-        status = check_token_stop(seq, self._eos_token_ids, self.scheduler.max_seq_len)
+    def _process_tokens(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Stop checks, detokenization (one batch for the step) and outputs, in batch order."""
+        self.num_generation_tokens += len(seqs)
+        statuses = []
+        for seq in seqs:
+            if seq.num_known_output_tokens == 1:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            statuses.append(check_token_stop(seq, self._eos_token_ids, self.scheduler.max_seq_len))
         # a stop token ends the text without showing up in it
-        if status is not SequenceStatus.FINISHED_STOPPED:
-            num_old_chars = len(seq.output_text)
-            _detokenize_next(self.tokenizer, seq)
-            if params.stop and seq.num_output_tokens >= params.min_tokens:
-                cut = _find_stop_string(seq.output_text, params.stop, num_old_chars)
-                if cut is not None:
-                    seq.output_text = seq.output_text[:cut]
-                    status = SequenceStatus.FINISHED_STOPPED
+        shown = [
+            s
+            for s, status in zip(seqs, statuses, strict=True)
+            if status is not SequenceStatus.FINISHED_STOPPED
+        ]
+        old_lengths = dict(
+            zip(map(id, shown), _detokenize_next(self._decode_batch, shown), strict=True)
+        )
+        return [
+            self._emit(seq, status, old_lengths.get(id(seq)))
+            for seq, status in zip(seqs, statuses, strict=True)
+        ]
+
+    def _emit(
+        self, seq: Sequence, status: SequenceStatus | None, num_old_chars: int | None
+    ) -> RequestOutput:
+        """Apply stop strings to the newly decoded text (`num_old_chars` None: not decoded),
+        finish or keep the sequence, and build its output."""
+        params = seq.sampling
+        if (
+            num_old_chars is not None
+            and params.stop
+            and seq.num_known_output_tokens >= params.min_tokens
+        ):
+            cut = _find_stop_string(seq.output_text, params.stop, num_old_chars)
+            if cut is not None:
+                seq.output_text = seq.output_text[:cut]
+                status = SequenceStatus.FINISHED_STOPPED
         if status is not None:
             self._finish(seq, status)
             num_visible = len(seq.output_text)
         else:
+            self.scheduler.cache_known_blocks(seq)
             # text that may still become the start of a stop string stays back
             num_held = max((len(s) for s in params.stop), default=1) - 1
             num_visible = max(seq.num_text_emitted, len(seq.output_text) - num_held)
         new_text = seq.output_text[seq.num_text_emitted : num_visible]
         seq.num_text_emitted = num_visible
-        logprobs = [seq.output_logprobs[-1]] if params.logprobs else []
-        return _output(seq, [seq.token_ids[-1]], new_text, logprobs)
+        num_known_outputs = seq.num_known_output_tokens
+        logprobs = [seq.output_logprobs[num_known_outputs - 1]] if params.logprobs else []
+        return _output(seq, [seq.last_known_token_id], new_text, logprobs)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.discard_pending(seq)
         self.scheduler.finish(seq, status)
         reason = status.finish_reason
         assert reason is not None
@@ -419,28 +565,58 @@ def _output(
         finished=seq.status.is_finished,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_output_tokens,
+        num_output_tokens=seq.num_known_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
         logprobs=logprobs,
         error=error,
     )
 
 
-def _detokenize_next(tokenizer: TokenizerProtocol, seq: Sequence) -> None:
-    """Append the newest token's text to `seq.output_text`.
+def _detokenize_next(
+    decode_batch: Callable[[list[list[int]]], list[str]], seqs: list[Sequence]
+) -> list[int]:
+    """Append each sequence's newest known token's text to its `output_text`; returns the
+    lengths of the texts before.
 
     Decodes a short window (`prefix_offset:`) rather than the whole output, and the window
     without the new tokens (`prefix_offset:read_offset`), taking the difference: tokens merge
     across boundaries (leading spaces, multi-byte characters). A window ending in U+FFFD is an
-    incomplete UTF-8 sequence: wait for the next token.
+    incomplete UTF-8 sequence: wait for the next token. Both windows of every sequence go to
+    the tokenizer in one call.
     """
-    ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
-    full_text = tokenizer.decode(ids[seq.prefix_offset :])
-    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-        seq.output_text += full_text[len(prefix_text) :]
-        seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(ids)
+    if not seqs:
+        return []
+    windows = []
+    for seq in seqs:
+        ids = seq.token_ids
+        windows.append(ids[seq.prefix_offset : seq.read_offset])
+        windows.append(ids[seq.prefix_offset : seq.num_known_tokens])
+    texts = decode_batch(windows)
+    old_lengths = []
+    for index, seq in enumerate(seqs):
+        prefix_text, full_text = texts[2 * index], texts[2 * index + 1]
+        old_lengths.append(len(seq.output_text))
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            seq.output_text += full_text[len(prefix_text) :]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = seq.num_known_tokens
+    return old_lengths
+
+
+def _resolve_launch(
+    config: EngineConfig, runner: ModelRunnerProtocol
+) -> Callable[[SchedulerOutput], PendingStepProtocol] | None:
+    """The runner's `launch` when steps are to overlap: `config.async_scheduling`, or where
+    it is unset, the runner's preference."""
+    launch = getattr(runner, "launch", None)
+    wanted = config.async_scheduling
+    if wanted is None:
+        wanted = bool(getattr(runner, "prefers_async_scheduling", False))
+    if not wanted:
+        return None
+    if launch is None:
+        raise ValueError("asynchronous scheduling needs a runner that can launch steps")
+    return launch  # type: ignore[no-any-return]
 
 
 def _find_stop_string(text: str, stops: tuple[str, ...], num_old_chars: int) -> int | None:

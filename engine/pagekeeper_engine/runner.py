@@ -3,6 +3,12 @@
 It consumes the scheduler's plain `SchedulerOutput`, turns it into packed tensors and
 `AttentionMetadata`, runs the forward pass, computes logits only for the rows that are sampled,
 and returns plain token ids. It makes no scheduling decision of its own.
+
+`launch` enqueues a step and returns before the device has run it: the sampled ids stay on the
+device (the next step's placeholder inputs gather from them there) and travel to the host in a
+non-blocking copy into one of two pinned buffers, which `PendingStep.result` waits for. The
+engine reads a step's result before it launches the step after next, so two buffers suffice.
+`execute` is `launch(...).result()`.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +66,28 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
     return per_token * block_size
 
 
+@dataclass
+class PendingStep:
+    """A launched step's sampled tokens on their way to the host."""
+
+    num_seqs: int
+    sampled_seqs: list[int]  # index into the step's seqs of each sampled row
+    host: torch.Tensor | None  # (2, N) float64: ids, log-probabilities (None: nothing sampled)
+    copied: torch.cuda.Event | None  # recorded after the copy into `host` (None: on the CPU)
+
+    def result(self) -> RunnerOutput:
+        token_ids: list[int | None] = [None] * self.num_seqs
+        logprobs: list[float | None] = [None] * self.num_seqs
+        if self.host is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            token_col, logprob_col = self.host.tolist()
+            for row, i in enumerate(self.sampled_seqs):
+                token_ids[i] = int(token_col[row])
+                logprobs[i] = logprob_col[row]
+        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+
 class ModelRunner:
     """Runs scheduled steps of one model on one device over a preallocated paged KV cache."""
 
@@ -106,6 +135,19 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
         )
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache is bound
+        self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
+        # request's row in them: the next step's placeholder inputs come from there.
+        self._previous_sampled: torch.Tensor | None = None
+        self._previous_rows: dict[str, int] = {}
+        is_cuda = self.device.type == "cuda"
+        # flat, so that a step's (2, N) view of one is contiguous (a strided destination
+        # would make the copy synchronous)
+        self._result_buffers = [
+            torch.empty(2 * config.max_num_seqs, dtype=torch.float64, pin_memory=is_cuda)
+            for _ in range(2)
+        ]
+        self._num_launched = 0
 
         self.num_gpu_blocks = self._decide_num_gpu_blocks()
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
@@ -132,11 +174,14 @@ class ModelRunner:
             self.block_size,
             self.bytes_per_block,
         )
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self.inputs, graph_batch_sizes(config.max_num_seqs)
-            )
-            self.graphs.capture()
+        if self.uses_graphs:
+            self.capture_graphs()
+
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        """Overlapping the host's work with the device's pays on CUDA (on the CPU the two are
+        the same cores)."""
+        return self.device.type == "cuda"
 
     def _pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         cfg = self.model_config
@@ -200,6 +245,20 @@ class ModelRunner:
     def release_scratch_cache(self) -> None:
         self._scratch = None
 
+    def capture_graphs(self) -> int:
+        """Capture the decode graphs over the bound KV cache; their pool's bytes (0 when this
+        runner runs eagerly)."""
+        if not self.uses_graphs:
+            return 0
+        self.graphs = DecodeGraphs(
+            self.model, self.inputs, graph_batch_sizes(self.config.max_num_seqs)
+        )
+        self.graphs.capture()
+        return self.graphs.pool_bytes
+
+    def release_graphs(self) -> None:
+        self.graphs = None
+
     @torch.inference_mode()
     def run_profile_batch(self, seqs: Sequence[ScheduledSeq], num_sampled_rows: int) -> None:
         step = self.prepare_inputs(seqs)
@@ -218,13 +277,17 @@ class ModelRunner:
         return self.inputs.build(seqs, pad_to)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Apply the step's swaps, run the forward pass, sample where asked.
+        """Apply the step's swaps, run the forward pass, sample where asked, and wait.
 
         Out of device memory, it frees what the step allocated and raises
         DeviceOutOfMemoryError: the KV cache is as before the step (the scheduler retries it).
         """
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """`execute` without the wait: the step is enqueued on the device."""
         try:
-            return self._execute(out)
+            return self._launch(out)
         except torch.OutOfMemoryError as exc:
             detail = str(exc)
         # Leaving the except block dropped the traceback, and with it the frames that held the
@@ -238,31 +301,52 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def _launch(self, out: SchedulerOutput) -> PendingStep:
         if out.blocks_to_swap_out:
             self.swap_blocks(out.blocks_to_swap_out, to_cpu=True)
         if out.blocks_to_swap_in:
             self.swap_blocks(out.blocks_to_swap_in, to_cpu=False)
         if not out.seqs:
-            return RunnerOutput(sampled_token_ids=[], logprobs=[])
-        step = self.prepare_inputs(out.seqs)
+            return PendingStep(0, [], None, None)
+        pad_to = None if self.graphs is None else self.graphs.batch_size_for(out.seqs)
+        step = self.inputs.build(out.seqs, pad_to, self._previous_rows)
+        if step.placeholder_rows is not None:
+            assert self._previous_sampled is not None and step.placeholder_sources is not None
+            # the tokens the previous step sampled, into this step's input rows (in place: a
+            # graph reads input_ids at its captured address)
+            step.input_ids[step.placeholder_rows] = self._previous_sampled[step.placeholder_sources]
         hidden = (  # (T, H)
             self.model(step.input_ids, step.positions, step.meta)
             if self.graphs is None
             else self.graphs.forward(step)
         )
-        token_ids: list[int | None] = [None] * len(out.seqs)
-        logprobs: list[float | None] = [None] * len(out.seqs)
-        if step.sampled_seqs:
-            logits = self.model.compute_logits(hidden[step.sample_indices])  # (N, V)
-            picked = [out.seqs[i] for i in step.sampled_seqs]
-            result = self.sampler(
-                logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
-            )
-            for row, i in enumerate(step.sampled_seqs):
-                token_ids[i] = result.token_ids[row]
-                logprobs[i] = result.logprobs[row]
-        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+        if not step.sampled_seqs:
+            return PendingStep(len(out.seqs), [], None, None)
+        logits = self.model.compute_logits(hidden[step.sample_indices])  # (N, V)
+        picked = [out.seqs[i] for i in step.sampled_seqs]
+        token_ids, logprobs = self.sampler.sample(
+            logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
+        )
+        self._previous_sampled = token_ids
+        self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
+        packed = torch.stack((token_ids.double(), logprobs.double()))  # (2, N)
+        return self._copy_to_host(len(out.seqs), step.sampled_seqs, packed)
+
+    def _copy_to_host(
+        self, num_seqs: int, sampled_seqs: list[int], packed: torch.Tensor
+    ) -> PendingStep:
+        num_rows = packed.shape[1]
+        if self.device.type != "cuda":
+            return PendingStep(num_seqs, sampled_seqs, packed, None)
+        flat = self._result_buffers[self._num_launched % 2]
+        if 2 * num_rows > flat.numel():  # more rows than sequences may run
+            return PendingStep(num_seqs, sampled_seqs, packed.cpu(), None)
+        buffer = flat[: 2 * num_rows].view(2, num_rows)
+        self._num_launched += 1
+        buffer.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record()
+        return PendingStep(num_seqs, sampled_seqs, buffer, copied)
 
     @torch.inference_mode()
     def swap_blocks(self, src_to_dst: Sequence[tuple[int, int]], *, to_cpu: bool) -> None:

@@ -61,6 +61,29 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> SamplerOutput:
+        """Sample and read the results back (one device-to-host transfer, one wait)."""
+        packed = self.sample_packed(logits, params, num_output_tokens)
+        token_col, logprob_col = packed.tolist()
+        return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
+
+    def sample_packed(
+        self,
+        logits: torch.Tensor,  # (N, V) fp32
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> torch.Tensor:
+        """(2, N) float64 on the logits' device: the token ids, then their log-probabilities.
+        Nothing waits for the device. Ids below 2**53 are exact in float64."""
+        token_ids, logprobs = self.sample(logits, params, num_output_tokens)
+        return torch.stack((token_ids.double(), logprobs.double()))
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # (N, V) fp32
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (N,) int64 and their log-probabilities (N,) fp32, left on the device."""
         num_rows = logits.shape[0]
         assert len(params) == num_rows == len(num_output_tokens), "one parameter set per row"
         raw_logits = logits
@@ -85,9 +108,7 @@ class Sampler:
             )
         chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1)
         logprobs = chosen - raw_logits.logsumexp(dim=-1)
-        # One device-to-host transfer (one wait) for both; ids < 2**53 are exact in float64.
-        token_col, logprob_col = torch.stack((token_ids.double(), logprobs.double())).tolist()
-        return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
+        return token_ids, logprobs
 
     def _mask_early_stops(
         self,

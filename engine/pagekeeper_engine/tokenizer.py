@@ -143,6 +143,17 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_batch(
+        self, batch: Sequence[Sequence[int]], *, skip_special_tokens: bool = True
+    ) -> list[str]:
+        """`decode` of each list, in one call into the tokenizer (the step loop's windows)."""
+        return [
+            str(text)
+            for text in self._tokenizer.decode_batch(
+                [list(ids) for ids in batch], skip_special_tokens=skip_special_tokens
+            )
+        ]
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -4,6 +4,8 @@
 addressed through the block tables, swapped through its own CPU pool) and samples a pure
 function of the history it reads back. A wrong block id, a stale prefix-cache hit or a lost
 swap changes the tokens that follow. `oom_at_steps` injects device out-of-memory errors.
+`launch` serves asynchronous scheduling: a placeholder input takes the token the previous
+launched step sampled for that request, as the device runner gathers it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
 from pagekeeper_engine.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.scheduler import SchedulerConfig
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.engine import AllocatorMonitorProtocol, LLMEngine
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 
@@ -32,6 +35,12 @@ class CharTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(ALPHABET[i] for i in ids)
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        self.num_batch_calls += 1
+        return [self.decode(ids) for ids in batch]
+
+    num_batch_calls = 0
 
 
 def next_token(history: list[int]) -> int:
@@ -66,6 +75,26 @@ class PagedFakeRunner:
         self.num_swap_ooms = 0
         self.allocator_monitor: AllocatorMonitorProtocol | None = None
         self.num_batched_tokens: list[int] = []
+        self.previous_samples: dict[str, int] = {}  # the last launched step's tokens
+        self.num_placeholders = 0
+
+    def launch(self, out: SchedulerOutput) -> DoneStep:
+        seqs = []
+        for item in out.seqs:
+            assert PLACEHOLDER_TOKEN_ID not in item.token_ids[:-1], item
+            if item.token_ids[-1:] == [PLACEHOLDER_TOKEN_ID]:
+                assert item.num_tokens == 1, f"{item.request_id}: a placeholder in a prefill"
+                seqs.append(replace(item, token_ids=[self.previous_samples[item.request_id]]))
+                self.num_placeholders += 1
+            else:
+                seqs.append(item)
+        result = self.execute(replace(out, seqs=seqs))
+        self.previous_samples = {
+            s.request_id: t
+            for s, t in zip(out.seqs, result.sampled_token_ids, strict=True)
+            if t is not None
+        }
+        return DoneStep(result)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         call = self.num_calls
@@ -102,6 +131,14 @@ class PagedFakeRunner:
         return RunnerOutput(tokens, logprobs)
 
 
+class DoneStep:
+    def __init__(self, result: RunnerOutput) -> None:
+        self._result = result
+
+    def result(self) -> RunnerOutput:
+        return self._result
+
+
 def make_engine(
     num_gpu_blocks: int = 256,
     num_cpu_blocks: int = 0,
@@ -114,6 +151,7 @@ def make_engine(
     step_delay_s: float = 0.0,
     max_consecutive_ooms: int = 8,
     runner: PagedFakeRunner | None = None,
+    async_scheduling: bool = False,
 ) -> tuple[LLMEngine, PagedFakeRunner]:
     config = EngineConfig(
         model="fake",
@@ -123,6 +161,7 @@ def make_engine(
         enable_chunked_prefill=chunked,
         enable_prefix_caching=prefix,
         max_consecutive_ooms=max_consecutive_ooms,
+        async_scheduling=async_scheduling,
     )
     sched_config = replace(
         SchedulerConfig.from_engine_config(config), min_swap_tokens=min_swap_tokens

@@ -119,11 +119,13 @@ class KVCacheManager:
         seq.block_ids = []
         seq.num_registered_blocks = 0
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that became full of computed tokens since the last call."""
+    def cache_computed_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the blocks that became full of computed tokens since the last call; only
+        within the first `num_tokens` tokens when given (tokens whose values are known)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_cacheable = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(num_cacheable, seq.num_computed_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, num_full)

@@ -2,6 +2,12 @@
 
 Pure Python; never imports torch. `schedule()` returns a `SchedulerOutput` for the runner;
 `update()` applies the runner's sampled tokens. Stop conditions are the engine loop's.
+
+Asynchronous scheduling splits `update` in two: `advance` books a launched step at once (its
+computed tokens, and a placeholder for each token it will sample), so the next step can be
+scheduled while the device runs this one; `fill` writes the sampled values when they arrive,
+one step later. The scheduler needs nothing else: a sequence whose newest token is a
+placeholder is an ordinary one-token decode.
 """
 
 from __future__ import annotations
@@ -202,7 +208,11 @@ class Scheduler:
         for seq in list(self.running):
             if step.budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.num_uncomputed_tokens != 1
+                or self._is_length_done(seq)
+            ):
                 continue
             while not self.kv.can_append(seq, 1):
                 victim = next(s for s in reversed(self.running) if s.request_id not in step.ids)
@@ -221,7 +231,11 @@ class Scheduler:
                 break
             # prompts in progress: their blocks were reserved at admission
             num_tokens = min(seq.num_uncomputed_tokens, step.budget)
-            if seq.request_id in step.ids or not self.kv.can_append(seq, num_tokens):
+            if (
+                seq.request_id in step.ids
+                or self._is_length_done(seq)
+                or not self.kv.can_append(seq, num_tokens)
+            ):
                 continue
             self.kv.append_slots(seq, num_tokens)
             step.take(seq, num_tokens)
@@ -238,6 +252,13 @@ class Scheduler:
             blocks_to_swap_in=step.swap_in,
             preempted_ids=step.preempted_ids,
             swapped_in_ids=step.swapped_in_ids,
+        )
+
+    def _is_length_done(self, seq: Sequence) -> bool:
+        """Whether `seq` ends on the length limit once its pending tokens arrive: nothing to
+        compute for it (only an asynchronous step leaves such a sequence running)."""
+        return seq.num_pending_tokens > 0 and (
+            seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_seq_len
         )
 
     def _swap_in_ready(self, step: _Step) -> None:
@@ -331,18 +352,59 @@ class Scheduler:
 
         Returns the sequences that received a token, in batch order.
         """
+        seqs = self.advance(out)
+        sampled = self.fill(out, seqs, runner_out)
+        for seq in sampled:
+            self.cache_known_blocks(seq)
+        return sampled
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """Book a launched step: computed counts move on and each sampled row appends a
+        placeholder. Registers the full blocks whose tokens are all known. Returns the step's
+        sequences in batch order (for `fill`)."""
+        seqs = []
+        for item in out.seqs:
+            seq = self.requests[item.request_id]
+            assert seq.status is SequenceStatus.RUNNING, f"{seq.request_id} is {seq.status}"
+            seq.num_computed_tokens += item.num_tokens
+            if item.needs_sample:
+                seq.append_placeholder()
+            self.cache_known_blocks(seq)
+            seqs.append(seq)
+        return seqs
+
+    def fill(
+        self, out: SchedulerOutput, seqs: list[Sequence], runner_out: RunnerOutput
+    ) -> list[Sequence]:
+        """Write a step's sampled tokens over the placeholders `advance` booked.
+
+        Skips sequences that finished meanwhile; a preempted one still gets its token (it was
+        sampled from a complete history). Returns the sequences that received a token, in
+        batch order; their newly completed blocks are not registered yet (`cache_known_blocks`
+        once the caller knows the sequence goes on, `discard_pending` before it finishes).
+        """
         assert len(runner_out.sampled_token_ids) == len(out.seqs), "one result per sequence"
         sampled: list[Sequence] = []
-        for item, token_id, logprob in zip(
-            out.seqs, runner_out.sampled_token_ids, runner_out.logprobs, strict=True
+        for item, seq, token_id, logprob in zip(
+            out.seqs, seqs, runner_out.sampled_token_ids, runner_out.logprobs, strict=True
         ):
-            seq = self.requests.get(item.request_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            if not item.needs_sample or seq.status.is_finished:
                 continue
-            seq.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed_blocks(seq)
-            if item.needs_sample:
-                assert token_id is not None, f"no token sampled for {item.request_id}"
-                seq.append_token(token_id, logprob)
-                sampled.append(seq)
+            assert token_id is not None, f"no token sampled for {item.request_id}"
+            seq.fill_placeholder(token_id, logprob)
+            sampled.append(seq)
         return sampled
+
+    def cache_known_blocks(self, seq: Sequence) -> None:
+        """Register the full computed blocks of a running sequence whose tokens are known."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.kv.cache_computed_blocks(seq, seq.num_known_tokens)
+
+    def discard_pending(self, seq: Sequence) -> None:
+        """Undo the speculative step of a sequence about to finish: its placeholders go, and
+        the computed count returns to what the synchronous loop would hold (each pending token
+        was booked together with its predecessor's computation)."""
+        num_dropped = seq.drop_placeholders()
+        if num_dropped and seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens -= num_dropped
+        self.cache_known_blocks(seq)

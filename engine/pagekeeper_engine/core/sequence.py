@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from pagekeeper_engine.core.sampling import SamplingParams
 
+# Stands for a token the device has sampled but the host has not read back yet (asynchronous
+# scheduling): the runner fills the row from the previous step's sampled ids on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is: queued, in the running batch, swapped to CPU, or done."""
@@ -44,6 +48,12 @@ class Sequence:
     leading tokens whose keys and values are in the KV cache; while decoding it is
     `num_tokens - 1` (the newest sampled token is the next step's input). `block_ids` is the
     block table: GPU block ids while WAITING/RUNNING, CPU block ids while SWAPPED.
+
+    With asynchronous scheduling a step is booked before the previous one's tokens are known:
+    `token_ids` then ends in `num_pending_tokens` placeholders (at most two: the step in flight
+    and the one just launched), which `fill_placeholder` replaces oldest first. The `*known*`
+    properties are the synchronous loop's view (equal to the plain ones when nothing is
+    pending).
     """
 
     request_id: str
@@ -59,6 +69,8 @@ class Sequence:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    # placeholders at the end of token_ids (asynchronous scheduling)
+    num_pending_tokens: int = 0
     # chained hashes of the full blocks of token_ids, computed lazily (they never change:
     # tokens are only appended) and kept across preemption so a resumed sequence finds its
     # own blocks in the prefix cache
@@ -102,29 +114,63 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_known_tokens - len(self.prompt_token_ids)
+
+    @property
+    def last_known_token_id(self) -> int:
+        return self.token_ids[self.num_known_tokens - 1]
+
     def append_token(self, token_id: int, logprob: float | None) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+
+    def append_placeholder(self) -> None:
+        """Book a token the device is about to sample."""
+        self.append_token(PLACEHOLDER_TOKEN_ID, None)
+        self.num_pending_tokens += 1
+
+    def fill_placeholder(self, token_id: int, logprob: float | None) -> None:
+        """The oldest placeholder's value has arrived."""
+        assert self.num_pending_tokens > 0, f"{self.request_id}: no token is pending"
+        index = self.num_known_tokens
+        self.token_ids[index] = token_id
+        self.output_logprobs[index - len(self.prompt_token_ids)] = logprob
+        self.num_pending_tokens -= 1
+
+    def drop_placeholders(self) -> int:
+        """Forget the pending tokens (a finished sequence's speculative step); how many."""
+        num = self.num_pending_tokens
+        if num:
+            del self.token_ids[-num:]
+            del self.output_logprobs[-num:]
+            self.num_pending_tokens = 0
+        return num
 
 
 def check_token_stop(
     seq: Sequence, eos_token_ids: frozenset[int], max_seq_len: int
 ) -> SequenceStatus | None:
-    """The finished status the newest token puts `seq` in, or None to keep generating.
+    """The finished status the newest known token puts `seq` in, or None to keep generating.
 
     Stop tokens (EOS unless ignore_eos, and stop_token_ids) count only once `min_tokens` tokens
     exist; they win over the length limit when both hold for the same token. Stop strings need
     the detokenized text and are checked by the engine loop.
     """
     params = seq.sampling
-    num_output = seq.num_output_tokens
+    num_output = seq.num_known_output_tokens
     if num_output == 0:
         return None
-    last = seq.token_ids[-1]
+    last = seq.last_known_token_id
     if num_output >= params.min_tokens and (
         (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
     ):
         return SequenceStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or seq.num_tokens >= max_seq_len:
+    if num_output >= params.max_tokens or seq.num_known_tokens >= max_seq_len:
         return SequenceStatus.FINISHED_LENGTH
     return None

@@ -8,8 +8,12 @@ Runs on the device before the KV cache exists, in this order:
 3. warm-up fragmentation: what the caching allocator reserves beyond that peak after a warm-up
    of mixed shapes (partial prefill chunks, smaller decode batches), i.e. what a serving day's
    varying shapes strand in its segments;
-4. non-torch memory: the device's used memory that the allocator does not hold (CUDA context,
-   cuBLAS workspaces, other processes).
+4. CUDA graphs: the decode graphs are captured over the scratch cache; their private pool is
+   held for the engine's life, so it joins the peak activations, and the driver's memory for
+   the instantiated graphs shows up in the next term. They are released with the scratch cache
+   (the runner captures them again over the real pool, at the same shapes and size);
+5. non-torch memory: the device's used memory that the allocator does not hold (CUDA context,
+   cuBLAS workspaces, instantiated graphs, other processes).
 `budget.compute_budget` turns these into a number of KV blocks. The model and the device come in
 through the two protocols below, so this module stays free of torch and runs in CPU tests.
 """
@@ -68,6 +72,12 @@ class ProfileTarget(Protocol):
     def run_profile_batch(self, seqs: Sequence[ScheduledSeq], num_sampled_rows: int) -> None:
         """Forward `seqs`, then logits and sampling of `num_sampled_rows` rows."""
         ...
+
+    def capture_graphs(self) -> int:
+        """Capture the decode graphs over the bound cache; their pool's bytes (0: none)."""
+        ...
+
+    def release_graphs(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,8 @@ def measure_memory(
     """Profile the worst case and the warm-up; the measurements `compute_budget` needs.
 
     The scratch KV cache is neither activation nor slack: it is left out of the peak and held
-    while the slack is read, then released with the allocator's cache.
+    while the slack is read, then released with the allocator's cache. The graphs' pool is
+    added to the peak; the device's free memory is read while the graphs exist.
     """
     reader.synchronize()
     weights = reader.allocated()
@@ -173,16 +184,22 @@ def measure_memory(
         # Cached-but-free memory up to the peak is the activations' own, reused next step; only
         # what the allocator holds beyond the peak is lost to fragmentation.
         slack = max(reserved - reader.max_allocated(), 0)
+        graph_bytes = target.capture_graphs()
+        reader.synchronize()
         free, total = reader.mem_get_info()
+        reserved_with_graphs = reader.reserved()
     finally:
+        target.release_graphs()
         target.release_scratch_cache()
         reader.empty_cache()
+    if graph_bytes:
+        logger.info("start-up profile: CUDA graphs hold %d bytes", graph_bytes)
     return MemoryMeasurements(
         total=total,
         free_at_start=free_at_start,
         weights=weights,
-        peak_activations=max(peak_allocated - weights - scratch_bytes, 0),
-        non_torch=max(total - free - reserved, 0),
+        peak_activations=max(peak_allocated - weights - scratch_bytes, 0) + graph_bytes,
+        non_torch=max(total - free - reserved_with_graphs, 0),
         warmup_fragmentation=slack,
     )
 

@@ -60,6 +60,7 @@ class FakeDevice:
         self.current = 1000  # the weights
         self.peak = self.current
         self.reserved_bytes = 1200
+        self.driver_bytes = 300  # outside the allocator
         self.calls: list[str] = []
 
     # ProfileTarget
@@ -70,6 +71,16 @@ class FakeDevice:
 
     def release_scratch_cache(self) -> None:
         self.calls.append("release")
+
+    def capture_graphs(self) -> int:
+        # a private pool of 70 bytes, and 25 bytes of instantiated graphs in the driver
+        self.calls.append("capture")
+        self.reserved_bytes += 70
+        self.driver_bytes += 25
+        return 70
+
+    def release_graphs(self) -> None:
+        self.calls.append("release graphs")
 
     def run_profile_batch(self, seqs: Sequence[ScheduledSeq], num_sampled_rows: int) -> None:
         num_tokens = sum(s.num_tokens for s in seqs)
@@ -96,7 +107,7 @@ class FakeDevice:
         return self.reserved_bytes
 
     def mem_get_info(self) -> tuple[int, int]:
-        return 100_000 - self.reserved_bytes - 300, 100_000  # 300 bytes outside the allocator
+        return 100_000 - self.reserved_bytes - self.driver_bytes, 100_000
 
     def empty_cache(self) -> None:
         self.calls.append("empty_cache")
@@ -113,8 +124,8 @@ def test_measure_memory_reads_each_term_where_it_is_defined() -> None:
         total=100_000,
         free_at_start=99_000,
         weights=1000,
-        peak_activations=peak - 1000 - 400,
-        non_torch=300,
+        peak_activations=peak - 1000 - 400 + 70,  # the graphs' pool is held like activations
+        non_torch=300 + 25,
         warmup_fragmentation=reserved - peak,
     )
     assert device.calls == [
@@ -127,6 +138,8 @@ def test_measure_memory_reads_each_term_where_it_is_defined() -> None:
         "batch 1/1",
         "batch 30/6",
         "batch 3/3",
+        "capture",
+        "release graphs",
         "release",
         "empty_cache",
     ]
