@@ -23,10 +23,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.core.scheduler import RequestRejectedError
-from pagekeeper_engine.engine import DefragmentResult, LLMEngine, LoopStats
+from pagekeeper_engine.engine import LLMEngine
+from pagekeeper_engine.loop_stats import DefragmentResult, LoopStats
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 
 logger = logging.getLogger(__name__)

@@ -15,11 +15,12 @@ from dataclasses import replace
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
+from pagekeeper_engine.core.limits import SchedulerConfig
 from pagekeeper_engine.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from pagekeeper_engine.core.scheduler import SchedulerConfig
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.engine import AllocatorMonitorProtocol, LLMEngine
+from pagekeeper_engine.engine import LLMEngine
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
+from pagekeeper_engine.protocols import AllocatorMonitorProtocol
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # token id -> one character
 EOS = len(ALPHABET) - 1  # "N"

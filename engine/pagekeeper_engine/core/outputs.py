@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,25 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[float | None] = field(default_factory=list)
     error: str | None = None
+
+
+def request_output(
+    seq: Sequence,
+    new_token_ids: list[int],
+    new_text: str,
+    logprobs: list[float | None],
+    error: str | None = None,
+) -> RequestOutput:
+    """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_token_ids,
+        new_text=new_text,
+        finished=seq.status.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_known_output_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        logprobs=logprobs,
+        error=error,
+    )

@@ -12,84 +12,25 @@ placeholder is an ordinary one-token decode.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
 from pagekeeper_engine.core.block_pool import BlockPool
 from pagekeeper_engine.core.kv_manager import KVCacheManager, num_blocks_for
+from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig, check_prompt
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagekeeper_engine.core.preemption import (
+    PreemptionMode,
+    choose_preemption_mode,
+    reset_for_recompute,
+    swap_in,
+    swap_out,
+)
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
 
-
-class RequestRejectedError(ValueError):
-    """A request this engine can never serve as configured (the server answers 400)."""
-
-
-class PreemptionMode(enum.Enum):
-    """How a preempted sequence gives back its GPU blocks (see `choose_preemption_mode`)."""
-
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one step and of the KV cache; see the engine's flags of the same names.
-
-    `kv_watermark`: fraction of the GPU blocks a new request must leave free when admitted, so
-    running decodes can grow for a while before anything is preempted.
-    `min_swap_tokens`: the preemption rule's threshold (see `choose_preemption_mode`).
-    """
-
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int | None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    prefix_cache_max_fraction: float = 0.5
-    kv_watermark: float = 0.01
-    min_swap_tokens: int = 512
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
-        max_model_len = config.max_model_len
-        budget = resolve_max_num_batched_tokens(
-            config.max_num_batched_tokens, config.enable_chunked_prefill, max_model_len or 0
-        )
-        return cls(
-            block_size=config.block_size,
-            max_num_batched_tokens=budget,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching,
-            prefix_cache_max_fraction=config.prefix_cache_max_fraction,
-        )
-
-
-def choose_preemption_mode(
-    num_computed_tokens: int,
-    num_free_cpu_blocks: int,
-    num_blocks_to_swap: int,
-    min_swap_tokens: int,
-) -> PreemptionMode:
-    """Swap or recompute a preempted sequence.
-
-    Swapping copies each computed block over PCIe twice (out now, in later): cost linear in the
-    tokens held. Recomputing re-runs their prefill, whose matmuls are linear and whose attention
-    is quadratic in the tokens held, so it is the cheaper choice for short sequences and the
-    dearer one past a length that depends on the model (for a 0.6B model recompute wins to a few
-    hundred tokens; for 8B, swap wins almost always). Rule: swap when the CPU pool can take
-    every computed block and the sequence holds at least `min_swap_tokens` computed tokens;
-    otherwise recompute.
-    """
-    if num_computed_tokens >= max(1, min_swap_tokens) and num_blocks_to_swap <= num_free_cpu_blocks:
-        return PreemptionMode.SWAP
-    return PreemptionMode.RECOMPUTE
+# The errors `add_request` raises and the config `Scheduler` takes are part of its interface.
+__all__ = ["RequestRejectedError", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass
@@ -156,26 +97,8 @@ class Scheduler:
 
     def check_request(self, num_prompt_tokens: int) -> None:
         """Raise RequestRejectedError when a prompt of this length can never run."""
-        cfg = self.config
-        if num_prompt_tokens == 0:
-            raise RequestRejectedError("the prompt is empty")
-        if cfg.max_model_len is not None and num_prompt_tokens + 1 > cfg.max_model_len:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt_tokens} tokens; with one generated token that "
-                f"exceeds the maximum context length of {cfg.max_model_len} tokens"
-            )
-        num_blocks = num_blocks_for(num_prompt_tokens + 1, cfg.block_size)
         max_blocks = self.kv.num_usable_blocks - self.watermark_blocks
-        if num_blocks > max_blocks:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks} KV blocks of "
-                f"{cfg.block_size}; the KV cache admits at most {max_blocks} blocks per request"
-            )
-        if not cfg.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt_tokens} tokens; without chunked prefill a prompt "
-                f"must fit in one step of max_num_batched_tokens={self.max_num_batched_tokens}"
-            )
+        check_prompt(self.config, num_prompt_tokens, max_blocks, self.max_num_batched_tokens)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a new sequence; RequestRejectedError if it can never fit or its id is in use."""
@@ -269,15 +192,8 @@ class Scheduler:
                 return
             self.swapped.popleft()
             assert self.cpu_pool is not None
-            cpu_ids = seq.block_ids
-            gpu_ids = self.kv.allocate_for_swap_in(seq)
-            self.cpu_pool.free(cpu_ids)
-            step.swap_in.extend(zip(cpu_ids, gpu_ids[: len(cpu_ids)], strict=True))
+            step.swap_in.extend(swap_in(seq, self.kv, self.cpu_pool))
             step.swapped_in_ids.append(seq.request_id)
-            seq.block_ids = gpu_ids
-            seq.num_registered_blocks = 0
-            self.kv.cache_computed_blocks(seq)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if step.budget > 0 and seq.num_uncomputed_tokens == 1:
                 step.take(seq, 1)
@@ -310,30 +226,31 @@ class Scheduler:
         return self.watermark_blocks if self.running else 0
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
-        self.running.remove(seq)
         step.preempted_ids.append(seq.request_id)
-        seq.num_preemptions += 1
         num_to_swap = num_blocks_for(seq.num_computed_tokens, self.config.block_size)
         num_free_cpu = self.cpu_pool.num_free_blocks if self.cpu_pool is not None else 0
         mode = choose_preemption_mode(
             seq.num_computed_tokens, num_free_cpu, num_to_swap, self.config.min_swap_tokens
         )
-        if mode is PreemptionMode.SWAP:
-            assert self.cpu_pool is not None
-            cpu_ids = self.cpu_pool.allocate(num_to_swap)
-            step.swap_out.extend(zip(seq.block_ids[:num_to_swap], cpu_ids, strict=True))
-            self.kv.free(seq)
-            seq.block_ids = cpu_ids
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-            self.num_swap_preemptions += 1
-        else:
-            self.kv.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
+        if mode is PreemptionMode.RECOMPUTE:
             # victims go newest first, so each lands ahead of the newer ones
-            self.waiting.appendleft(seq)
-            self.num_recompute_preemptions += 1
+            self.preempt_for_recompute(seq)
+            return
+        assert self.cpu_pool is not None
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        step.swap_out.extend(swap_out(seq, self.kv, self.cpu_pool, num_to_swap))
+        self.swapped.append(seq)
+        self.num_swap_preemptions += 1
+
+    def preempt_for_recompute(self, seq: Sequence) -> None:
+        """Send a running sequence back to the head of the queue with no blocks; it recomputes
+        (mostly prefix-cache hits: its full blocks stay cached) when it is admitted again."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        reset_for_recompute(seq, self.kv)
+        self.waiting.appendleft(seq)
+        self.num_recompute_preemptions += 1
 
     def _scheduled_seq(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
         start = seq.num_computed_tokens

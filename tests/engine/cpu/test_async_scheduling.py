@@ -13,11 +13,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.detokenize import detokenize_next
 from pagekeeper_engine.core.kv_manager import num_blocks_for
 from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
-from pagekeeper_engine.engine import LLMEngine, _detokenize_next
+from pagekeeper_engine.engine import LLMEngine
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
 from tests.engine.fakes import EOS, PagedFakeRunner, make_engine, rollout, run_all, tokens_of
 
@@ -326,7 +327,7 @@ def test_batched_detokenizer_gives_the_per_token_text_exactly() -> None:
             seq.append_placeholder()  # as the overlapped loop books it: unknown at first
             seq.append_placeholder()
             seq.fill_placeholder(out[k], None)  # the older one arrives, the newer stays pending
-        old = _detokenize_next(decode_batch, seqs)
+        old = detokenize_next(decode_batch, seqs)
         for i, seq in enumerate(seqs):
             pieces[i].append(seq.output_text[old[i] :])
             seq.drop_placeholders()

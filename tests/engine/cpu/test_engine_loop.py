@@ -13,9 +13,9 @@ from pagekeeper_engine.async_engine import (
     EngineDrainingError,
     RequestFailedError,
 )
+from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.core.scheduler import RequestRejectedError
 from pagekeeper_engine.engine import LLMEngine
 from tests.engine.fakes import (
     EOS,

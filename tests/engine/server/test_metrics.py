@@ -9,7 +9,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekeeper_engine.engine import LoopStats
+from pagekeeper_engine.loop_stats import LoopStats
 from pagekeeper_engine.memory.allocator import AllocatorSettings, AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 from pagekeeper_engine.server.metric_names import CUDA_ONLY, METRICS, OOM_KINDS, family_name

@@ -1,0 +1,80 @@
+"""What the scheduler may take: its configured limits and whether a prompt can ever run.
+
+Pure Python; never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
+from pagekeeper_engine.core.kv_manager import num_blocks_for
+
+
+class RequestRejectedError(ValueError):
+    """A request this engine can never serve as configured (the server answers 400)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of the KV cache; see the engine's flags of the same names.
+
+    `kv_watermark`: fraction of the GPU blocks a new request must leave free when admitted, so
+    running decodes can grow for a while before anything is preempted.
+    `min_swap_tokens`: the preemption rule's threshold (see `choose_preemption_mode`).
+    """
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int | None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_max_fraction: float = 0.5
+    kv_watermark: float = 0.01
+    min_swap_tokens: int = 512
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        max_model_len = config.max_model_len
+        budget = resolve_max_num_batched_tokens(
+            config.max_num_batched_tokens, config.enable_chunked_prefill, max_model_len or 0
+        )
+        return cls(
+            block_size=config.block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_max_fraction=config.prefix_cache_max_fraction,
+        )
+
+
+def check_prompt(
+    cfg: SchedulerConfig,
+    num_prompt_tokens: int,
+    max_blocks: int,
+    max_num_batched_tokens: int,
+) -> None:
+    """Raise RequestRejectedError when a prompt of this length can never run: it is empty, it
+    leaves no room for a token within `max_model_len`, it needs more than `max_blocks` KV blocks,
+    or (without chunked prefill) it exceeds one step's `max_num_batched_tokens`."""
+    if num_prompt_tokens == 0:
+        raise RequestRejectedError("the prompt is empty")
+    if cfg.max_model_len is not None and num_prompt_tokens + 1 > cfg.max_model_len:
+        raise RequestRejectedError(
+            f"the prompt has {num_prompt_tokens} tokens; with one generated token that "
+            f"exceeds the maximum context length of {cfg.max_model_len} tokens"
+        )
+    num_blocks = num_blocks_for(num_prompt_tokens + 1, cfg.block_size)
+    if num_blocks > max_blocks:
+        raise RequestRejectedError(
+            f"the prompt has {num_prompt_tokens} tokens and needs {num_blocks} KV blocks of "
+            f"{cfg.block_size}; the KV cache admits at most {max_blocks} blocks per request"
+        )
+    if not cfg.enable_chunked_prefill and num_prompt_tokens > max_num_batched_tokens:
+        raise RequestRejectedError(
+            f"the prompt has {num_prompt_tokens} tokens; without chunked prefill a prompt "
+            f"must fit in one step of max_num_batched_tokens={max_num_batched_tokens}"
+        )
