@@ -27,8 +27,15 @@ RESYNC_SECONDS = 5
 class OperatorProcess:
     """One operator process watching one namespace; its log is kept in a file."""
 
-    def __init__(self, cluster: Cluster, namespace: str, log_dir: Path) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        namespace: str,
+        log_dir: Path,
+        resync_seconds: float = RESYNC_SECONDS,
+    ) -> None:
         self.cluster = cluster
+        self.resync_seconds = resync_seconds
         self.namespace = namespace
         self.log_dir = log_dir
         self.num_starts = 0
@@ -43,7 +50,7 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": self.cluster.kubeconfig,
             "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
-            "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
+            "PAGEKEEPER_RESYNC_SECONDS": str(int(self.resync_seconds)),
         }
         kopf = Path(sys.executable).with_name("kopf")
         with self.log_path.open("wb") as log:

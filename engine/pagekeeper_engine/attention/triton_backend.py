@@ -6,11 +6,14 @@ import torch
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
 from pagekeeper_engine.kernels import is_interpreter
-from pagekeeper_engine.kernels.kv_write import write_kv
+from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
 from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
 from pagekeeper_engine.kernels.paged_prefill import paged_prefill
 
 _INTERPRETER_NUM_SMS = 4
+# Split counters for the decode kernel's in-launch reduce: splits are only chosen while
+# (sequences x KV heads) programs under-fill the GPU, far fewer than this.
+_MAX_SPLIT_COUNTERS = 4096
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -19,7 +22,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     The number of decode splits depends only on the batch's shape and `meta.max_seq_len`; the
     kernel derives each split's range from the sequence's own length, so a CUDA graph captured
-    at one `max_seq_len` stays correct at any other.
+    at one `max_seq_len` stays correct at any other. The splits are combined inside the decode
+    launch (counters that the kernel leaves at zero, allocated on the first call, which the
+    runner makes eagerly before any graph capture).
+
+    `forward_rotary` also applies the rotary embedding in the KV-write kernel (rotating q in
+    place), so a layer's rotary, KV write and decode attention are two launches, not four.
     """
 
     name = "triton"
@@ -33,6 +41,31 @@ class TritonAttentionBackend(AttentionBackend):
             else:
                 num_sms = _INTERPRETER_NUM_SMS
         self.num_sms = num_sms
+        self._split_counters: torch.Tensor | None = None
+
+    def _counters(self, device: torch.device) -> torch.Tensor:
+        if self._split_counters is None or self._split_counters.device != device:
+            self._split_counters = torch.zeros(
+                _MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device
+            )
+        return self._split_counters
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim), not rotated: the cache gets rotary(k)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        positions: torch.Tensor,  # (T,) int64
+        cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, num_heads, head_dim)
+        """`forward` of rotary(q), rotary(k), v, with the rotation fused into the KV write."""
+        rotate_and_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
 
     def forward(
         self,
@@ -45,6 +78,16 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         num_decodes = meta.num_decode_seqs
         if num_decodes > 0:
@@ -61,6 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[:num_decodes],
                 num_splits=num_splits,
+                split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
             )
         if num_decodes < meta.num_seqs:
             paged_prefill(

@@ -1,6 +1,11 @@
 # Triton kernels take untyped pointer and stride arguments by design.
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""Store a step's new keys and values into the paged KV cache at their slots."""
+"""Store a step's new keys and values into the paged KV cache at their slots.
+
+`rotate_and_write_kv` also applies the rotary embedding on the way: it rotates q in place and
+stores the rotated k, so a layer's rotary and KV write are one launch instead of two. Its
+rotation is `kernels/rotary.py`'s arithmetic (fp32 tables, fp32 math, rounded to the dtype).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import triton.language as tl
 
 from pagekeeper_engine.kernels import check_device, check_heads, check_paged_cache
 from pagekeeper_engine.kernels import next_power_of_2 as _pow2
+from pagekeeper_engine.kernels.rotary import check_rotary_inputs, rotate_heads
 
 
 @triton.jit
@@ -44,14 +50,113 @@ def _kv_write_kernel(
         tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
 
 
-def write_kv(
-    k: torch.Tensor,  # (T, num_kv_heads, head_dim); token and head strides may be any
+@triton.jit
+def _rotary_kv_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    NUM_Q_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    # One program per token: rotate its q heads in place, store rotated k and v at its slot.
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + position * HALF + offs_d)[None, :]  # (1, HALF) fp32
+    sin = tl.load(sin_ptr + position * HALF + offs_d)[None, :]
+    q_token = q_ptr + token * q_token_stride
+    rotate_heads(
+        q_token, q_token, q_head_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
+    )
+    slot = tl.load(slot_mapping_ptr + token)
+    # A negative slot marks a padding row (e.g. of a CUDA-graph batch): nothing to store.
+    if slot >= 0:
+        # The cache row of a slot is (num_kv_heads, head_dim), contiguous.
+        dst = slot * (NUM_KV_HEADS * 2 * HALF)
+        k_token = k_ptr + token * k_token_stride
+        rotate_heads(
+            k_token, k_cache_ptr + dst, k_head_stride, 2 * HALF, cos, sin, NUM_KV_HEADS,
+            HEADS_PAD, HALF,
+        )  # fmt: skip
+        offs_h = tl.arange(0, HEADS_PAD)
+        offs_full = tl.arange(0, 2 * HALF)
+        mask = (offs_h < NUM_KV_HEADS)[:, None]
+        v_src = (
+            v_ptr + token * v_token_stride + offs_h[:, None] * v_head_stride + offs_full[None, :]
+        )
+        v_dst = v_cache_ptr + dst + offs_h[:, None] * (2 * HALF) + offs_full[None, :]
+        tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+
+
+def rotate_and_write_kv(
+    q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place; may be a strided view
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim), read only: its rotation goes to the cache
     v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+    positions: torch.Tensor,  # (T,) int64
+    cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
+    sin: torch.Tensor,
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row
+    slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row's store (q is still rotated)
 ) -> None:
-    """Store `k[t]`, `v[t]` at flat slot `slot_mapping[t]` of the caches, in place."""
+    """Rotate q in place and store rotary(k[t]), v[t] at slot `slot_mapping[t]`, one launch."""
+    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    check_heads("q", q, int(k_cache.shape[2]), int(k_cache.shape[3]), k_cache.dtype)
+    check_rotary_inputs(q, k, positions, cos, sin)
+    check_device("q", q, k_cache.device)
+    for name, tensor in (("positions", positions), ("cos", cos), ("sin", sin)):
+        check_device(name, tensor, k_cache.device)
+    num_tokens = int(k.shape[0])
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = int(k_cache.shape[2]), int(k_cache.shape[3])
+    _rotary_kv_write_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        positions,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        NUM_Q_HEADS=q.shape[1],
+        Q_HEADS_PAD=_pow2(q.shape[1]),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=_pow2(num_kv_heads),
+        HALF=head_dim // 2,
+        num_warps=4,
+    )
+
+
+def _check_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     _, _, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     num_k_heads = check_heads("k", k, num_kv_heads, head_dim, k_cache.dtype)
     assert num_k_heads == num_kv_heads, f"k has {num_k_heads} heads, the cache {num_kv_heads}"
@@ -66,6 +171,18 @@ def write_kv(
     assert slot_mapping.is_contiguous(), "slot_mapping must be contiguous"
     for name, tensor in (("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         check_device(name, tensor, k_cache.device)
+
+
+def write_kv(
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim); token and head strides may be any
+    v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row
+) -> None:
+    """Store `k[t]`, `v[t]` at flat slot `slot_mapping[t]` of the caches, in place."""
+    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    num_kv_heads, head_dim = int(k_cache.shape[2]), int(k_cache.shape[3])
     num_tokens = int(k.shape[0])
     if num_tokens == 0:
         return

@@ -5,9 +5,12 @@
 One program handles one (sequence, KV head, split): the GROUP query heads that share the KV
 head are packed into the rows of one tile, so each key tile is read once per group and the dot
 products have >= 16 rows. For small batches the context is split across programs
-(flash-decoding): each split writes a partial output and its log-sum-exp, and a reduce kernel
-combines them. Split boundaries are derived from each sequence's own length inside the kernel,
-so the number of splits changes only speed, never the result.
+(flash-decoding): each split writes a partial output and its log-sum-exp, and they are combined
+either by a second (reduce) kernel or, given a buffer of split counters, by the last split of
+each (sequence, KV head) to finish inside the same launch: it counts the finished splits with
+one atomic, so at batch 1 a layer's attention is one launch instead of two. Split boundaries
+are derived from each sequence's own length inside the kernel, so the number of splits changes
+only speed, never the result.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,  # (B, num_heads, NUM_SPLITS, HEAD_DIM) fp32, unused when NUM_SPLITS == 1
     part_lse_ptr,  # (B, num_heads, NUM_SPLITS) fp32 log2-sum-exp2 of the scaled scores
+    counters_ptr,  # (>= B * NUM_KV_HEADS,) int32 zeros, used when FUSED_REDUCE; left zero
     q_token_stride,
     q_head_stride,
     out_token_stride,
@@ -71,6 +75,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -128,6 +133,77 @@ def _paged_decode_kernel(
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
         tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
+        if FUSED_REDUCE:
+            # Every thread's partial stores precede the counter's release (barrier, then an
+            # acq_rel atomic at GPU scope); the split that counts last acquires all of them.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+            num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if num_done == NUM_SPLITS - 1:
+                _combine_splits(
+                    part_out_ptr,
+                    part_lse_ptr,
+                    out_ptr,
+                    seq,
+                    heads,
+                    offs_g < GROUP,
+                    offs_d,
+                    out_token_stride,
+                    out_head_stride,
+                    NUM_KV_HEADS * GROUP,
+                    GROUP_PAD,
+                    HEAD_DIM,
+                    NUM_SPLITS,
+                )
+                tl.store(counter, 0)  # zero again for the next launch (stream-ordered)
+
+
+@triton.jit
+def _combine_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq,
+    heads,  # (GROUP_PAD,) query heads of this KV head
+    g_mask,  # (GROUP_PAD,) real heads
+    offs_d,  # (HEAD_DIM,)
+    out_token_stride,
+    out_head_stride,
+    NUM_HEADS: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """out[seq, heads] = the splits' partial outputs weighted by their softmax mass."""
+    rows = (seq * NUM_HEADS + heads) * NUM_SPLITS  # (GROUP_PAD,) row of split 0
+    # Split 0 is never empty (seq_len >= 1), so each real head's max is finite; padding heads
+    # get 0 and weigh nothing (their lse loads as -inf).
+    m = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        m = tl.maximum(m, lse)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    for s in range(NUM_SPLITS):
+        lse = tl.load(
+            part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        weight = tl.exp2(lse - m)  # an empty split weighs exp2(-inf) = 0
+        part = tl.load(
+            part_out_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=hd_mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.where(g_mask, total, 1.0)[:, None]
+    out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
 @triton.jit
@@ -185,8 +261,13 @@ def paged_decode(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    split_counters: torch.Tensor | None = None,  # (>= B * num_kv_heads,) int32, all zero
 ) -> torch.Tensor:
-    """Attention of each sequence's last token over its `seq_lens[b]` cached tokens."""
+    """Attention of each sequence's last token over its `seq_lens[b]` cached tokens.
+
+    With `split_counters` (zeros, left zero) the splits are combined inside the one launch;
+    without, by a second kernel. Same arithmetic either way.
+    """
     _, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     num_heads = check_heads("q", q, num_kv_heads, head_dim, k_cache.dtype)
     num_seqs = int(q.shape[0])
@@ -208,10 +289,18 @@ def paged_decode(
     check_device("out", out, k_cache.device)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} not a power of 2"
+    if split_counters is not None:
+        check_index_tensor("split_counters", split_counters, 1, torch.int32)
+        check_device("split_counters", split_counters, k_cache.device)
+        assert split_counters.shape[0] >= num_seqs * num_kv_heads, (
+            f"split_counters has {split_counters.shape[0]} entries, fewer than "
+            f"{num_seqs} sequences x {num_kv_heads} KV heads"
+        )
     if num_seqs == 0:
         return out
 
     group = num_heads // num_kv_heads
+    fused_reduce = num_splits > 1 and split_counters is not None
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -230,6 +319,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        split_counters if fused_reduce else seq_lens,  # never touched unless fused
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -243,11 +333,12 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        FUSED_REDUCE=fused_reduce,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_reduce:
         _reduce_splits_kernel[(num_seqs, num_heads)](
             part_out,
             part_lse,

@@ -16,27 +16,29 @@ from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr,
-    token,
-    token_stride,
-    head_stride,
-    cos,
+def rotate_heads(
+    src_ptr,  # this token's first head
+    dst_ptr,  # where its rotated heads go (src_ptr itself to rotate in place)
+    src_head_stride,
+    dst_head_stride,
+    cos,  # (1, HALF) fp32
     sin,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
 ):
+    """Rotate the two halves of each of a token's heads, in fp32, rounded to the dtype."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < NUM_HEADS)[:, None]
-    first = x_ptr + token * token_stride + offs_h[:, None] * head_stride + offs_d[None, :]
+    first = src_ptr + offs_h[:, None] * src_head_stride + offs_d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0)  # (HEADS_PAD, HALF)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
+    tl.store(out_first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(out_first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
 
 
 @triton.jit
@@ -61,22 +63,24 @@ def _rotary_kernel(
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * HALF + offs_d)[None, :]  # (1, HALF) fp32
     sin = tl.load(sin_ptr + position * HALF + offs_d)[None, :]
-    _rotate_heads(
-        q_ptr, token, q_token_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
+    q_token = q_ptr + token * q_token_stride
+    k_token = k_ptr + token * k_token_stride
+    rotate_heads(
+        q_token, q_token, q_head_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
     )
-    _rotate_heads(
-        k_ptr, token, k_token_stride, k_head_stride, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF
+    rotate_heads(
+        k_token, k_token, k_head_stride, k_head_stride, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF
     )
 
 
-def apply_rotary_(
-    q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place; may be a strided view
-    k: torch.Tensor,  # (T, num_kv_heads, head_dim), rotated in place
+def check_rotary_inputs(
+    q: torch.Tensor,  # (T, num_heads, head_dim)
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim)
     positions: torch.Tensor,  # (T,) int64
     cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
     sin: torch.Tensor,
 ) -> None:
-    """Rotate the halves of every head of q and k by the angle of each token's position."""
+    """Shapes, dtypes and layouts the rotary kernels rely on (devices are the caller's)."""
     assert q.dim() == 3 and k.dim() == 3, "q and k must be (tokens, heads, head_dim)"
     assert q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype, "q and k must share a float dtype"
     num_tokens, _, head_dim = q.shape
@@ -97,11 +101,24 @@ def apply_rotary_(
             f"{name} must be (max_position, {half}), got {tuple(table.shape)}"
         )
         assert table.is_contiguous(), f"{name} must be contiguous"
+
+
+def apply_rotary_(
+    q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place; may be a strided view
+    k: torch.Tensor,  # (T, num_kv_heads, head_dim), rotated in place
+    positions: torch.Tensor,  # (T,) int64
+    cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
+    sin: torch.Tensor,
+) -> None:
+    """Rotate the halves of every head of q and k by the angle of each token's position."""
+    check_rotary_inputs(q, k, positions, cos, sin)
     for name, tensor in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
         check_device(name, tensor, q.device)
     check_device("q", q, q.device)
+    num_tokens = int(q.shape[0])
     if num_tokens == 0:
         return
+    half = int(q.shape[2]) // 2
     _rotary_kernel[(num_tokens,)](
         q,
         k,

@@ -6,8 +6,9 @@ from a checkpoint or from the dummy generator. Projections that read the same in
 checkpoint's separate tensors into their row slices.
 
 On CUDA the elementwise steps run as fused Triton kernels (`kernels/rms_norm.py`, `rotary.py`,
-`swiglu.py`: one launch each instead of 3-24 torch ops); on the CPU the torch code below is the
-reference they are tested against.
+`swiglu.py`: one launch each instead of 3-24 torch ops), and with the Triton attention backend
+the rotary embedding is applied inside its KV-write kernel; on the CPU the torch code below is
+the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -202,7 +203,15 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary.forward_qk(positions, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        # A backend that can rotate inside its KV write (the Triton one) saves a launch a layer.
+        forward_rotary = getattr(self.backend, "forward_rotary", None)
+        if x.is_cuda and forward_rotary is not None:
+            out: torch.Tensor = forward_rotary(
+                q, k, v, positions, self.rotary.cos, self.rotary.sin,
+                self.k_cache, self.v_cache, meta, self.scale,
+            )  # fmt: skip
+        else:
+            q, k = self.rotary.forward_qk(positions, q, k)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, H)
         return projected

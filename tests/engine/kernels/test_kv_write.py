@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagekeeper_engine.kernels.kv_write import write_kv
-from pagekeeper_engine.kernels.reference import write_kv_ref
+from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
+from pagekeeper_engine.kernels.reference import rotary_ref, write_kv_ref
 from tests.engine.kernels.paged_cases import random_tensor
 
 HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -111,3 +111,83 @@ def test_write_kv_rejects_bad_inputs(change: str, message: str, device: torch.de
     cache = torch.zeros((2, block_size, num_kv_heads, head_dim), device=device)
     with pytest.raises(AssertionError, match=message):
         write_kv(k, k, cache, cache.clone(), slots)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype): odd head counts, small head_dim.
+ROTARY_CASES = [
+    (6, 3, 64, 16, torch.float32),
+    (4, 1, 32, 8, torch.float32),
+    (5, 5, 64, 32, torch.float16),
+    *[(32, 8, 128, 16, dtype) for dtype in HALF_DTYPES],
+]
+ROTARY_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "dtype"), ROTARY_CASES
+)
+def test_rotate_and_write_kv_matches_rotary_then_write(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    num_blocks, num_tokens, max_position = 5, 11, 300
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = random_tensor(shape, dtype, device, generator)
+    v_cache = random_tensor(shape, dtype, device, generator)
+    angles = torch.rand((max_position, head_dim // 2), generator=generator, device=device) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, max_position, (num_tokens,), generator=generator, device=device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = random_tensor((num_tokens, width), dtype, device, generator)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=generator, device=device)[:num_tokens]
+    slots[[0, 7]] = -1  # padding rows: q still rotated, nothing stored
+    k_before, v_before, k_cache_before = k.clone(), v.clone(), k_cache.clone()
+    expected_q = rotary_ref(q, positions, cos, sin)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    write_kv_ref(rotary_ref(k, positions, cos, sin), v, expected_k_cache, expected_v_cache, slots)
+
+    rotate_and_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+
+    tol = ROTARY_RTOL[dtype]
+    torch.testing.assert_close(q, expected_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k_cache, expected_k_cache, rtol=tol, atol=tol)
+    assert torch.equal(v_cache, expected_v_cache), "v is stored unchanged"
+    assert torch.equal(k, k_before) and torch.equal(v, v_before), "k and v are only read"
+    # Every slot but the 9 real ones keeps its bytes exactly.
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert int(untouched.sum()) == num_blocks * block_size - 9
+    flat = k_cache.view(num_blocks * block_size, -1)
+    assert torch.equal(flat[untouched], k_cache_before.view_as(flat)[untouched])
+
+
+def test_rotate_and_write_kv_at_position_zero_stores_k_unchanged(device: torch.device) -> None:
+    k_cache = torch.zeros((2, 8, 2, 32), device=device)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.arange(3 * 4 * 32, dtype=torch.float32, device=device).view(3, 4, 32)
+    k, v = q[:, :2].clone(), q[:, 2:].clone()
+    expected_q = q.clone()
+    angles = torch.ones((4, 16), device=device)
+    angles[0] = 0.0  # cos 1, sin 0
+    slots = torch.tensor([5, -1, 9], dtype=torch.int64, device=device)
+
+    rotate_and_write_kv(
+        q, k, v, torch.zeros(3, dtype=torch.int64, device=device), angles.cos(), angles.sin(),
+        k_cache, v_cache, slots,
+    )  # fmt: skip
+
+    assert torch.equal(q, expected_q)
+    assert torch.equal(k_cache.view(16, 2, 32)[5], k[0])
+    assert torch.equal(k_cache.view(16, 2, 32)[9], k[2])
+    assert torch.equal(v_cache.view(16, 2, 32)[9], v[2])
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2  # rows of slots 5 and 9 only

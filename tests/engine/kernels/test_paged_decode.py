@@ -169,3 +169,60 @@ def test_paged_decode_rejects_bad_inputs(change: str, message: str, device: torc
         k_cache = torch.zeros((4, 2, 8, 32), device=device).transpose(1, 2)
     with pytest.raises(AssertionError, match=message):
         paged_decode(q, k_cache, v_cache, block_tables, seq_lens, 1.0, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    ("group", "num_kv_heads", "head_dim", "block_size", "dtype", "num_splits"),
+    [
+        (4, 2, 64, 16, torch.float32, 3),
+        (3, 3, 32, 8, torch.float32, 8),  # group 3: padded head rows in the combine
+        (8, 1, 128, 32, torch.float16, 5),
+    ],
+)
+def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_splits: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    seq_lens = [1, 17, 45, 70, 129]
+    cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, generator)
+    num_heads = group * num_kv_heads
+    q = random_tensor((len(seq_lens), num_heads, head_dim), dtype, device, generator)
+    counters = torch.zeros(len(seq_lens) * num_kv_heads + 3, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    ref = paged_decode_ref(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale
+    )
+    two_launches = paged_decode(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale,
+        num_splits=num_splits, block_n=16,
+    )  # fmt: skip
+
+    for _ in range(2):  # the second call relies on the first leaving the counters at zero
+        out = torch.full_like(q, float("nan"))
+        paged_decode(
+            q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale, out=out,
+            num_splits=num_splits, block_n=16, split_counters=counters,
+        )  # fmt: skip
+        assert not out.isnan().any(), "some output element was never written"
+        error = relative_error(out, ref)
+        assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+        assert torch.equal(counters, torch.zeros_like(counters))
+    # Same partials, same combining order and arithmetic as the reduce kernel.
+    torch.testing.assert_close(out, two_launches, rtol=1e-6, atol=1e-6)
+
+
+def test_split_counters_must_cover_every_program(device: torch.device) -> None:
+    k_cache = torch.zeros((4, 8, 2, 32), device=device)
+    q = torch.zeros((2, 4, 32), device=device)
+    with pytest.raises(AssertionError, match="split_counters has 3 entries, fewer than 2"):
+        paged_decode(
+            q, k_cache, k_cache.clone(), torch.zeros((2, 3), dtype=torch.int32, device=device),
+            torch.ones(2, dtype=torch.int32, device=device), 1.0, num_splits=2,
+            split_counters=torch.zeros(3, dtype=torch.int32, device=device),
+        )  # fmt: skip

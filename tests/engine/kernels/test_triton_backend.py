@@ -8,7 +8,7 @@ import torch
 from pagekeeper_engine.attention.base import AttentionMetadata
 from pagekeeper_engine.attention.torch_ref import TorchRefBackend
 from pagekeeper_engine.attention.triton_backend import TritonAttentionBackend
-from pagekeeper_engine.kernels.reference import paged_attention_ref, write_kv_ref
+from pagekeeper_engine.kernels.reference import paged_attention_ref, rotary_ref, write_kv_ref
 from tests.engine.kernels.paged_cases import (
     TOLERANCE,
     PagedCache,
@@ -115,5 +115,39 @@ def test_matches_the_engine_torch_backend(
     )
 
     assert torch.equal(cache.k_cache, ref_k_cache) and torch.equal(cache.v_cache, ref_v_cache)
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
+def test_forward_rotary_equals_rotary_then_forward(
+    dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    """The fused rotary + KV write path: same cache and (up to rounding) same attention."""
+    step = _mixed_step(16, 2, 4, 64, dtype, device, generator)
+    cache, meta = step.cache, step.meta
+    angles = torch.rand((400, 32), generator=generator, device=device) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 400, (step.q.shape[0],), generator=generator, device=device)
+    ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+    ref = TritonAttentionBackend(num_sms=4).forward(
+        rotary_ref(step.q, positions, cos, sin),
+        rotary_ref(step.k, positions, cos, sin),
+        step.v,
+        ref_k_cache,
+        ref_v_cache,
+        meta,
+        0.125,
+    )
+
+    out = TritonAttentionBackend(num_sms=4).forward_rotary(
+        step.q, step.k, step.v, positions, cos, sin, cache.k_cache, cache.v_cache, meta, 0.125
+    )
+
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(cache.k_cache, ref_k_cache, rtol=tol, atol=tol)
+    assert torch.equal(cache.v_cache, ref_v_cache)
     error = relative_error(out, ref)
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
