@@ -6,6 +6,7 @@
 #   hack/cluster.sh kubeconfig NAME
 # etcd, kube-apiserver, kube-controller-manager and kube-scheduler run as local processes
 # (kwokctl --runtime binary) from binaries hack/provision.sh built; KWOK plays the kubelets.
+# The Service range is a /16 (the API server's default /24 holds only 254 Services).
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -33,6 +34,7 @@ up() {
       --kube-scheduler-binary "$BIN/kube-scheduler" \
       --kwok-controller-binary "$BIN/kwok" \
       --kube-admission --kube-authorization \
+      --extra-args "kube-apiserver=service-cluster-ip-range=10.96.0.0/16" \
       --kubeconfig "$KWOK_WORKDIR/clusters/$name/kubeconfig-user.yaml" \
       --wait 120s --timeout 180s >&2
   fi
