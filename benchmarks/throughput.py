@@ -31,60 +31,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import measure_copy_bandwidth, measure_matmul_rate
 
+from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.engine import LLMEngine
 from pagekeeper_engine.runner import ModelRunner
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-    },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
-    },
-}
 
 
 @dataclass(frozen=True)
