@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,17 @@ class AttentionMetadata:
         return self.num_decode_seqs == self.num_seqs
 
 
+class RotaryTables(Protocol):
+    """The model's rotary embedding, as a backend that rotates inside its KV write needs it."""
+
+    cos: torch.Tensor  # (max_position, head_dim // 2) fp32
+    sin: torch.Tensor
+
+    def forward_qk(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys and values into the cache, then attends over it."""
 
@@ -55,3 +67,20 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """Store k and v at `meta.slot_mapping`, then return causal attention of q."""
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim), not yet rotated
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim), not yet rotated
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        positions: torch.Tensor,  # (T,) int64
+        rotary: RotaryTables,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, num_heads, head_dim)
+        """`forward` of rotary(q), rotary(k), v. A backend that can rotate inside its KV write
+        overrides this to save the separate rotation."""
+        q, k = rotary.forward_qk(positions, q, k)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata, RotaryTables
 from pagekeeper_engine.kernels import is_interpreter
 from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
 from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
@@ -56,15 +56,16 @@ class TritonAttentionBackend(AttentionBackend):
         k: torch.Tensor,  # (T, num_kv_heads, head_dim), not rotated: the cache gets rotary(k)
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
         positions: torch.Tensor,  # (T,) int64
-        cos: torch.Tensor,  # (max_position, head_dim // 2) fp32
-        sin: torch.Tensor,
+        rotary: RotaryTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v, with the rotation fused into the KV write."""
-        rotate_and_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        rotate_and_write_kv(
+            q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping
+        )
         return self._attend(q, k_cache, v_cache, meta, scale)
 
     def forward(

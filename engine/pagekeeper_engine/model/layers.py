@@ -203,15 +203,9 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        # A backend that can rotate inside its KV write (the Triton one) saves a launch a layer.
-        forward_rotary = getattr(self.backend, "forward_rotary", None)
-        if x.is_cuda and forward_rotary is not None:
-            out: torch.Tensor = forward_rotary(
-                q, k, v, positions, self.rotary.cos, self.rotary.sin,
-                self.k_cache, self.v_cache, meta, self.scale,
-            )  # fmt: skip
-        else:
-            q, k = self.rotary.forward_qk(positions, q, k)
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        # The Triton backend rotates inside its KV write, saving a launch a layer.
+        out = self.backend.forward_rotary(
+            q, k, v, positions, self.rotary, self.k_cache, self.v_cache, meta, self.scale
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, H)
         return projected
