@@ -169,12 +169,21 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     for i, (prompt, sampling) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"req-{i}", prompt, sampling)
     num_output = num_finished = 0
+    unfinished = {f"req-{i}" for i in range(len(work.prompts))}
     while engine.has_work() and time.perf_counter() - start < time_limit:
         for out in engine.step():
             num_output += len(out.new_token_ids)
             num_finished += out.finished
+            if out.finished:
+                unfinished.discard(out.request_id)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    # Past the time limit: end what is left, so later measurements (batch-1 latency) find the
+    # engine idle instead of sharing every step with the rest of W-nano.
+    for request_id in unfinished:
+        engine.abort(request_id)
+    while engine.has_work():
+        engine.step()
     return {
         "seconds": seconds,
         "num_output_tokens": num_output,
@@ -186,6 +195,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
 
 def batch1_itl(engine: LLMEngine, num_tokens: int = 256) -> float:
     """Median seconds between consecutive tokens of a lone request."""
+    assert not engine.has_work(), "batch-1 latency needs an idle engine"
     engine.add_request(
         "itl", list(range(1000, 1128)), SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     )
