@@ -44,6 +44,18 @@ class CharTokenizer:
     num_batch_calls = 0
 
 
+class IdTokenizer:
+    """Token ids as space-separated numbers, for the real model's random vocabulary."""
+
+    eos_token_ids = frozenset({2})
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
 def next_token(history: list[int]) -> int:
     """The fake model: a pure function of the whole token history; never EOS."""
     return (sum(history) * 7 + len(history)) % EOS

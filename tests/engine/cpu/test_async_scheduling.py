@@ -20,7 +20,15 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
 from pagekeeper_engine.engine import LLMEngine
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
-from tests.engine.fakes import EOS, PagedFakeRunner, make_engine, rollout, run_all, tokens_of
+from tests.engine.fakes import (
+    EOS,
+    IdTokenizer,
+    PagedFakeRunner,
+    make_engine,
+    rollout,
+    run_all,
+    tokens_of,
+)
 
 PROMPTS = {
     "p0": [3, 1, 4],
@@ -210,16 +218,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3")
     write_checkpoint(path, "qwen3")
     return path
-
-
-class IdTokenizer:
-    eos_token_ids = frozenset({2})
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" {i}" for i in ids)
 
 
 def generate(checkpoint: Path, async_scheduling: bool, params: dict[str, SamplingParams]) -> Any:

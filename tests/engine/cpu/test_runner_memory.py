@@ -20,20 +20,11 @@ from pagekeeper_engine.memory import swap
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.runner import ModelRunner
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
+from tests.engine.fakes import IdTokenizer
 
 PROMPTS = {f"r{i}": tokens(9 + 2 * i, offset=5 * i + 1) for i in range(4)}
 # ignore_eos: the random model may pick its EOS id, and every run must go the full length
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-class IdTokenizer:
-    eos_token_ids = frozenset({2})
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" {i}" for i in ids)
 
 
 @pytest.fixture(scope="module")

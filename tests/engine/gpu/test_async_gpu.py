@@ -14,22 +14,12 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.engine import LLMEngine
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
-from tests.engine.fakes import run_all
+from tests.engine.fakes import IdTokenizer, run_all
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-class IdTokenizer:
-    eos_token_ids = frozenset({2})
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" {i}" for i in ids)
 
 
 @pytest.fixture(scope="module")
