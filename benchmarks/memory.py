@@ -244,16 +244,22 @@ async def drive(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
         async def sampler() -> None:
             started = time.monotonic()
-            while time.monotonic() < deadline + 5:
-                try:
-                    async with session.get(f"{url}/metrics") as response:
-                        sample = parse_metrics(await response.text())
-                except aiohttp.ClientError:
-                    sample = {}
-                sample["t"] = round(time.monotonic() - started, 1)
-                sample["gpu_used_mib"] = gpu_used_mib()
-                series.append(sample)
-                await asyncio.sleep(args.sample_every)
+            # Each sample also goes to a JSON-lines file as it is taken, so a run cut short
+            # still leaves its series.
+            with open(Path(args.out).with_suffix(".series.jsonl"), "w") as series_file:
+                while time.monotonic() < deadline + 5:
+                    try:
+                        async with session.get(f"{url}/metrics") as response:
+                            sample = parse_metrics(await response.text())
+                    except aiohttp.ClientError:
+                        sample = {}
+                    sample["t"] = round(time.monotonic() - started, 1)
+                    sample["gpu_used_mib"] = gpu_used_mib()
+                    sample.update(served=tally.served, rejected=tally.rejected, lost=tally.lost)
+                    series.append(sample)
+                    series_file.write(json.dumps(sample) + "\n")
+                    series_file.flush()
+                    await asyncio.sleep(args.sample_every)
 
         sampling = asyncio.create_task(sampler())
         await asyncio.gather(*(worker(i) for i in range(args.concurrency)))

@@ -131,8 +131,16 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, 
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        fragmentation_buffer="auto" if args.safety == "on" else 0,
     )
     runner = ModelRunner(config, progress=False)
+    if args.safety == "off":
+        # The memory-safety features a bare engine lacks: the allocator statistics the step
+        # loop reads, and the static workspace (eager steps allocate their temporaries per call
+        # again; the decode graphs keep the addresses they were captured with). Admission and
+        # the OOM guard stay: they are the scheduler's arithmetic and a try block.
+        runner.allocator_monitor = None
+        runner.model.bind_workspace(None)
     start = {
         "startup_s": time.perf_counter() - started,
         "cuda_graphs": runner.graphs is not None,
@@ -140,6 +148,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, 
         "graph_pool_mib": 0.0 if runner.graphs is None else runner.graphs.pool_bytes / 2**20,
         "num_gpu_blocks": runner.num_gpu_blocks,
         "async_scheduling": args.async_scheduling,
+        "safety": args.safety,
     }
     print(
         f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
@@ -297,6 +306,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="overlap the host's step work with the device's (--no-async-scheduling: serial)",
+    )
+    parser.add_argument(
+        "--safety",
+        choices=["on", "off"],
+        default="on",
+        help="off: no fragmentation buffer, no allocator statistics, no static workspace",
     )
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--profile", action="store_true", help="profile 10 decode steps")

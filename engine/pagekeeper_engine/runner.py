@@ -43,6 +43,7 @@ from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.hf_config import ModelConfig, load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
+from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,16 @@ class ModelRunner:
             seed=config.seed,
             progress=progress,
         )
+        # The forward pass's static home, before the profile: it is part of the activations.
+        self.workspace = Workspace(
+            WorkspaceShape.for_model(
+                self.model_config,
+                max(self.max_num_batched_tokens, *graph_batch_sizes(config.max_num_seqs)),
+            ),
+            self.dtype,
+            self.device,
+        )
+        self.model.bind_workspace(self.workspace)
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.inputs = StepInputBuilder(
@@ -234,6 +245,10 @@ class ModelRunner:
         return None if self.memory_budget is None else self.memory_budget.terms
 
     # -- the start-up profile (driven by memory.profile) ------------------------------------
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.workspace.nbytes
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         self._scratch = torch.zeros(

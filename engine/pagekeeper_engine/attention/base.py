@@ -65,8 +65,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # (T, num_heads, head_dim): where the result goes
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        """Store k and v at `meta.slot_mapping`, then return causal attention of q."""
+        """Store k and v at `meta.slot_mapping`, then return causal attention of q (in `out`
+        when given, e.g. a view of the step's workspace)."""
 
     def forward_rotary(
         self,
@@ -79,8 +81,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v. A backend that can rotate inside its KV write
         overrides this to save the separate rotation."""
         q, k = rotary.forward_qk(positions, q, k)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, out)

@@ -45,11 +45,12 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,  # (T, num_heads, head_dim), written in full
 ) -> torch.Tensor:
     """Causal attention of each query row over its sequence's cached keys (GQA aware)."""
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[2]
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q) if out is None else out.zero_()
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     for b, seq_len in enumerate(seq_lens):
@@ -87,6 +88,7 @@ class TorchRefBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)

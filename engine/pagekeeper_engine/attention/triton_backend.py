@@ -61,12 +61,13 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v, with the rotation fused into the KV write."""
         rotate_and_write_kv(
             q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping
         )
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, out)
 
     def forward(
         self,
@@ -77,9 +78,10 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, out)
 
     def _attend(
         self,
@@ -88,8 +90,11 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
         num_decodes = meta.num_decode_seqs
         if num_decodes > 0:
             num_splits = choose_num_splits(

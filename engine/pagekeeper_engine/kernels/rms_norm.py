@@ -23,18 +23,25 @@ def _rms_norm_kernel(
     out_ptr,
     summed_ptr,
     x_row_stride,
+    x_head_stride,
     residual_row_stride,
     out_row_stride,
+    out_head_stride,
     summed_row_stride,
     eps,
+    HEADS: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # One program per (row, head); the whole row is loaded before anything is stored, so out
+    # may be x and summed may be residual (in place).
+    program = tl.program_id(0).to(tl.int64)
+    row = program // HEADS
+    head = program % HEADS
     offs = tl.arange(0, BLOCK)
     mask = offs < DIM
-    x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_row_stride + head * x_head_stride + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + row * residual_row_stride + offs, mask=mask, other=0.0)
         tl.store(summed_ptr + row * summed_row_stride + offs, x, mask=mask)
@@ -42,51 +49,70 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / DIM + eps)
     normed = (x32 * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_row_stride + offs, weight * normed, mask=mask)
+    out = weight * normed
+    tl.store(out_ptr + row * out_row_stride + head * out_head_stride + offs, out, mask=mask)
 
 
-def _check_rows(name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
-    assert tensor.shape == shape, f"{name} shape {tuple(tensor.shape)} != {tuple(shape)}"
-    assert tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}"
-    assert tensor.stride(1) == 1, f"{name} must be contiguous in its last dimension"
+def _check_like(name: str, tensor: torch.Tensor, x: torch.Tensor) -> None:
+    assert tensor.shape == x.shape, f"{name} shape {tuple(tensor.shape)} != {tuple(x.shape)}"
+    assert tensor.dtype == x.dtype, f"{name} is {tensor.dtype}, expected {x.dtype}"
+    assert tensor.stride(-1) == 1, f"{name} must be contiguous in its last dimension"
+    check_device(name, tensor, x.device)
 
 
 def rms_norm(
-    x: torch.Tensor,  # (N, dim); rows may be strided
+    x: torch.Tensor,  # (N, dim) or (N, heads, dim); rows and heads may be strided
     weight: torch.Tensor,  # (dim,)
     eps: float,
-    residual: torch.Tensor | None = None,  # (N, dim), added to x first
+    residual: torch.Tensor | None = None,  # (N, dim), added to x first (2-D x only)
+    *,
+    out: torch.Tensor | None = None,  # like x; may be x itself
+    summed: torch.Tensor | None = None,  # like residual; may be residual itself
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (norm(x + residual), x + residual), or (norm(x), None) without a residual."""
-    assert x.dim() == 2, f"x must be (rows, dim), got shape {tuple(x.shape)}"
+    """Returns (norm(x + residual), x + residual), or (norm(x), None) without a residual.
+
+    A 3-D x normalises each head's vector (the q/k norm), e.g. in place over a view of the
+    fused qkv projection. `out` and `summed` name where the results go; without them, new
+    tensors are allocated.
+    """
+    assert x.dim() in (2, 3), f"x must be (rows, dim) or (rows, heads, dim), got {tuple(x.shape)}"
     assert x.dtype in SUPPORTED_DTYPES, f"x dtype {x.dtype} is not supported"
-    num_rows, dim = x.shape
-    _check_rows("x", x, x.shape, x.dtype)
+    assert x.stride(-1) == 1, "x must be contiguous in its last dimension"
+    check_device("x", x, x.device)
+    num_rows, dim = x.shape[0], x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
     assert weight.shape == (dim,), f"weight shape {tuple(weight.shape)} != ({dim},)"
     assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
     assert weight.is_contiguous(), "weight must be contiguous"
     check_device("weight", weight, x.device)
-    out = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
-    summed = None
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _check_like("out", out, x)
     if residual is not None:
-        _check_rows("residual", residual, x.shape, x.dtype)
-        check_device("residual", residual, x.device)
-        summed = torch.empty_like(out)
-    check_device("x", x, x.device)
+        assert x.dim() == 2, "a residual is added to 2-D rows only"
+        _check_like("residual", residual, x)
+        if summed is None:
+            summed = torch.empty_like(out)
+        _check_like("summed", summed, x)
+    else:
+        summed = None
     if num_rows == 0:
         return out, summed
     block = next_power_of_2(dim)
-    _rms_norm_kernel[(num_rows,)](
+    _rms_norm_kernel[(num_rows * heads,)](
         x,
         residual if residual is not None else x,
         weight,
         out,
         summed if summed is not None else out,
         x.stride(0),
+        x.stride(1) if heads > 1 else 0,
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
+        out.stride(1) if heads > 1 else 0,
         summed.stride(0) if summed is not None else 0,
         eps,
+        HEADS=heads,
         DIM=dim,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,

@@ -38,15 +38,21 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: (N, 2 * I), gate in the first I columns, up in the last -> (N, I)."""
+def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: (N, 2 * I), gate in the first I columns, up in the last -> (N, I), into `out`
+    when given (rows may be strided)."""
     assert gate_up.dim() == 2, f"gate_up must be (rows, 2 * I), got {tuple(gate_up.shape)}"
     assert gate_up.dtype in SUPPORTED_DTYPES, f"gate_up dtype {gate_up.dtype} is not supported"
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     assert gate_up.stride(1) == 1, "gate_up must be contiguous in its last dimension"
     check_device("gate_up", gate_up, gate_up.device)
     num_rows, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if out is None:
+        out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    assert out.shape == (num_rows, intermediate), f"out shape {tuple(out.shape)} is wrong"
+    assert out.dtype == gate_up.dtype, f"out is {out.dtype}, gate_up is {gate_up.dtype}"
+    assert out.stride(1) == 1, "out must be contiguous in its last dimension"
+    check_device("out", out, gate_up.device)
     if num_rows == 0:
         return out
     _swiglu_kernel[(num_rows, triton.cdiv(intermediate, BLOCK))](

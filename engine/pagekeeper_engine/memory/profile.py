@@ -1,10 +1,12 @@
 """The start-up measurement behind the memory budget: what the model and its steps really take.
 
 Runs on the device before the KV cache exists, in this order:
-1. weights: memory allocated once the model is loaded;
+1. weights: memory allocated once the model is loaded, less the activation workspace (the
+   preallocated buffers of `model/workspace.py`, which exist by then);
 2. peak activations: the allocator's peak over the true worst-case steps (a prefill of
    `max_num_batched_tokens` tokens, then a decode of `max_num_seqs` sequences; logits and the
-   sampler's worst case included), less the weights and the scratch KV cache they ran on;
+   sampler's worst case included), less the weights and the scratch KV cache they ran on: the
+   workspace plus whatever a step still allocates beside it;
 3. warm-up fragmentation: what the caching allocator reserves beyond that peak after a warm-up
    of mixed shapes (partial prefill chunks, smaller decode batches), i.e. what a serving day's
    varying shapes strand in its segments;
@@ -62,6 +64,11 @@ class MemoryReader(Protocol):
 
 class ProfileTarget(Protocol):
     """The model runner as the profiler drives it."""
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the preallocated activation workspace (already allocated)."""
+        ...
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         """Allocate a KV cache of `num_blocks` blocks, bind the model to it; its bytes."""
@@ -169,7 +176,7 @@ def measure_memory(
     added to the peak; the device's free memory is read while the graphs exist.
     """
     reader.synchronize()
-    weights = reader.allocated()
+    weights = reader.allocated() - target.workspace_bytes
     scratch_bytes = target.bind_scratch_cache(num_scratch_blocks(shapes))
     try:
         reader.reset_peak()

@@ -23,6 +23,7 @@ from torch.nn import functional
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
 from pagekeeper_engine.model.hf_config import RopeScaling
+from pagekeeper_engine.model.workspace import Workspace
 
 
 @functools.cache
@@ -42,8 +43,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, in) -> (T, out_features), into `out` when given."""
+        if out is None:
+            return functional.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 class RMSNorm(nn.Module):
@@ -61,25 +67,23 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., dim) -> same shape; on CUDA through a 2-D (rows, dim) view of x."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, dim) or (T, heads, dim) -> same shape, into `out` when given (may be x)."""
         if not x.is_cuda:
-            return self._norm(x)
-        out: torch.Tensor
-        out, _ = _kernel("rms_norm").rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
-        return out.view(x.shape)
+            normed = self._norm(x)
+            return normed if out is None else out.copy_(normed)
+        result: torch.Tensor
+        result, _ = _kernel("rms_norm").rms_norm(x, self.weight, self.eps, out=out)
+        return result
 
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual: (T, dim). Returns (norm(x + residual), x + residual): the new residual
-        stream too."""
+    def forward_residual_(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """x, residual: (T, dim), in place: residual becomes x + residual (the new residual
+        stream), x becomes its norm."""
         if x.is_cuda:
-            out, summed = _kernel("rms_norm").rms_norm(x, self.weight, self.eps, residual)
-            assert summed is not None
-            return out, summed
-        summed = x + residual
-        return self._norm(summed), summed
+            _kernel("rms_norm").rms_norm(x, self.weight, self.eps, residual, out=x, summed=residual)
+            return
+        residual.add_(x)
+        x.copy_(self._norm(residual))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -144,15 +148,20 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2I)
-        if gate_up.is_cuda:
-            activated: torch.Tensor = _kernel("swiglu").swiglu(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
-            activated = functional.silu(gate) * up
-        out: torch.Tensor = self.down_proj(activated)
-        return out
+    def forward(self, x: torch.Tensor, workspace: Workspace, out: torch.Tensor) -> None:
+        """x: (T, H) -> out (T, H), which may be x: the MLP runs over chunks of the workspace's
+        `mlp_chunk` rows, and a chunk's rows of x are read before its rows of out are written."""
+        num_tokens = x.shape[0]
+        for start in range(0, num_tokens, workspace.mlp_chunk):
+            end = min(start + workspace.mlp_chunk, num_tokens)
+            gate_up = self.gate_up_proj(x[start:end], out=workspace.rows("gate_up", end - start))
+            activated = workspace.rows("act", end - start)  # (C, I)
+            if gate_up.is_cuda:
+                _kernel("swiglu").swiglu(gate_up, out=activated)
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                torch.mul(functional.silu(gate), up, out=activated)
+            self.down_proj(activated, out=out[start:end])
 
 
 class PagedAttention(nn.Module):
@@ -192,20 +201,36 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Workspace,
+        out: torch.Tensor,
+    ) -> None:
+        """x: (T, H) -> out (T, H), which may be x (read once, by the qkv projection)."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, out=workspace.rows("qkv", num_tokens))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            self.q_norm(q, out=q)  # in place, inside the qkv buffer
+            self.k_norm(k, out=k)
+        attn = workspace.rows("attn", num_tokens)  # (T, q_size)
         # The Triton backend rotates inside its KV write, saving a launch a layer.
-        out = self.backend.forward_rotary(
-            q, k, v, positions, self.rotary, self.k_cache, self.v_cache, meta, self.scale
+        self.backend.forward_rotary(
+            q,
+            k,
+            v,
+            positions,
+            self.rotary,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            out=attn.view(num_tokens, self.num_heads, self.head_dim),
         )
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, H)
-        return projected
+        self.o_proj(attn, out=out)

@@ -2,7 +2,9 @@
 
 The forward pass takes the step's packed tokens and returns hidden states; logits are computed
 separately, only for the rows that will be sampled. Shapes depend only on the number of tokens,
-so a caller may pad to fixed sizes and capture the forward in a CUDA graph.
+so a caller may pad to fixed sizes and capture the forward in a CUDA graph. Every per-token
+temporary lives in a `Workspace` (`model/workspace.py`): the one bound with `bind_workspace`,
+or, for a caller that bound none, one allocated for the call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pagekeeper_engine.model.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
+from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 
 # Checkpoint tensor -> (our fused parameter, index of its row slice in pack order).
 _PACKED = {
@@ -64,18 +67,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+        workspace: Workspace,
+        *,
+        is_first: bool,
+    ) -> None:
+        """Advance the workspace's (hidden, residual) rows by one layer, in place. The first
+        layer finds the embeddings in `residual` and nothing yet in `hidden`."""
+        num_tokens = positions.shape[0]
+        hidden = workspace.rows("hidden", num_tokens)
+        residual = workspace.rows("residual", num_tokens)
+        if is_first:
+            self.input_layernorm(residual, out=hidden)
         else:
-            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        return self.mlp(hidden), residual
+            self.input_layernorm.forward_residual_(hidden, residual)
+        self.self_attn(positions, hidden, meta, workspace, out=hidden)
+        self.post_attention_layernorm.forward_residual_(hidden, residual)
+        self.mlp(hidden, workspace, out=hidden)
 
 
 class DecoderModel(nn.Module):
@@ -96,14 +104,20 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Workspace,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (T, H)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        assert residual is not None, "a model has at least one layer"
-        hidden, _ = self.norm.forward_residual(hidden, residual)
+        """(T, H) hidden states: a view of the workspace's `hidden` rows."""
+        num_tokens = input_ids.shape[0]
+        residual = workspace.rows("residual", num_tokens)
+        torch.index_select(self.embed_tokens.weight, 0, input_ids, out=residual)
+        for i, layer in enumerate(self.layers):
+            layer(positions, meta, workspace, is_first=i == 0)
+        hidden = workspace.rows("hidden", num_tokens)
+        self.norm.forward_residual_(hidden, residual)
         return hidden
 
 
@@ -119,6 +133,7 @@ class CausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.workspace: Workspace | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -132,11 +147,20 @@ class CausalLM(nn.Module):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
 
+    def bind_workspace(self, workspace: Workspace | None) -> None:
+        """Run every later forward pass in `workspace` (None: one allocated per call)."""
+        self.workspace = workspace
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> hidden states (T, hidden_size)."""
-        hidden: torch.Tensor = self.model(input_ids, positions, meta)
+        """input_ids, positions: (T,) -> hidden states (T, hidden_size). With a bound
+        workspace they are a view of it, valid until the next forward pass."""
+        workspace = self.workspace
+        if workspace is None:
+            shape = WorkspaceShape.for_model(self.config, max(int(input_ids.shape[0]), 1))
+            workspace = Workspace(shape, self.lm_head_weight.dtype, input_ids.device)
+        hidden: torch.Tensor = self.model(input_ids, positions, meta, workspace)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,8 @@ class FakeDevice:
     """An allocator whose peak grows with the batch and whose reserve grows with each shape."""
 
     def __init__(self) -> None:
-        self.current = 1000  # the weights
+        self.workspace_bytes = 100  # allocated with the model, before the profile
+        self.current = 1000 + self.workspace_bytes  # the weights and the workspace
         self.peak = self.current
         self.reserved_bytes = 1200
         self.driver_bytes = 300  # outside the allocator
@@ -116,15 +117,16 @@ class FakeDevice:
 def test_measure_memory_reads_each_term_where_it_is_defined() -> None:
     device = FakeDevice()
     measured = measure_memory(device, device, SHAPES, free_at_start=99_000)
-    # weights 1000 + scratch 8 x 50; the worst step: 40 tokens x 10 + 6 rows x 3
-    peak = 1000 + 400 + 400 + 18
+    # weights 1000 + workspace 100 + scratch 8 x 50; the worst step: 40 tokens x 10 + 6 rows x 3
+    peak = 1000 + 100 + 400 + 400 + 18
     # 8 batches each strand 16 bytes; the largest step reserved `peak` first
     reserved = peak + 16 * 8
     assert measured == MemoryMeasurements(
         total=100_000,
         free_at_start=99_000,
         weights=1000,
-        peak_activations=peak - 1000 - 400 + 70,  # the graphs' pool is held like activations
+        # the workspace is activations; the graphs' pool is held like them
+        peak_activations=peak - 1000 - 400 + 70,
         non_torch=300 + 25,
         warmup_fragmentation=reserved - peak,
     )

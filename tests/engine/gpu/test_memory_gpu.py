@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
-from tests.engine.checkpoints import make_runner, write_checkpoint
+from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,3 +55,21 @@ def test_budget_on_the_gpu_names_every_term(tmp_path: Path) -> None:
         - budget.fragmentation_buffer
     )
     assert budget.weights > 0 and budget.peak_activations > 0
+
+
+def test_a_prefill_forward_allocates_nothing_beside_its_workspace(tmp_path: Path) -> None:
+    # Every per-token temporary of the forward pass lives in the preallocated workspace, so
+    # the caching allocator sees no allocation of the step's size (nothing to fragment).
+    write_checkpoint(tmp_path, "qwen3")  # q/k norm and the chunked MLP both in play
+    runner = make_runner(tmp_path, device="cuda", dtype="bfloat16", max_num_batched_tokens=64)
+    prompts = [seq("a", tokens(40), 0, [1, 2, 3, 4, 5]), seq("b", tokens(17), 0, [6, 7, 8])]
+    with torch.inference_mode():
+        step = runner.prepare_inputs(prompts)
+        runner.model(step.input_ids, step.positions, step.meta)  # compiles the kernels
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        hidden = runner.model(step.input_ids, step.positions, step.meta)
+        torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == before
+    assert hidden.data_ptr() == runner.workspace.rows("hidden", 57).data_ptr()

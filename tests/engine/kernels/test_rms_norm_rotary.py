@@ -39,6 +39,43 @@ def test_rms_norm_matches_reference(
         assert torch.equal(summed, ref_summed)  # one rounding of the same exact sum
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_place_over_the_residual_stream(
+    dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    # The decoder's use: hidden becomes norm(hidden + residual), residual becomes the sum.
+    hidden = random_tensor((9, 96), dtype, device, generator)
+    residual = random_tensor((9, 96), dtype, device, generator)
+    weight = random_tensor((96,), dtype, device, generator)
+    ref_out, ref_summed = rms_norm_ref(hidden, weight, 1e-6, residual)
+
+    out, summed = rms_norm(hidden, weight, 1e-6, residual, out=hidden, summed=residual)
+
+    assert out.data_ptr() == hidden.data_ptr() and summed is residual
+    assert ref_summed is not None and torch.equal(residual, ref_summed)
+    torch.testing.assert_close(hidden, ref_out, rtol=RTOL[dtype], atol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_in_place_inside_a_fused_projection(
+    dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    # The q/k norm: each head's vector of q, a strided (T, heads, D) view of the qkv buffer.
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 32
+    qkv = random_tensor(
+        (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype, device, generator
+    )
+    before = qkv.clone()
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    weight = random_tensor((head_dim,), dtype, device, generator)
+    ref_q, _ = rms_norm_ref(q.clone(), weight, 1e-6)
+
+    rms_norm(q, weight, 1e-6, out=q)
+
+    torch.testing.assert_close(q, ref_q, rtol=RTOL[dtype], atol=RTOL[dtype])
+    assert torch.equal(qkv[:, num_heads * head_dim :], before[:, num_heads * head_dim :])
+
+
 def test_rms_norm_of_a_constant_row_is_the_weight(device: torch.device) -> None:
     x = torch.full((1, 32), 3.0, device=device)
     weight = torch.arange(32, dtype=torch.float32, device=device)

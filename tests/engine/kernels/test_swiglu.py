@@ -52,3 +52,15 @@ def test_swiglu_rejects_bad_inputs(bad: object, message: str, device: torch.devi
     assert callable(bad)
     with pytest.raises(AssertionError, match=message):
         swiglu(bad(device))
+
+
+def test_swiglu_into_a_given_buffer(device: torch.device, generator: torch.Generator) -> None:
+    gate_up = random_tensor((6, 2 * 40), torch.float32, device, generator)
+    gate, up = gate_up.split(40, dim=-1)
+    buffer = torch.full((8, 40), -7.0, device=device)
+
+    out = swiglu(gate_up, out=buffer[:6])
+
+    assert out.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer[:6], functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert torch.equal(buffer[6:], torch.full((2, 40), -7.0, device=device)), "rows past 6 kept"
