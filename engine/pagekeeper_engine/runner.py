@@ -5,10 +5,8 @@ It consumes the scheduler's plain `SchedulerOutput`, turns it into packed tensor
 and returns plain token ids. It makes no scheduling decision of its own.
 
 `launch` enqueues a step and returns before the device has run it: the sampled ids stay on the
-device (the next step's placeholder inputs gather from them there) and travel to the host in a
-non-blocking copy into one of two pinned buffers, which `PendingStep.result` waits for. The
-engine reads a step's result before it launches the step after next, so two buffers suffice.
-`execute` is `launch(...).result()`.
+device (the next step's placeholder inputs gather from them there) and travel to the host as
+`step_results.py` describes. `execute` is `launch(...).result()`.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +42,7 @@ from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.sampler import Sampler
+from pagekeeper_engine.step_results import HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -65,28 +63,6 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
     """Bytes of one block across every layer, keys and values."""
     per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
     return per_token * block_size
-
-
-@dataclass
-class PendingStep:
-    """A launched step's sampled tokens on their way to the host."""
-
-    num_seqs: int
-    sampled_seqs: list[int]  # index into the step's seqs of each sampled row
-    host: torch.Tensor | None  # (2, N) float64: ids, log-probabilities (None: nothing sampled)
-    copied: torch.cuda.Event | None  # recorded after the copy into `host` (None: on the CPU)
-
-    def result(self) -> RunnerOutput:
-        token_ids: list[int | None] = [None] * self.num_seqs
-        logprobs: list[float | None] = [None] * self.num_seqs
-        if self.host is not None:
-            if self.copied is not None:
-                self.copied.synchronize()
-            token_col, logprob_col = self.host.tolist()
-            for row, i in enumerate(self.sampled_seqs):
-                token_ids[i] = int(token_col[row])
-                logprobs[i] = logprob_col[row]
-        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
 
 
 class ModelRunner:
@@ -151,14 +127,7 @@ class ModelRunner:
         # request's row in them: the next step's placeholder inputs come from there.
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[str, int] = {}
-        is_cuda = self.device.type == "cuda"
-        # flat, so that a step's (2, N) view of one is contiguous (a strided destination
-        # would make the copy synchronous)
-        self._result_buffers = [
-            torch.empty(2 * config.max_num_seqs, dtype=torch.float64, pin_memory=is_cuda)
-            for _ in range(2)
-        ]
-        self._num_launched = 0
+        self._results = HostResultBuffers(self.device, config.max_num_seqs)
 
         self.num_gpu_blocks = self._decide_num_gpu_blocks()
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
@@ -345,23 +314,7 @@ class ModelRunner:
         self._previous_sampled = token_ids
         self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
         packed = torch.stack((token_ids.double(), logprobs.double()))  # (2, N)
-        return self._copy_to_host(len(out.seqs), step.sampled_seqs, packed)
-
-    def _copy_to_host(
-        self, num_seqs: int, sampled_seqs: list[int], packed: torch.Tensor
-    ) -> PendingStep:
-        num_rows = packed.shape[1]
-        if self.device.type != "cuda":
-            return PendingStep(num_seqs, sampled_seqs, packed, None)
-        flat = self._result_buffers[self._num_launched % 2]
-        if 2 * num_rows > flat.numel():  # more rows than sequences may run
-            return PendingStep(num_seqs, sampled_seqs, packed.cpu(), None)
-        buffer = flat[: 2 * num_rows].view(2, num_rows)
-        self._num_launched += 1
-        buffer.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copied.record()
-        return PendingStep(num_seqs, sampled_seqs, buffer, copied)
+        return self._results.send(len(out.seqs), step.sampled_seqs, packed)
 
     @torch.inference_mode()
     def swap_blocks(self, src_to_dst: Sequence[tuple[int, int]], *, to_cpu: bool) -> None:

@@ -1,0 +1,66 @@
+"""A launched step's sampled tokens on their way from the device to the host.
+
+The runner leaves a step's sampled ids and log-probabilities on the device and copies them, in
+one non-blocking copy, into one of two pinned host buffers; `PendingStep.result` waits for that
+copy alone. The engine reads a step's result before it launches the step after next, so two
+buffers suffice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagekeeper_engine.core.outputs import RunnerOutput
+
+
+@dataclass
+class PendingStep:
+    """A launched step's sampled tokens on their way to the host."""
+
+    num_seqs: int
+    sampled_seqs: list[int]  # index into the step's seqs of each sampled row
+    host: torch.Tensor | None  # (2, N) float64: ids, log-probabilities (None: nothing sampled)
+    copied: torch.cuda.Event | None  # recorded after the copy into `host` (None: on the CPU)
+
+    def result(self) -> RunnerOutput:
+        token_ids: list[int | None] = [None] * self.num_seqs
+        logprobs: list[float | None] = [None] * self.num_seqs
+        if self.host is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            token_col, logprob_col = self.host.tolist()
+            for row, i in enumerate(self.sampled_seqs):
+                token_ids[i] = int(token_col[row])
+                logprobs[i] = logprob_col[row]
+        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+
+class HostResultBuffers:
+    """Two pinned host buffers of `max_rows` (id, log-probability) pairs, used in turn."""
+
+    def __init__(self, device: torch.device, max_rows: int) -> None:
+        self.device = device
+        is_cuda = device.type == "cuda"
+        # flat, so that a step's (2, N) view of one is contiguous (a strided destination
+        # would make the copy synchronous)
+        self._buffers = [
+            torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=is_cuda) for _ in range(2)
+        ]
+        self._num_launched = 0
+
+    def send(self, num_seqs: int, sampled_seqs: list[int], packed: torch.Tensor) -> PendingStep:
+        """Start copying `packed` (2, N) to the host; the step's PendingStep."""
+        num_rows = packed.shape[1]
+        if self.device.type != "cuda":
+            return PendingStep(num_seqs, sampled_seqs, packed, None)
+        flat = self._buffers[self._num_launched % 2]
+        if 2 * num_rows > flat.numel():  # more rows than sequences may run
+            return PendingStep(num_seqs, sampled_seqs, packed.cpu(), None)
+        buffer = flat[: 2 * num_rows].view(2, num_rows)
+        self._num_launched += 1
+        buffer.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record()
+        return PendingStep(num_seqs, sampled_seqs, buffer, copied)
