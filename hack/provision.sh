@@ -39,15 +39,17 @@ build_kubernetes() {
     echo "require k8s.io/kubernetes $K8S_VERSION"
     sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9.-]*\) => ./staging/.*#replace \1 => \1 '"$staging"'#p' "$gomod"
   } >"$work/go.mod"
-  printf 'package tools\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver"\n\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"\n\t_ "k8s.io/kubernetes/cmd/kube-scheduler"\n)\n' >"$work/tools.go"
+  rm -f "$work/tools.go" # an import of main packages, from an earlier version of this script
   # Module zips carry no git metadata; the commit is not knowable, the version is.
   local commit="0000000000000000000000000000000000000000"
   local pkg="k8s.io/component-base/version"
   local ldflags="-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 \
 -X $pkg.gitMinor=$(echo "$K8S_VERSION" | cut -d. -f2) -X $pkg.gitTreeState=clean \
 -X $pkg.gitCommit=$commit -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  # No tidy: the commands are main packages, which no Go file may import, so the module has no
+  # code of its own. `go build` (GOFLAGS=-mod=mod) adds the requirements and sums it needs.
   log "kubernetes $K8S_VERSION: resolving modules"
-  (cd "$work" && go mod tidy >/dev/null 2>&1 || true; cd "$work" && go mod download)
+  (cd "$work" && go mod download)
   for b in "${want[@]}"; do
     have "$b" && continue
     log "kubernetes $K8S_VERSION: building $b"
