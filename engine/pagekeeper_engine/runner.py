@@ -21,12 +21,7 @@ import torch
 from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.cuda_graphs import (
-    DecodeGraphs,
-    StepInputBuilder,
-    StepInputs,
-    graph_batch_sizes,
-)
+from pagekeeper_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagekeeper_engine.memory.budget import (
     KVLayout,
     MemoryBudget,
@@ -42,6 +37,7 @@ from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.sampler import Sampler
+from pagekeeper_engine.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.step_results import HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,259 @@
+"""A step's input tensors in one static buffer (`StepInputBuilder`).
+
+Every index tensor of a step (input ids, positions, slots, query start offsets, sequence
+lengths, block tables, sampled rows) is computed with numpy, written into one pinned host buffer
+and moved to the device in a single copy, into a device buffer that is reused every step. Each
+field is a typed view at an offset that depends only on the step's (rows, sequences, block-table
+width), so a decode step padded to a captured batch size lands at exactly the addresses its CUDA
+graph was captured with (`cuda_graphs.py`). Rows whose input token is not known on the host yet
+(`PLACEHOLDER_TOKEN_ID`, asynchronous scheduling) are listed with the row of the previous step's
+sampled ids that holds it; the runner gathers them on the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagekeeper_engine.attention.base import AttentionMetadata
+from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+
+_ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
+
+
+@dataclass
+class StepInputs:
+    """The packed tensors of one step, on the runner's device."""
+
+    input_ids: torch.Tensor  # (T,) int64; T includes padding rows of a graph batch
+    positions: torch.Tensor  # (T,) int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # (N,) int64: rows of the hidden states to compute logits for
+    sampled_seqs: list[int]  # (N,) index into the step's seqs of each sampled row
+    graph_batch: int | None = None  # the captured batch size this step was padded to
+    # (P,) int64 each: rows of input_ids still to fill, and the rows of the previous step's
+    # sampled ids that hold their tokens; None when every input is known
+    placeholder_rows: torch.Tensor | None = None
+    placeholder_sources: torch.Tensor | None = None
+
+
+def _layout(
+    num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int = 0
+) -> dict[str, int]:
+    """Byte offset of each field, and the total under "end". Fields a graph reads come first;
+    those whose count varies at a fixed graph shape last."""
+    sizes = {
+        "input_ids": 8 * num_rows,
+        "positions": 8 * num_rows,
+        "slot_mapping": 8 * num_rows,
+        "query_start_loc": 4 * (num_seqs + 1),
+        "seq_lens": 4 * num_seqs,
+        "block_tables": 4 * num_seqs * width,
+        "sample_indices": 8 * num_sampled,
+        "placeholder_rows": 8 * num_placeholders,
+        "placeholder_sources": 8 * num_placeholders,
+    }
+    offsets, end = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = end
+        end += -(-size // _ALIGN) * _ALIGN
+    offsets["end"] = end
+    return offsets
+
+
+class StepInputBuilder:
+    """Packs scheduled sequences into a step's tensors with one host-to-device copy.
+
+    The device buffer is overwritten by the next step's copy (stream-ordered after this step's
+    kernels), so a step's tensors are valid until the next `build` on CUDA; on the CPU each step
+    gets fresh tensors.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+    ):
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_width = -(-max_model_len // block_size)  # block-table columns of a graph step
+        max_rows = max(max_num_tokens, max_num_seqs)  # a padded graph step has max_num_seqs
+        self.capacity = _layout(max_rows, max_num_seqs, self.max_width, max_num_seqs, max_num_seqs)[
+            "end"
+        ]
+        is_cuda = device.type == "cuda"
+        self._staging = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=is_cuda)
+        self._device_buffer = (
+            torch.empty(self.capacity, dtype=torch.uint8, device=device) if is_cuda else None
+        )
+        # the last copy out of staging
+        self._staged = torch.cuda.Event() if is_cuda else None  # type: ignore[no-untyped-call]
+
+    def build(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        pad_to: int | None = None,
+        previous_rows: Mapping[str, int] | None = None,
+    ) -> StepInputs:
+        """Pack `seqs` (decodes first). With `pad_to`, the seqs are all one-token decodes and
+        the step is padded to that many rows at the full block-table width, for a graph.
+        `previous_rows`: request id -> row of the previous step's sampled ids, for the
+        placeholder inputs."""
+        bs = self.block_size
+        num_seqs = len(seqs)
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, num_seqs)
+        num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, num_seqs)
+        ends = starts + num_tokens
+        self._check(seqs, num_tokens, ends, num_blocks)
+        total = int(num_tokens.sum())
+        if pad_to is None:
+            rows, padded_seqs, width = total, num_seqs, int(num_blocks.max())
+        else:
+            assert total == num_seqs <= pad_to, "a graph step holds one-token decodes only"
+            rows, padded_seqs, width = pad_to, pad_to, self.max_width
+
+        query_start_loc = np.arange(padded_seqs + 1, dtype=np.int32) + (total - num_seqs)
+        query_start_loc[: num_seqs + 1] = 0
+        np.cumsum(num_tokens, out=query_start_loc[1 : num_seqs + 1], dtype=np.int32)
+        seq_lens = np.ones(padded_seqs, dtype=np.int32)  # padding rows attend to one token
+        seq_lens[:num_seqs] = ends
+        block_tables = np.zeros((padded_seqs, width), dtype=np.int32)
+        has_block = np.arange(width)[None, :] < num_blocks[:, None]  # (num_seqs, width)
+        block_tables[:num_seqs][has_block] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(has_block.sum())
+        )
+        token_seq = np.repeat(np.arange(num_seqs), num_tokens)  # (total,) row -> its sequence
+        positions = np.zeros(rows, dtype=np.int64)
+        positions[:total] = np.arange(total) - query_start_loc[token_seq] + starts[token_seq]
+        real_positions = positions[:total]
+        input_ids = np.zeros(rows, dtype=np.int64)
+        input_ids[:total] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, total
+        )
+        slot_mapping = np.full(rows, -1, dtype=np.int64)  # -1: a padding row stores no KV
+        slot_mapping[:total] = (
+            block_tables[token_seq, real_positions // bs].astype(np.int64) * bs
+            + real_positions % bs
+        )
+        placeholder_rows = np.flatnonzero(input_ids[:total] == PLACEHOLDER_TOKEN_ID)
+        placeholder_sources = self._placeholder_sources(
+            seqs, token_seq[placeholder_rows], previous_rows
+        )
+        input_ids[placeholder_rows] = 0  # a valid id until the gather overwrites it
+        needs_sample = np.fromiter((s.needs_sample for s in seqs), np.bool_, num_seqs)
+        sampled_seqs = np.flatnonzero(needs_sample)
+        sample_indices = query_start_loc[1 : num_seqs + 1][sampled_seqs].astype(np.int64) - 1
+
+        arrays: dict[str, np.ndarray] = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+            "block_tables": block_tables,
+            "sample_indices": sample_indices,
+            "placeholder_rows": placeholder_rows.astype(np.int64),
+            "placeholder_sources": placeholder_sources,
+        }
+        layout = _layout(rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows))
+        views = self._upload(arrays, layout)
+        has_placeholders = len(placeholder_rows) > 0
+        is_one = num_tokens == 1
+        num_decode_seqs = num_seqs if is_one.all() else int(is_one.argmin())
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"].view(padded_seqs, width),
+            max_query_len=int(num_tokens.max(initial=1)),
+            max_seq_len=int(ends.max(initial=1)),
+            num_decode_seqs=num_decode_seqs if pad_to is None else pad_to,
+        )
+        return StepInputs(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            meta=meta,
+            sample_indices=views["sample_indices"],
+            sampled_seqs=sampled_seqs.tolist(),
+            graph_batch=pad_to,
+            placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
+            placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
+        )
+
+    @staticmethod
+    def _placeholder_sources(
+        seqs: Sequence[ScheduledSeq],
+        seq_of_row: np.ndarray,
+        previous_rows: Mapping[str, int] | None,
+    ) -> np.ndarray:
+        """Row of the previous step's sampled ids for each placeholder input (its sequence's
+        newest token, sampled by that step)."""
+        if len(seq_of_row) == 0:
+            return np.zeros(0, dtype=np.int64)
+        rows = previous_rows or {}
+        try:
+            return np.fromiter(
+                (rows[seqs[i].request_id] for i in seq_of_row.tolist()), np.int64, len(seq_of_row)
+            )
+        except KeyError as exc:
+            raise AssertionError(
+                f"{exc.args[0]}: an unknown input token, but the previous step sampled none"
+            ) from None
+
+    def _check(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        num_tokens: np.ndarray,
+        ends: np.ndarray,
+        num_blocks: np.ndarray,
+    ) -> None:
+        is_bad = (
+            (num_tokens <= 0) | (ends > self.max_model_len) | (num_blocks * self.block_size < ends)
+        )
+        if is_bad.any():
+            seq = seqs[int(is_bad.argmax())]
+            raise AssertionError(
+                f"{seq.request_id}: {seq.num_tokens} tokens from {seq.start_pos} with "
+                f"{len(seq.block_ids)} blocks of {self.block_size} (max_model_len "
+                f"{self.max_model_len}): empty, too long or a block table too short"
+            )
+
+    def _upload(
+        self, arrays: dict[str, np.ndarray], layout: dict[str, int]
+    ) -> dict[str, torch.Tensor]:
+        """Write the fields into host memory, copy once, and return typed device views."""
+        end = layout["end"]
+        fits = end <= self.capacity
+        if self._staged is not None and fits:
+            self._staged.synchronize()  # the previous copy has left the staging buffer
+        host = self._staging if fits else torch.empty(end, dtype=torch.uint8)
+        host_bytes = host.numpy()
+        for name, array in arrays.items():
+            start = layout[name]
+            host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
+        if self._device_buffer is None:
+            buffer = host[:end].clone()  # CPU: fresh tensors every step
+        elif fits:
+            buffer = self._device_buffer
+            buffer[:end].copy_(host[:end], non_blocking=True)
+            assert self._staged is not None
+            self._staged.record()
+        else:  # a step larger than the sizes the buffer was made for (a profiling pass)
+            buffer = host[:end].pin_memory().to(self.device, non_blocking=True)
+        views = {}
+        for name, array in arrays.items():
+            start = layout[name]
+            dtype = torch.int64 if array.dtype == np.int64 else torch.int32
+            views[name] = buffer[start : start + array.nbytes].view(dtype)
+        return views
