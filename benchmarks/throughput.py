@@ -149,6 +149,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, 
         "num_gpu_blocks": runner.num_gpu_blocks,
         "async_scheduling": args.async_scheduling,
         "safety": args.safety,
+        "batch1_projections": [choice.describe() for choice in runner.gemv_choices],
     }
     print(
         f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
@@ -159,6 +160,8 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, 
             else "off (--enforce-eager)"
         )
     )
+    for line in start["batch1_projections"]:
+        print(f"  batch-1 {line}")
     return LLMEngine(config, runner, NullTokenizer(runner.eos_token_ids)), start
 
 

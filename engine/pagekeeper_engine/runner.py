@@ -32,6 +32,7 @@ from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor, CudaMemoryReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes, size_kv_cache
 from pagekeeper_engine.memory.swap import copy_blocks
+from pagekeeper_engine.model.gemv_choice import GemvChoice, choose_gemv
 from pagekeeper_engine.model.hf_config import ModelConfig, load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
@@ -108,6 +109,10 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_workspace(self.workspace)
+        # Before the memory profile, so that it measures the forward pass that will run.
+        self.gemv_choices: list[GemvChoice] = (
+            choose_gemv(self.model, self.device) if self.device.type == "cuda" else []
+        )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.inputs = StepInputBuilder(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch.nn import functional
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
 from pagekeeper_engine.model.hf_config import RopeScaling
 from pagekeeper_engine.model.workspace import Workspace
+
+if TYPE_CHECKING:
+    from pagekeeper_engine.kernels.gemv import GemvConfig
 
 
 @functools.cache
@@ -36,15 +40,25 @@ def _kernel(name: str) -> ModuleType:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W of shape (out_features, in_features); no init, no autograd."""
+    """y = x W^T (+ b), W of shape (out_features, in_features); no init, no autograd.
+
+    A single row goes through the Triton GEMV when `gemv_config` is set (the runner decides
+    per shape at start-up, `model/gemv_choice.py`); everything else through cuBLAS.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+        self.gemv_config: GemvConfig | None = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, in) -> (T, out_features), into `out` when given."""
+        if self.gemv_config is not None and x.shape[0] == 1:
+            result: torch.Tensor = _kernel("gemv").gemv(
+                x, self.weight, self.bias, out=out, config=self.gemv_config
+            )
+            return result
         if out is None:
             return functional.linear(x, self.weight, self.bias)
         if self.bias is None:

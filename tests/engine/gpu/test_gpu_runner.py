@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.runner import ModelRunner
 from tests.engine.checkpoints import make_runner, seq, step_logits, tokens, write_checkpoint
 
@@ -106,3 +107,32 @@ def test_graph_is_valid_past_the_lengths_it_was_captured_at(checkpoint: Path) ->
     graphed = gpu_runner(checkpoint)
     eager = gpu_runner(checkpoint, enforce_eager=True)
     assert generate(graphed, [2], num_steps=58) == generate(eager, [2], num_steps=58)
+
+
+def test_start_up_times_every_projection_shape(checkpoint: Path) -> None:
+    runner = gpu_runner(checkpoint)
+    choices = {choice.name: choice for choice in runner.gemv_choices}
+    assert set(choices) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    for choice in choices.values():
+        assert choice.num_layers == runner.model_config.num_layers
+        assert choice.cublas_us > 0 and choice.gemv_us > 0
+        # What was decided is what every layer runs.
+        assert all(
+            linear.gemv_config == choice.config
+            for name, linear in runner.model.named_modules()
+            if name.endswith(f".{choice.name}")
+        )
+
+
+def test_batch1_gemv_tokens_equal_the_cpu_reference(checkpoint: Path) -> None:
+    # Whatever the timing chose on this GPU, run every projection's single rows through the
+    # GEMV (replayed from the 1-row graph) and compare with the CPU path.
+    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (fixes Triton's mode)
+
+    runner = gpu_runner(checkpoint)
+    for name, module in runner.model.named_modules():
+        if isinstance(module, Linear) and ".layers." in name:
+            module.gemv_config = CANDIDATES[0]
+    runner.capture_graphs()
+    expected = generate(make_runner(checkpoint), [9], num_steps=20)
+    assert generate(runner, [9], num_steps=20) == expected
