@@ -309,12 +309,11 @@ class ModelRunner:
             return PendingStep(len(out.seqs), [], None, None)
         logits = self.model.compute_logits(hidden[step.sample_indices])  # (N, V)
         picked = [out.seqs[i] for i in step.sampled_seqs]
-        token_ids, logprobs = self.sampler.sample(
+        token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
             logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
         )
         self._previous_sampled = token_ids
         self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
-        packed = torch.stack((token_ids.double(), logprobs.double()))  # (2, N)
         return self._results.send(len(out.seqs), step.sampled_seqs, packed)
 
     @torch.inference_mode()

@@ -1,10 +1,14 @@
 """Picks the next token of each sampled row: greedy, or temperature with top-k and top-p.
 
-Rows are processed together where their parameters allow: all greedy rows in one argmax, all
-random rows through one temperature / top-k / top-p pass. Randomness comes from the exponential
-race (argmax of p / E with E ~ Exp(1)), which samples exactly from p. A request with a seed gets
-its own generator seeded with `seed + num_output_tokens`, so its tokens do not depend on what
-else is in the batch or on preemption; the others share the engine's seeded generator.
+Every path ends in one pick: token = argmax(scores * scale - log E), logprob = raw[token] -
+logsumexp(raw) under the model's unmodified logits; on CUDA that is two Triton launches
+(`kernels/sampling.py`). Greedy rows pick their masked logits with no noise. Random rows race:
+argmax(l / T - log E) with E ~ Exp(1) (the exponential race, or Gumbel-max trick) samples exactly
+from softmax(l / T) after the top-k / top-p cut. A batch of greedy rows, or of random rows with
+one temperature (the common cases), goes straight to the pick with scale 1 / T; a mixed batch
+builds its scores in torch first. A request with a seed gets its own generator seeded with
+`seed + num_output_tokens`, so its tokens do not depend on what else is in the batch or on
+preemption; the others share the engine's seeded generator.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def apply_top_k_top_p(
     logits: torch.Tensor,  # (N, V) fp32
     top_k: torch.Tensor,  # (N,) int64; 0 or >= V means no cut
     top_p: torch.Tensor,  # (N,) fp32 in (0, 1]
+    *,
+    scale: float = 1.0,  # 1 / temperature: top-p measures the mass of softmax(logits * scale)
 ) -> torch.Tensor:
     """Logits with everything outside each row's top-k, then top-p nucleus, set to -inf.
 
@@ -41,10 +47,53 @@ def apply_top_k_top_p(
     ranks = torch.arange(vocab_size, device=logits.device)
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    probs = (sorted_logits * scale).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
+
+
+def pick_tokens_ref(
+    scores: torch.Tensor,  # (N, V) fp32
+    raw: torch.Tensor,  # (N, V) fp32: the model's unmodified logits
+    *,
+    scale: float = 1.0,
+    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.sampling.pick_tokens` in plain torch: the CPU path and the kernel's reference."""
+    race = scores * scale
+    if noise is not None:
+        race = race - noise.log()
+    token_ids = race.argmax(dim=-1)  # ties: the lowest index
+    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
+    return token_ids, torch.stack((token_ids.double(), logprobs.double()))
+
+
+def pick_tokens(
+    scores: torch.Tensor,
+    raw: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device."""
+    if not raw.is_cuda:
+        return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
+    # Imported on first CUDA use: a kernel module fixes interpreted or native mode
+    # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
+    from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
+
+    return sampling.pick_tokens(scores, raw, scale=scale, noise=noise)
+
+
+def _cut_top_k_top_p(
+    logits: torch.Tensor, params: Sequence[SamplingParams], scale: float
+) -> torch.Tensor:
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        return logits
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
+    return apply_top_k_top_p(logits, top_k, top_p, scale=scale)
 
 
 class Sampler:
@@ -62,20 +111,9 @@ class Sampler:
         num_output_tokens: Sequence[int],
     ) -> SamplerOutput:
         """Sample and read the results back (one device-to-host transfer, one wait)."""
-        packed = self.sample_packed(logits, params, num_output_tokens)
+        _, packed = self.sample(logits, params, num_output_tokens)
         token_col, logprob_col = packed.tolist()
         return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
-
-    def sample_packed(
-        self,
-        logits: torch.Tensor,  # (N, V) fp32
-        params: Sequence[SamplingParams],
-        num_output_tokens: Sequence[int],
-    ) -> torch.Tensor:
-        """(2, N) float64 on the logits' device: the token ids, then their log-probabilities.
-        Nothing waits for the device. Ids below 2**53 are exact in float64."""
-        token_ids, logprobs = self.sample(logits, params, num_output_tokens)
-        return torch.stack((token_ids.double(), logprobs.double()))
 
     def sample(
         self,
@@ -83,32 +121,20 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids (N,) int64 and their log-probabilities (N,) fp32, left on the device."""
-        num_rows = logits.shape[0]
-        assert len(params) == num_rows == len(num_output_tokens), "one parameter set per row"
-        raw_logits = logits
-        logits = self._mask_early_stops(logits, params, num_output_tokens)
+        """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], on the logits'
+        device; nothing waits for it. Ids below 2**53 are exact in float64."""
+        assert len(params) == logits.shape[0] == len(num_output_tokens), "one parameter set per row"
+        masked = self._mask_early_stops(logits, params, num_output_tokens)
         is_greedy = [p.is_greedy for p in params]
-        # Uniform batches (the common case) skip the row gathers and scatters.
         if all(is_greedy):
-            token_ids = logits.argmax(dim=-1)
-        elif not any(is_greedy):
-            token_ids = self._sample_random(logits, params, num_output_tokens)
-        else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-            greedy_rows = [i for i, g in enumerate(is_greedy) if g]
-            random_rows = [i for i, g in enumerate(is_greedy) if not g]
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            token_ids[rows] = logits[rows].argmax(dim=-1)
-            rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample_random(
-                logits[rows],
-                [params[i] for i in random_rows],
-                [num_output_tokens[i] for i in random_rows],
-            )
-        chosen = raw_logits.gather(1, token_ids[:, None]).squeeze(1)
-        logprobs = chosen - raw_logits.logsumexp(dim=-1)
-        return token_ids, logprobs
+            return pick_tokens(masked, logits)
+        temperatures = {p.temperature for p in params}
+        if not any(is_greedy) and len(temperatures) == 1:
+            scale = 1.0 / temperatures.pop()
+            scores = _cut_top_k_top_p(masked, params, scale)
+            noise = self._draw_noise(masked, params, num_output_tokens)
+            return pick_tokens(scores, logits, scale=scale, noise=noise)
+        return pick_tokens(self._mixed_scores(masked, params, num_output_tokens), logits)
 
     def _mask_early_stops(
         self,
@@ -129,38 +155,46 @@ class Sampler:
             masked[row, sorted(stop_ids)] = float("-inf")
         return masked
 
-    def _sample_random(
+    def _mixed_scores(
         self,
-        logits: torch.Tensor,  # (R, V)
+        logits: torch.Tensor,  # (N, V), masked
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> torch.Tensor:
-        device = logits.device
-        temperatures = {p.temperature for p in params}
-        if len(temperatures) == 1:  # one scalar: no host-to-device copy
-            logits = logits / temperatures.pop()
-        else:
-            temperature = torch.tensor([p.temperature for p in params], device=device)
-            logits = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        """(N, V) scores whose plain argmax is each row's pick: greedy rows keep their logits,
+        random rows get the race's l / T - log E (the fused path's arithmetic, in torch)."""
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        random_params = [params[i] for i in random_rows]
+        rows = torch.tensor(random_rows, device=logits.device)
+        inv_temperature = torch.tensor(
+            [1.0 / p.temperature for p in random_params], device=logits.device
+        )
+        scaled = logits[rows] * inv_temperature[:, None]  # (R, V)
+        noise = self._draw_noise(scaled, random_params, [num_output_tokens[i] for i in random_rows])
+        race = _cut_top_k_top_p(scaled, random_params, 1.0) - noise.log()
+        return logits.index_copy(0, rows, race)
+
+    def _draw_noise(
+        self,
+        like: torch.Tensor,  # (R, V): the random rows
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> torch.Tensor:
+        """(R, V) Exp(1) draws, each > 0: seeded rows from their own generators."""
+        device = like.device
+        noise = torch.empty_like(like)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if len(unseeded) == len(params):  # the same draws as below, without the scatter
             noise.exponential_(generator=self.generator)
         elif unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=device
-            ).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), like.shape[1], device=device).exponential_(
+                generator=self.generator
+            )
         for i, p in enumerate(params):
             if p.seed is not None:
                 generator = torch.Generator(device=device).manual_seed(
                     p.seed + num_output_tokens[i]
                 )
                 noise[i].exponential_(generator=generator)
-        # An exact 0 draw would make 0 / 0 = NaN for a masked token, and argmax prefers NaN.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        # An exact 0 draw would make -log E = +inf, and +inf + -inf = NaN for a masked token.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

@@ -107,3 +107,18 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
     # The logprob is that of the model's distribution, before the min_tokens mask.
     lp = sampler(logits, [params], [0]).logprobs[0]
     assert lp == pytest.approx(float(logits.log_softmax(-1)[0, 2]), abs=1e-6)
+
+
+def test_fused_and_mixed_paths_pick_the_same_tokens() -> None:
+    # One temperature goes straight to the pick (scale 1 / T, noise); a greedy row beside the
+    # same rows sends them through the scores built in torch. The unseeded rows draw the same
+    # noise either way.
+    num_rows = 64
+    logits = torch.randn(num_rows + 1, 300, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9)] * num_rows
+    fused = make_sampler(11)(logits[:num_rows], params, [0] * num_rows)
+    mixed = make_sampler(11)(logits, [*params, SamplingParams(temperature=0.0)], [0] * 65)
+    assert mixed.token_ids[:num_rows] == fused.token_ids
+    assert mixed.logprobs[:num_rows] == fused.logprobs
+    assert mixed.token_ids[num_rows] == int(logits[num_rows].argmax())
+    assert fused.token_ids != logits[:num_rows].argmax(-1).tolist()  # sampled, not greedy
