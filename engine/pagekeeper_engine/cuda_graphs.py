@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -33,6 +33,16 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes.update(range(16, max_num_seqs + 1, 16))
     sizes.add(max_num_seqs)
     return sorted(sizes)
+
+
+def padding_forward(
+    model: CausalLM, builder: StepInputBuilder, batch: int
+) -> Callable[[], torch.Tensor]:
+    """A decode forward of `batch` padding rows over the builder's buffers (it writes no KV),
+    with the decode kernel's splits chosen for the longest sequence a graph may meet."""
+    step = builder.build([], pad_to=batch)
+    meta = replace(step.meta, max_seq_len=builder.max_model_len)
+    return lambda: model(step.input_ids, step.positions, meta)
 
 
 class DecodeGraphs:
@@ -55,14 +65,12 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.batch_sizes):
-            step = self.builder.build([], pad_to=batch)
-            # Splits chosen for the longest sequence a graph may meet; fixed from here on.
-            meta = replace(step.meta, max_seq_len=self.builder.max_model_len)
-            self.model(step.input_ids, step.positions, meta)  # compiles this shape's kernels
+            forward = padding_forward(self.model, self.builder, batch)
+            forward()  # compiles this shape's kernels
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(step.input_ids, step.positions, meta)  # (batch, H)
+                hidden = forward()  # (batch, H)
             self._graphs[batch] = (graph, hidden)
         for batch, (graph, _) in self._graphs.items():
             # The first replay uploads the graph to the device: pay it here, not in a step. The

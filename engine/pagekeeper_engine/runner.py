@@ -21,7 +21,7 @@ import torch
 from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagekeeper_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.memory.budget import (
     KVLayout,
     MemoryBudget,
@@ -109,10 +109,6 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_workspace(self.workspace)
-        # Before the memory profile, so that it measures the forward pass that will run.
-        self.gemv_choices: list[GemvChoice] = (
-            choose_gemv(self.model, self.device) if self.device.type == "cuda" else []
-        )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.inputs = StepInputBuilder(
@@ -155,6 +151,11 @@ class ModelRunner:
             self.block_size,
             self.bytes_per_block,
         )
+        self.gemv_choices: list[GemvChoice] = []
+        if self.device.type == "cuda":  # timed over the bound cache, before the graphs
+            self.gemv_choices = choose_gemv(
+                self.model, padding_forward(self.model, self.inputs, batch=1)
+            )
         if self.uses_graphs:
             self.capture_graphs()
 

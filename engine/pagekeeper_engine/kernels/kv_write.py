@@ -17,8 +17,11 @@ from pagekeeper_engine.kernels import check_device, check_heads, check_paged_cac
 from pagekeeper_engine.kernels import next_power_of_2 as _pow2
 from pagekeeper_engine.kernels.rotary import check_rotary_inputs, rotate_heads
 
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
+STEP_VARYING = ("slot_mapping_ptr", "positions_ptr")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _kv_write_kernel(
     k_ptr,
     v_ptr,
@@ -50,7 +53,7 @@ def _kv_write_kernel(
         tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _rotary_kv_write_kernel(
     q_ptr,
     k_ptr,

@@ -33,6 +33,10 @@ MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 
 
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
+STEP_VARYING = ("block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride")
+
+
 @triton.jit
 def gather_kv_offsets(
     block_table_ptr,  # this sequence's row of the block table
@@ -51,7 +55,7 @@ def gather_kv_offsets(
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,

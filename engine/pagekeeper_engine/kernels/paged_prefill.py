@@ -28,8 +28,16 @@ from pagekeeper_engine.kernels import (
 )
 from pagekeeper_engine.kernels.paged_decode import LOG2_E, gather_kv_offsets
 
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
+STEP_VARYING = (
+    "block_tables_ptr",
+    "seq_lens_ptr",
+    "query_start_loc_ptr",
+    "block_table_stride",
+)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -31,7 +31,19 @@ from pagekeeper_engine.kernels import check_device, next_power_of_2
 BLOCK_V = 2048
 
 
-@triton.jit
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
+STEP_VARYING = (
+    "part_max_ptr",
+    "part_sum_ptr",
+    "part_best_ptr",
+    "part_index_ptr",
+    "token_ids_ptr",
+    "packed_ptr",
+    "packed_row_stride",
+)
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _chunk_partials_kernel(
     scores_ptr,
     raw_ptr,
@@ -75,7 +87,7 @@ def _chunk_partials_kernel(
     tl.store(part_index_ptr + part, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _combine_chunks_kernel(
     raw_ptr,
     part_max_ptr,

@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.runner import ModelRunner
-from tests.engine.checkpoints import make_runner, seq, step_logits, tokens, write_checkpoint
+from tests.engine.checkpoints import (
+    GREEDY,
+    make_runner,
+    seq,
+    step_logits,
+    tokens,
+    write_checkpoint,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,7 +123,7 @@ def test_start_up_times_every_projection_shape(checkpoint: Path) -> None:
     assert set(choices) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     for choice in choices.values():
         assert choice.num_layers == runner.model_config.num_layers
-        assert choice.cublas_us > 0 and choice.gemv_us > 0
+        assert choice.cublas_step_us > 0 and choice.gemv_step_us > 0
         # What was decided is what every layer runs.
         assert all(
             linear.gemv_config == choice.config
@@ -136,3 +144,44 @@ def test_batch1_gemv_tokens_equal_the_cpu_reference(checkpoint: Path) -> None:
     runner.capture_graphs()
     expected = generate(make_runner(checkpoint), [9], num_steps=20)
     assert generate(runner, [9], num_steps=20) == expected
+
+
+def staircase(runner: ModelRunner, prompt_lens: list[int], sampling: SamplingParams) -> None:
+    """Mixed steps: every running sequence decodes while the next prompt is prefilled."""
+    running: list[tuple[str, list[int], list[int]]] = []  # id, tokens so far, blocks
+    next_block = 1
+    for i, length in enumerate([*prompt_lens, 0]):
+        step = [
+            seq(rid, toks[-1:], len(toks) - 1, blocks, sampling=sampling, num_output_tokens=1)
+            for rid, toks, blocks in running
+        ]
+        if length:
+            blocks = list(range(next_block, next_block + 4))  # 32 tokens of 8
+            next_block += 4
+            prompt = tokens(length, offset=i)
+            step.append(seq(f"s{i}", prompt, 0, blocks, sampling=sampling))
+            running.append((f"s{i}", prompt, blocks))
+        out = runner.execute(SchedulerOutput(seqs=step, num_batched_tokens=0))
+        for (_, toks, _), token in zip(running, out.sampled_token_ids, strict=True):
+            assert token is not None
+            toks.append(token)
+
+
+def test_new_batch_shapes_compile_no_new_kernel_variants(checkpoint: Path) -> None:
+    # Triton compiles a variant per alignment of each pointer argument; the step metadata is
+    # sliced at batch-dependent offsets. After a warm-up, steps of other batch shapes must
+    # reuse what was compiled instead of compiling for seconds in the middle of serving.
+    from triton import knobs  # noqa: PLC0415
+
+    runner = gpu_runner(checkpoint, enforce_eager=True, max_num_seqs=8, num_gpu_blocks_override=40)
+    hot = SamplingParams(temperature=0.8)
+    for sampling in (GREEDY, hot):
+        staircase(runner, [5, 9], sampling)
+    compiled: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for sampling in (GREEDY, hot):
+            staircase(runner, [3, 17, 1, 8, 12, 2, 6], sampling)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
