@@ -41,6 +41,17 @@ def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
         assert tensor.is_cuda, f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
 
 
+def check_like(
+    name: str, tensor: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None
+) -> None:
+    """`tensor` has ref's shape and device, `dtype` (by default ref's), and unit last stride."""
+    dtype = ref.dtype if dtype is None else dtype
+    assert tensor.shape == ref.shape, f"{name} shape {tuple(tensor.shape)} != {tuple(ref.shape)}"
+    assert tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}"
+    assert tensor.stride(-1) == 1, f"{name} must be contiguous in its last dimension"
+    check_device(name, tensor, ref.device)
+
+
 def check_index_tensor(name: str, tensor: torch.Tensor, ndim: int, dtype: torch.dtype) -> None:
     assert tensor.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}"
     assert tensor.dtype == dtype, f"{name} must be {dtype}, got {tensor.dtype}"

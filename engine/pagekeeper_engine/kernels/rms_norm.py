@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power_of_2
+from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, check_like, next_power_of_2
 
 
 @triton.jit
@@ -53,13 +53,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + head * out_head_stride + offs, out, mask=mask)
 
 
-def _check_like(name: str, tensor: torch.Tensor, x: torch.Tensor) -> None:
-    assert tensor.shape == x.shape, f"{name} shape {tuple(tensor.shape)} != {tuple(x.shape)}"
-    assert tensor.dtype == x.dtype, f"{name} is {tensor.dtype}, expected {x.dtype}"
-    assert tensor.stride(-1) == 1, f"{name} must be contiguous in its last dimension"
-    check_device(name, tensor, x.device)
-
-
 def rms_norm(
     x: torch.Tensor,  # (N, dim) or (N, heads, dim); rows and heads may be strided
     weight: torch.Tensor,  # (dim,)
@@ -87,13 +80,13 @@ def rms_norm(
     check_device("weight", weight, x.device)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _check_like("out", out, x)
+    check_like("out", out, x)
     if residual is not None:
         assert x.dim() == 2, "a residual is added to 2-D rows only"
-        _check_like("residual", residual, x)
+        check_like("residual", residual, x)
         if summed is None:
             summed = torch.empty_like(out)
-        _check_like("summed", summed, x)
+        check_like("summed", summed, x)
     else:
         summed = None
     if num_rows == 0:

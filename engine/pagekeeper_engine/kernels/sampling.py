@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import check_device, next_power_of_2
+from pagekeeper_engine.kernels import check_like, next_power_of_2
 
 BLOCK_V = 2048
 
@@ -126,13 +126,6 @@ def _combine_chunks_kernel(
     tl.store(packed_ptr + packed_row_stride + row, logprob.to(tl.float64))
 
 
-def _check_logits(name: str, tensor: torch.Tensor, raw: torch.Tensor) -> None:
-    assert tensor.shape == raw.shape, f"{name} shape {tuple(tensor.shape)} != {tuple(raw.shape)}"
-    assert tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}"
-    assert tensor.stride(-1) == 1, f"{name} must be contiguous in its last dimension"
-    check_device(name, tensor, raw.device)
-
-
 def pick_tokens(
     scores: torch.Tensor,  # (N, V) fp32: the logits after masks and top-k / top-p; may be raw
     raw: torch.Tensor,  # (N, V) fp32: the model's unmodified logits
@@ -144,10 +137,10 @@ def pick_tokens(
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw. Ids below 2**53 are exact in float64."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
-    _check_logits("raw", raw, raw)
-    _check_logits("scores", scores, raw)
+    check_like("raw", raw, raw, torch.float32)
+    check_like("scores", scores, raw, torch.float32)
     if noise is not None:
-        _check_logits("noise", noise, raw)
+        check_like("noise", noise, raw, torch.float32)
     assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
     assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
     num_rows, vocab_size = raw.shape
