@@ -106,7 +106,18 @@ def _prune(kube: Kube, server: LLMServer, result: ReconcileResult) -> str | None
 def refresh_status(
     kube: Kube, server: LLMServer, deployment: Mapping[str, Any] | None, now: str | None = None
 ) -> dict[str, Any]:
-    """Write status from an observed Deployment (no applies); returns the patch written."""
+    """Write status from an observed Deployment (no applies); returns the patch written.
+
+    Status keeps describing the generation last reconciled: a Deployment event that arrives
+    before a newer spec's reconcile (an operator starting after a change made while it was
+    down) must not report that spec as observed and Ready on the old pods.
+    """
+    reconciled = server.status.observed_generation
+    if reconciled is None:
+        return {}  # nothing reconciled yet: the first reconcile writes status
+    if reconciled != server.metadata.generation:
+        metadata = server.metadata.model_copy(update={"generation": reconciled})
+        server = server.model_copy(update={"metadata": metadata})
     # An apply failure stays reported until a reconcile of this generation succeeds.
     degraded = server.status.condition("Degraded")
     apply_error = None
