@@ -15,6 +15,7 @@ from pagekeeper_operator.plan import (
     prune,
     stamp,
 )
+from pagekeeper_operator.reconcile import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
@@ -345,3 +346,27 @@ def test_merge_patch() -> None:
     assert merge_patch(
         {"a": 1, "b": {"c": 1, "d": 2}, "e": 5}, {"a": 2, "b": {"c": 1}, "f": [1]}
     ) == {"a": 2, "b": {"d": None}, "e": None, "f": [1]}
+
+
+class _StatusWrites:
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.patches.append(patch)
+
+
+def test_a_deployment_event_never_reports_an_unreconciled_generation() -> None:
+    server = make_server({"replicas": 2})  # generation 3, never reconciled
+    kube = _StatusWrites()
+    assert refresh_status(kube, server, _deployment_status(2, 2, 2), NOW) == {}  # type: ignore[arg-type]
+    assert kube.patches == []
+    # Generation 2 was reconciled; 3 arrived while the operator was down and waits for its
+    # reconcile: the event's status still describes generation 2.
+    status = server.status.model_copy(update={"observed_generation": 2})
+    patch = refresh_status(
+        kube, server.model_copy(update={"status": status}), _deployment_status(2, 2, 2), NOW
+    )  # type: ignore[arg-type]
+    assert kube.patches == [patch]
+    assert "observedGeneration" not in patch
+    assert {c["observedGeneration"] for c in patch["conditions"]} == {2}
