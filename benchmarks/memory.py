@@ -64,7 +64,7 @@ def run_capacity(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         ProfileShapes,
         worst_case_batches,
     )
-    from pagekeeper_engine.runner import ModelRunner  # noqa: PLC0415
+    from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415
 
     config = EngineConfig(
         model=str(model_dir),

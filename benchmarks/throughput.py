@@ -33,9 +33,9 @@ from kernels import measure_copy_bandwidth, measure_matmul_rate
 
 from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.engine import LLMEngine
-from pagekeeper_engine.runner import ModelRunner
+from pagekeeper_engine.runner.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -88,23 +88,6 @@ def physical_floor(cfg: dict[str, Any], work: Workload, bandwidth: float, rate: 
     )  # 2 matmuls x 2 FLOPs x L^2 / 2, causal
     prefill_flops = 2 * matmul_params * work.num_prompt_tokens + attention
     return float(decode_bytes / bandwidth + prefill_flops / rate)
-
-
-class NullTokenizer:
-    """The benchmark feeds token ids and reads token ids; no text is produced."""
-
-    def __init__(self, eos_token_ids: frozenset[int]) -> None:
-        self._eos = eos_token_ids
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
-
-    def encode(self, text: str) -> list[int]:
-        return []
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
 
 
 def write_checkpoint(shape: str, root: Path) -> Path:
@@ -162,7 +145,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, 
     )
     for line in start["batch1_projections"]:
         print(f"  batch-1 {line}")
-    return LLMEngine(config, runner, NullTokenizer(runner.eos_token_ids)), start
+    return LLMEngine(config, runner, runner.eos_token_ids), start
 
 
 def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str, Any]:

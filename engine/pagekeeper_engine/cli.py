@@ -1,13 +1,15 @@
-"""`pagekeeper-engine serve MODEL [flags]`: load a checkpoint and serve it over HTTP.
+"""`pagekeeper-engine serve MODEL [flags]`: the engine core and its front ends, as processes.
 
-The HTTP server starts first and the model loads after, in a thread, so /health and /ready
-answer (503) during a slow load. SIGTERM (or SIGINT) drains: readiness fails at once, running
-requests finish within `--shutdown-timeout`, and the process exits 0.
+This process starts the engine core's process (`engine_process`: model, KV cache, step loop),
+starts `--api-server-count` - 1 more front-end processes that share the port, and serves as the
+first front end itself (`frontend.lifecycle`), so the HTTP server answers /health and /ready
+(503) while the core loads. It imports no torch.
 
-Out of memory, the process says why in `--termination-log-path` (the operator reads it) before
-it exits 1: at start-up when the memory budget cannot hold one max-model-len request, the GPU
-has less free memory than asked for, or the profile itself ran out of memory; at run time when
-out-of-memory errors repeat past `--max-consecutive-ooms`.
+SIGTERM (or SIGINT) drains every front end: readiness fails at once, running requests finish
+within `--shutdown-timeout`; then the core is told to stop and the process exits 0. If the core
+dies, /health fails and the process exits 1; if another front end dies, the rest stop and the
+process exits 1; if this process dies, the core and the other front ends notice and exit.
+Out-of-memory exits write their reason to `--termination-log-path` from the core's process.
 Exit codes: 0 after a drain, 1 when the model cannot be loaded or served, 2 for bad flags or
 allocator settings.
 """
@@ -16,168 +18,167 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
-import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
+import tempfile
+from multiprocessing.process import BaseProcess
 
 from pagekeeper_engine.config import EngineConfig, parse_args
-from pagekeeper_engine.memory.allocator import read_alloc_settings
-from pagekeeper_engine.memory.budget import MemoryBudgetError
-from pagekeeper_engine.memory.oom import (
-    DeviceOutOfMemoryError,
-    OOMKind,
-    OOMPhase,
-    write_termination_log,
-)
-from pagekeeper_engine.server.app import STATE, create_app
-from pagekeeper_engine.server.drain import drain
-
-if TYPE_CHECKING:
-    from pagekeeper_engine.async_engine import AsyncLLMEngine
-    from pagekeeper_engine.tokenizer import Tokenizer
+from pagekeeper_engine.engine_process import LOG_FORMAT, run_engine_core
+from pagekeeper_engine.memory.allocator import AllocatorSettings, read_alloc_settings
+from pagekeeper_engine.messages import CoreAddresses
 
 logger = logging.getLogger("pagekeeper_engine")
 
 USAGE = "usage: pagekeeper-engine serve MODEL [flags]   (pagekeeper-engine serve --help)"
+CORE_STOP_TIMEOUT_S = 30.0  # the core aborts what is left and exits well within this
+PARENT_CHECK_INTERVAL_S = 0.5
 
 
-@dataclass
-class Loaded:
-    """What the loading thread built."""
-
-    engine: AsyncLLMEngine
-    tokenizer: Tokenizer
-    max_model_len: int
-    read_budget: Callable[[], Mapping[str, int] | None]
-
-
-def _load(config: EngineConfig, on_fatal: Callable[[str], None]) -> Loaded:
-    # Imported here: torch's import alone takes seconds, and the HTTP server is already up.
-    import torch  # noqa: PLC0415
-
-    from pagekeeper_engine.async_engine import AsyncLLMEngine  # noqa: PLC0415
-    from pagekeeper_engine.engine import LLMEngine  # noqa: PLC0415
-    from pagekeeper_engine.runner import ModelRunner  # noqa: PLC0415
-    from pagekeeper_engine.tokenizer import Tokenizer  # noqa: PLC0415
-
-    tokenizer = Tokenizer.from_dir(config.model)
-    try:
-        runner = ModelRunner(config)
-    except torch.OutOfMemoryError as exc:
-        detail = f"out of memory while loading and profiling the model: {exc}"
-        raise DeviceOutOfMemoryError("startup", detail) from None
-    engine = AsyncLLMEngine(LLMEngine(config, runner, tokenizer), on_fatal=on_fatal)
-    engine.start()
-    return Loaded(engine, tokenizer, runner.max_model_len, lambda: runner.memory_budget_bytes)
-
-
-def _load_in_thread(
-    config: EngineConfig, on_fatal: Callable[[str], None]
-) -> asyncio.Future[Loaded]:
-    """Load on a daemon thread: a SIGTERM during a load must not wait for the load to end."""
+def _watch(process: BaseProcess, gone: asyncio.Event, what: str) -> None:
+    """Set `gone` when `process` exits (its sentinel becomes readable)."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[Loaded] = loop.create_future()
 
-    def run() -> None:
-        try:
-            loaded = _load(config, on_fatal)
-        except BaseException as exc:  # handed to the event loop, which reports it
-            loop.call_soon_threadsafe(future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(future.set_result, loaded)
+    def on_exit() -> None:
+        loop.remove_reader(process.sentinel)
+        process.join(0)
+        logger.error("%s exited with code %s", what, process.exitcode)
+        gone.set()
 
-    threading.Thread(target=run, name="model-load", daemon=True).start()
-    return future
+    loop.add_reader(process.sentinel, on_exit)
 
 
-def report_oom_exit(config: EngineConfig, phase: OOMPhase, detail: str) -> None:
-    """Log the reason and write it where the operator reads it."""
-    logger.critical("exiting: out of memory at %s: %s", phase, detail)
-    kind: OOMKind = "gpu" if config.device == "cuda" else "host"
-    write_termination_log(kind, phase, detail, Path(config.termination_log_path))
-
-
-async def serve(config: EngineConfig) -> int:
-    """Serve until SIGTERM/SIGINT; the process's exit code."""
-    try:
-        allocator_settings = read_alloc_settings(os.environ)
-    except ValueError as exc:
-        logger.error("bad allocator settings: %s", exc)
-        return 2
-    logger.info("CUDA caching allocator: %s", allocator_settings.describe())
-    budget_hook: list[Callable[[], Mapping[str, int] | None]] = []
-
-    def read_budget() -> Mapping[str, int] | None:
-        return budget_hook[0]() if budget_hook else None
-
-    app = create_app(config, read_budget=read_budget, allocator_settings=allocator_settings)
-    state = app[STATE]
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
-    # requests in the engine and frees their blocks.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    logger.info("listening on http://%s:%d; loading %s", config.host, config.port, config.model)
-
-    stop = asyncio.Event()
+def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    fatal: asyncio.Future[str] = loop.create_future()
 
-    def set_fatal(reason: str) -> None:
-        if not fatal.done():
-            fatal.set_result(reason)
+async def _join(process: BaseProcess, timeout_s: float) -> None:
+    await asyncio.to_thread(process.join, timeout_s)
+    if process.is_alive():
+        logger.error("%s did not stop within %.0f s; killing it", process.name, timeout_s)
+        process.kill()
+        await asyncio.to_thread(process.join, 5.0)
 
-    def on_fatal(reason: str) -> None:  # called on the engine's thread
-        loop.call_soon_threadsafe(set_fatal, reason)
 
-    loading = _load_in_thread(config, on_fatal)
-    stopping = asyncio.ensure_future(stop.wait())
-    pending: set[asyncio.Future[Any]] = {loading, stopping}
-    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        logger.info("signalled during the model load; exiting without serving")
-        state.begin_drain()
-        await runner.cleanup()
-        return 0
+async def serve(config: EngineConfig, allocator_settings: AllocatorSettings, run_dir: str) -> int:
+    """Start the core and the other front ends, serve as front end 0; the exit code."""
+    from pagekeeper_engine.frontend.lifecycle import FrontendOptions, serve_frontend  # noqa: PLC0415
+
+    addresses = CoreAddresses(run_dir)
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    context = multiprocessing.get_context("spawn")
+    core = context.Process(
+        target=run_engine_core,
+        args=(config, addresses, config.api_server_count),
+        name="engine-core",
+    )
+    core.start()
+    others = [
+        context.Process(
+            target=run_frontend,
+            args=(config, addresses, index, allocator_settings, metrics_dir),
+            name=f"front-end-{index}",
+        )
+        for index in range(1, config.api_server_count)
+    ]
+    for process in others:
+        process.start()
+
+    stop, core_gone, other_gone = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    _stop_on_signals(stop)
+    _watch(core, core_gone, "the engine core")
+    for process in others:
+        _watch(process, other_gone, process.name or "a front end")
+
+    async def stop_others_first() -> None:
+        for process in others:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+        for process in others:
+            await _join(process, config.shutdown_timeout + CORE_STOP_TIMEOUT_S)
+
+    async def forward_stop() -> None:
+        await stop.wait()
+        for process in others:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    forwarding = asyncio.ensure_future(forward_stop())
+    options = FrontendOptions(
+        client_index=0,
+        addresses=addresses,
+        allocator_settings=allocator_settings,
+        metrics_multiprocess_dir=metrics_dir,
+        is_core_running=core.is_alive,
+        stop_core_after=stop_others_first,
+    )
+    # another front end's death ends this one as the core's would: the pod restarts whole
+    gone = asyncio.Event()
+
+    async def either_gone() -> None:
+        await asyncio.wait(
+            [asyncio.ensure_future(core_gone.wait()), asyncio.ensure_future(other_gone.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        gone.set()
+
+    watching = asyncio.ensure_future(either_gone())
     try:
-        loaded = loading.result()
-    except (MemoryBudgetError, DeviceOutOfMemoryError) as exc:
-        report_oom_exit(config, "startup", str(exc))
-        await runner.cleanup()
-        return 1
-    except Exception:
-        logger.exception("could not load %s", config.model)
-        await runner.cleanup()
-        return 1
-    budget_hook.append(loaded.read_budget)
-    state.attach(loaded.engine, loaded.tokenizer, loaded.max_model_len)
-    logger.info("serving %s as %r", config.model, config.model_name)
-
-    ending: set[asyncio.Future[Any]] = {stopping, fatal}
-    await asyncio.wait(ending, return_when=asyncio.FIRST_COMPLETED)
-    if fatal.done():
-        report_oom_exit(config, "runtime", fatal.result())
-        state.begin_drain()
-        await runner.cleanup()
-        loaded.engine.shutdown()
-        return 1
-    await drain(state, config.shutdown_timeout)
-    await runner.cleanup()
-    if state.engine is not None:
-        state.engine.shutdown()
+        code = await serve_frontend(config, options, stop, gone)
+    finally:
+        forwarding.cancel()
+        watching.cancel()
+    if code != 0:
+        for process in others:
+            if process.is_alive():
+                process.terminate()
+    for process in others:
+        await _join(process, CORE_STOP_TIMEOUT_S)
+    if core.is_alive() and code != 0:
+        core.terminate()
+    await _join(core, CORE_STOP_TIMEOUT_S)
+    if code == 0 and core.exitcode != 0:
+        logger.error("the engine core exited with code %s", core.exitcode)
+        code = 1
     logger.info("stopped")
-    return 0
+    return code
+
+
+def run_frontend(
+    config: EngineConfig,
+    addresses: CoreAddresses,
+    client_index: int,
+    allocator_settings: AllocatorSettings,
+    metrics_dir: str | None,
+) -> None:
+    """The target of front-end processes 1..N-1: serve until SIGTERM or the parent is gone."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    from pagekeeper_engine.frontend.lifecycle import FrontendOptions, serve_frontend  # noqa: PLC0415
+
+    async def main() -> int:
+        stop, gone = asyncio.Event(), asyncio.Event()
+        _stop_on_signals(stop)
+        parent_pid = os.getppid()
+
+        async def watch_parent() -> None:
+            while os.getppid() == parent_pid:
+                await asyncio.sleep(PARENT_CHECK_INTERVAL_S)
+            logger.error("the supervising front end is gone; exiting")
+            gone.set()
+
+        watching = asyncio.ensure_future(watch_parent())
+        options = FrontendOptions(client_index, addresses, allocator_settings, metrics_dir)
+        try:
+            return await serve_frontend(config, options, stop, gone)
+        finally:
+            watching.cancel()
+
+    sys.exit(asyncio.run(main()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,10 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     config = parse_args(args[1:])  # exits 2 with a message naming the flag
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return asyncio.run(serve(config))
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        allocator_settings = read_alloc_settings(os.environ)
+    except ValueError as exc:
+        logger.error("bad allocator settings: %s", exc)
+        return 2
+    logger.info("CUDA caching allocator: %s", allocator_settings.describe())
+    run_dir = tempfile.mkdtemp(prefix="pagekeeper-")
+    if config.api_server_count > 1:
+        # read by prometheus-client when it is first imported, here and in each front end
+        metrics_dir = os.path.join(run_dir, "metrics")
+        os.mkdir(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return asyncio.run(serve(config, allocator_settings, run_dir))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_consecutive_ooms: int = 8
     termination_log_path: str = "/dev/termination-log"
+    api_server_count: int = 1
 
     @property
     def model_name(self) -> str:
@@ -224,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--termination-log-path",
         default="/dev/termination-log",
         help="where an out-of-memory exit writes its reason for the operator",
+    )
+    add(
+        "--api-server-count",
+        type=_bounded(int, 1, 64),
+        default=1,
+        help="front-end processes (HTTP, tokenization, detokenization) sharing the port; the "
+        "engine core runs in a process of its own either way",
     )
     return parser
 

@@ -15,12 +15,13 @@ from dataclasses import replace
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
-from pagekeeper_engine.core.limits import SchedulerConfig
-from pagekeeper_engine.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
+from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.engine import LLMEngine
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
-from pagekeeper_engine.protocols import AllocatorMonitorProtocol
+from pagekeeper_engine.messages import EngineOutput
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"  # token id -> one character
 EOS = len(ALPHABET) - 1  # "N"
@@ -177,15 +178,16 @@ def make_engine(
         async_scheduling=async_scheduling,
     )
     sched_config = replace(
-        SchedulerConfig.from_engine_config(config), min_swap_tokens=min_swap_tokens
+        SchedulerConfig.from_engine_config(config, resolve_limits(config, max_model_len)),
+        min_swap_tokens=min_swap_tokens,
     )
     if runner is None:
         runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script, step_delay_s)
-    return LLMEngine(config, runner, CharTokenizer(), sched_config), runner
+    return LLMEngine(config, runner, CharTokenizer().eos_token_ids, sched_config), runner
 
 
-def run_all(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
+def run_all(engine: LLMEngine) -> dict[str, list[EngineOutput]]:
+    outputs: dict[str, list[EngineOutput]] = {}
     for _ in range(5000):
         if not engine.has_work():
             return outputs
@@ -194,9 +196,5 @@ def run_all(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
     raise AssertionError("the engine did not finish within 5000 steps")
 
 
-def tokens_of(outs: list[RequestOutput]) -> list[int]:
+def tokens_of(outs: list[EngineOutput]) -> list[int]:
     return [t for out in outs for t in out.new_token_ids]
-
-
-def text_of(outs: list[RequestOutput]) -> str:
-    return "".join(out.new_text for out in outs)

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from pagekeeper_engine.server.metric_names import METRICS
+from pagekeeper_engine.frontend.metric_names import METRICS
 from tests.integration.operator_fixture import llmserver, wait_ready
 from tests.support.cluster import Cluster, wait_for
 from tests.support.tools import REPO, tool

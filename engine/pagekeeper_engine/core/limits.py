@@ -16,6 +16,37 @@ class RequestRejectedError(ValueError):
 
 
 @dataclass(frozen=True)
+class EngineLimits:
+    """The limits every part of the engine works within, resolved once from the flags and the
+    model (`resolve_limits`): the runner sizes its buffers by them, the scheduler schedules
+    within them and the front ends validate requests against them."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_num_in_flight: int  # running slots plus the bounded waiting queue
+
+
+def resolve_limits(config: EngineConfig, model_max_len: int) -> EngineLimits:
+    """`--max-model-len` (default: the model's context, never beyond it) and the step budget
+    that follows from it (see `resolve_max_num_batched_tokens`)."""
+    max_model_len = config.max_model_len if config.max_model_len is not None else model_max_len
+    if max_model_len > model_max_len:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's "
+            f"max_position_embeddings of {model_max_len}"
+        )
+    return EngineLimits(
+        max_model_len=max_model_len,
+        max_num_batched_tokens=resolve_max_num_batched_tokens(
+            config.max_num_batched_tokens, config.enable_chunked_prefill, max_model_len
+        ),
+        max_num_seqs=config.max_num_seqs,
+        max_num_in_flight=config.max_num_in_flight,
+    )
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one step and of the KV cache; see the engine's flags of the same names.
 
@@ -35,16 +66,12 @@ class SchedulerConfig:
     min_swap_tokens: int = 512
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
-        max_model_len = config.max_model_len
-        budget = resolve_max_num_batched_tokens(
-            config.max_num_batched_tokens, config.enable_chunked_prefill, max_model_len or 0
-        )
+    def from_engine_config(cls, config: EngineConfig, limits: EngineLimits) -> SchedulerConfig:
         return cls(
             block_size=config.block_size,
-            max_num_batched_tokens=budget,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_num_seqs=limits.max_num_seqs,
+            max_model_len=limits.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_max_fraction=config.prefix_cache_max_fraction,

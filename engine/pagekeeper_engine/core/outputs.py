@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -54,47 +53,3 @@ class RunnerOutput:
 
     sampled_token_ids: list[int | None]
     logprobs: list[float | None]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request: its new tokens and text, and whether it ended.
-
-    `new_text` never contains a stop string, nor text that could still turn out to begin one
-    (held back until it cannot). `logprobs` has one entry per new token when the request asked
-    for logprobs, else it is empty. `error` is set when the request failed inside the engine
-    (finish_reason is then "abort").
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float | None] = field(default_factory=list)
-    error: str | None = None
-
-
-def request_output(
-    seq: Sequence,
-    new_token_ids: list[int],
-    new_text: str,
-    logprobs: list[float | None],
-    error: str | None = None,
-) -> RequestOutput:
-    """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
-    return RequestOutput(
-        request_id=seq.request_id,
-        new_token_ids=new_token_ids,
-        new_text=new_text,
-        finished=seq.status.is_finished,
-        finish_reason=seq.finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_known_output_tokens,
-        num_cached_tokens=seq.num_cached_tokens,
-        logprobs=logprobs,
-        error=error,
-    )

@@ -77,18 +77,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # leading blocks of block_ids already registered in the prefix cache
     num_registered_blocks: int = 0
-    # incremental detokenization state: offsets into token_ids, text so far, chars returned
-    output_text: str = ""
-    num_text_emitted: int = 0
-    prefix_offset: int = field(init=False)
-    read_offset: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        # a few prompt tokens of context so the first output token decodes with its leading
-        # space (tokenizers strip it when a token starts the decoded text)
-        self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(0, self.read_offset - 5)
 
     @property
     def num_tokens(self) -> int:
@@ -160,7 +151,7 @@ def check_token_stop(
 
     Stop tokens (EOS unless ignore_eos, and stop_token_ids) count only once `min_tokens` tokens
     exist; they win over the length limit when both hold for the same token. Stop strings need
-    the detokenized text and are checked by the engine loop.
+    the detokenized text and are checked by the front end.
     """
     params = seq.sampling
     num_output = seq.num_known_output_tokens

@@ -13,12 +13,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.detokenize import detokenize_next
+from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.kv_manager import num_blocks_for
-from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
-from pagekeeper_engine.engine import LLMEngine
+from pagekeeper_engine.core.sequence import SequenceStatus
+from pagekeeper_engine.frontend.detokenizer import TextState, detokenize_next
+from pagekeeper_engine.messages import EngineOutput
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
 from tests.engine.fakes import (
     EOS,
@@ -40,24 +40,21 @@ PROMPTS = {
 
 
 def params_for(request_id: str) -> SamplingParams:
-    """Every stop condition: lengths, a stop token, stop strings (with hold-back), min_tokens."""
+    """Every stop condition of the core: lengths, stop tokens, min_tokens (stop strings are the
+    front end's)."""
     prompt = PROMPTS[request_id]
     out = rollout(prompt, 20)
     if request_id == "p0":
         return SamplingParams(max_tokens=7, temperature=0.0, logprobs=True)
     if request_id == "p1":  # stops on its 6th token
         return SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(out[5],))
-    if request_id == "p2":  # a stop string spanning tokens 4-5
-        text = "".join(CHARS[t] for t in out)
-        return SamplingParams(max_tokens=20, temperature=0.0, stop=(text[3:5], "zzzz"))
+    if request_id == "p2":  # stops on its 5th token
+        return SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(out[4],))
     if request_id == "p3":  # its 3rd token would stop it but min_tokens defers to the 12th
         return SamplingParams(
             max_tokens=20, temperature=0.0, stop_token_ids=(out[2], out[11]), min_tokens=9
         )
     return SamplingParams(max_tokens=13, temperature=0.0)
-
-
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMN"
 
 
 def run(async_scheduling: bool, **engine_args: Any) -> tuple[LLMEngine, PagedFakeRunner, Any]:
@@ -68,13 +65,12 @@ def run(async_scheduling: bool, **engine_args: Any) -> tuple[LLMEngine, PagedFak
     return engine, runner, run_all(engine)
 
 
-def chunks(outputs: dict[str, list[RequestOutput]]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each output as (tokens, text, finished, reason, logprobs, output count), per request."""
+def chunks(outputs: dict[str, list[EngineOutput]]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each output as (tokens, finished, reason, logprobs, output count), per request."""
     return {
         rid: [
             (
                 o.new_token_ids,
-                o.new_text,
                 o.finished,
                 o.finish_reason,
                 o.logprobs,
@@ -159,7 +155,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything() -> None:
     engine, _ = make_engine(async_scheduling=True)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0))
     engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0))
-    seen: list[RequestOutput] = []
+    seen: list[EngineOutput] = []
     for _ in range(4):
         seen += engine.step()
     seq = engine.scheduler.requests["a"]
@@ -200,13 +196,12 @@ def test_a_failed_overlapped_step_fails_its_requests_and_the_engine_goes_on() ->
     assert tokens_of(run_all(engine)["b"]) == rollout([4, 5], 3)
 
 
-def test_eos_ends_an_overlapped_request_without_its_text() -> None:
+def test_eos_ends_an_overlapped_request() -> None:
     script = {"a": [5, 6, EOS, 7, 8]}
     engine, _ = make_engine(async_scheduling=True, script=script)
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=5, temperature=0.0))
     outs = run_all(engine)["a"]
     assert tokens_of(outs) == [5, 6, EOS]
-    assert "".join(o.new_text for o in outs) == "fg"
     assert outs[-1].finish_reason == "stop" and outs[-1].num_output_tokens == 3
 
 
@@ -231,7 +226,7 @@ def generate(checkpoint: Path, async_scheduling: bool, params: dict[str, Samplin
         max_num_seqs=4,
         async_scheduling=async_scheduling,
     )
-    engine = LLMEngine(config, runner, IdTokenizer())
+    engine = LLMEngine(config, runner, IdTokenizer().eos_token_ids)
     assert engine.is_async is async_scheduling
     for rid, p in params.items():
         engine.add_request(rid, tokens(7 + 3 * int(rid[1:]), offset=11 * int(rid[1:]) + 1), p)
@@ -255,7 +250,7 @@ def test_real_runner_async_greedy_equals_sync(checkpoint: Path) -> None:
     assert generate(checkpoint, True, greedy) == (sync_chunks, sync_blocks)
     sync_stopped = generate(checkpoint, False, stops)
     assert generate(checkpoint, True, stops) == sync_stopped
-    assert all(outs[-1][3] == "stop" for outs in sync_stopped[0].values())
+    assert all(outs[-1][2] == "stop" for outs in sync_stopped[0].values())
 
 
 def test_real_runner_seeded_sampling_is_unchanged_by_overlap(checkpoint: Path) -> None:
@@ -305,31 +300,29 @@ def test_batched_detokenizer_gives_the_per_token_text_exactly() -> None:
     tok = byte_level_tokenizer()
     vocab = tok.get_vocab_size()
     params = SamplingParams(max_tokens=40)
-    seqs, outputs = [], []
+    states, outputs = [], []
     for i in range(12):
         # real text, and (from the 7th on) arbitrary ids that split multi-byte characters
         prompt = tok.encode(TEXT[i % 2][i : i + 9]).ids
         text_ids = tok.encode("".join(TEXT[:4])[3 * i :]).ids[:25]
         noise = [(37 * i + 11 * k) % vocab for k in range(25)]
         outputs.append(text_ids if i < 6 else noise)
-        seqs.append(Sequence(f"s{i}", prompt, params))
+        states.append(TextState.for_prompt(prompt, params))
     calls = []
 
     def decode_batch(windows: list[list[int]]) -> list[str]:
         calls.append(len(windows))
         return [str(t) for t in tok.decode_batch(windows, skip_special_tokens=True)]
 
-    pieces: list[list[str]] = [[] for _ in seqs]
+    prompts = [tok.encode(TEXT[i % 2][i : i + 9]).ids for i in range(12)]
+    pieces: list[list[str]] = [[] for _ in states]
     for k in range(25):
-        for seq, out in zip(seqs, outputs, strict=True):
-            seq.append_placeholder()  # as the overlapped loop books it: unknown at first
-            seq.append_placeholder()
-            seq.fill_placeholder(out[k], None)  # the older one arrives, the newer stays pending
-        old = detokenize_next(decode_batch, seqs)
-        for i, seq in enumerate(seqs):
-            pieces[i].append(seq.output_text[old[i] :])
-            seq.drop_placeholders()
-    assert calls == [24] * 25  # one call per step, two windows per sequence
-    for i, seq in enumerate(seqs):
-        assert pieces[i] == per_token_reference(tok, seq.prompt_token_ids, outputs[i]), i
-    assert seqs[0].output_text == tok.decode(outputs[0])
+        for state, out in zip(states, outputs, strict=True):
+            state.append([out[k]])
+        old = detokenize_next(decode_batch, states)
+        for i, state in enumerate(states):
+            pieces[i].append(state.output_text[old[i] :])
+    assert calls == [24] * 25  # one call per step, two windows per request
+    for i in range(len(states)):
+        assert pieces[i] == per_token_reference(tok, prompts[i], outputs[i]), i
+    assert states[0].output_text == tok.decode(outputs[0])

@@ -134,11 +134,12 @@ def test_invariant_violations_assert() -> None:
         pool.cache_block(block, H1)
 
 
-def test_core_never_imports_torch() -> None:
+def test_core_and_front_end_never_import_torch() -> None:
     code = (
         "import sys\n"
         "import pagekeeper_engine.core.scheduler, pagekeeper_engine.core.stats\n"
-        "import pagekeeper_engine.engine, pagekeeper_engine.async_engine\n"
+        "import pagekeeper_engine.core.engine, pagekeeper_engine.core.engine_core\n"
+        "import pagekeeper_engine.frontend.lifecycle, pagekeeper_engine.cli\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     result = subprocess.run(

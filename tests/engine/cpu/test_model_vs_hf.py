@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.runner import ModelRunner
+from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import (
     TOLERANCE,
     hf_logits,

@@ -3,11 +3,8 @@ and gives up only when it repeats; the requests end with the tokens they would h
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from pagekeeper_engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 from pagekeeper_engine.memory.step_budget import StepTokenBudget
@@ -91,27 +88,3 @@ def test_without_chunked_prefill_a_reduced_budget_rejects_nothing_and_stalls_not
     assert tokens_of(outputs["short"]) == rollout([1, 2, 3], 12)
     assert tokens_of(outputs["long"]) == rollout(long_prompt, 12)
     assert 30 in runner.num_batched_tokens  # admitted once nothing could run within 16
-
-
-def test_async_loop_gives_up_fails_requests_and_reports_once() -> None:
-    engine, runner = make_engine(max_consecutive_ooms=1)
-    runner.oom_at_steps = set(range(100))
-    reasons: list[str] = []
-    front = AsyncLLMEngine(engine, on_fatal=reasons.append)
-    front.start()
-
-    async def main() -> None:
-        with pytest.raises(EngineDeadError, match="the engine loop stopped: 2 out-of-memory"):
-            async for _ in front.generate("r", [1, 2, 3], GREEDY):
-                pass
-
-    try:
-        asyncio.run(main())
-        assert front._thread is not None
-        front._thread.join(5.0)
-        assert not front.is_alive()
-    finally:
-        front.shutdown()
-    assert len(reasons) == 1 and reasons[0].startswith("2 out-of-memory errors in a row")
-    assert front.fatal_error == reasons[0]
-    assert dict(front.stats().num_oom_events) == {"step": 2, "swap": 0, "startup": 0}

@@ -10,10 +10,12 @@ from pagekeeper_engine.config import (
     EngineConfig,
     resolve_max_num_batched_tokens,
 )
+from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.model.hf_config import load_model_config
-from pagekeeper_engine.runner import ModelRunner, kv_bytes_per_block, resolve_max_model_len
+from pagekeeper_engine.runner.runner import ModelRunner, kv_bytes_per_block
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 
@@ -55,13 +57,26 @@ def test_limits_resolved_from_config_and_flags(checkpoint: Path) -> None:
     model_config = load_model_config(checkpoint)
     assert kv_bytes_per_block(model_config, 16, torch.bfloat16) == 2 * 2 * 32 * 2 * 16
     config = EngineConfig(model=str(checkpoint), device="cpu")
-    assert resolve_max_model_len(config, model_config) == 64
+    limits = resolve_limits(config, model_config.max_position_embeddings)
+    assert (limits.max_model_len, limits.max_num_batched_tokens) == (64, 8192)
     assert resolve_max_num_batched_tokens(None, True, 64) == DEFAULT_MAX_NUM_BATCHED_TOKENS == 8192
     assert resolve_max_num_batched_tokens(None, False, 16_384) == 16_384
     assert resolve_max_num_batched_tokens(None, False, 64) == 8192
     assert resolve_max_num_batched_tokens(512, True, 4096) == 512
     with pytest.raises(ValueError, match=r"--max-model-len 65 exceeds .* 64"):
-        resolve_max_model_len(EngineConfig(model="m", max_model_len=65), model_config)
+        resolve_limits(EngineConfig(model="m", max_model_len=65), 64)
+
+
+def test_limits_are_resolved_once_for_every_side() -> None:
+    """A model that allows 16,384 tokens, no chunked prefill and no length flags: one step
+    holds a whole 16,384-token prompt, for the runner and the scheduler alike."""
+    config = EngineConfig(model="m", enable_chunked_prefill=False)
+    limits = resolve_limits(config, 16_384)
+    assert (limits.max_model_len, limits.max_num_batched_tokens) == (16_384, 16_384)
+    sched_config = SchedulerConfig.from_engine_config(config, limits)
+    assert (sched_config.max_model_len, sched_config.max_num_batched_tokens) == (16_384, 16_384)
+    scheduler = Scheduler(sched_config, 2048, 0)
+    scheduler.check_request(10_000)  # refused before: an 8,192-token step nothing asked for
 
 
 def test_prepare_inputs_packs_exactly(runner: ModelRunner) -> None:

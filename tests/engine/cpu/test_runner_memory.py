@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.limits import SchedulerConfig
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.engine import LLMEngine
 from pagekeeper_engine.memory import swap
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
-from pagekeeper_engine.runner import ModelRunner
+from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 from tests.engine.fakes import IdTokenizer
 
@@ -38,8 +38,8 @@ def run_engine(runner: ModelRunner, **sched: Any) -> tuple[LLMEngine, dict[str, 
     config = EngineConfig(
         model="tiny", block_size=8, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4
     )
-    sched_config = replace(SchedulerConfig.from_engine_config(config), **sched)
-    engine = LLMEngine(config, runner, IdTokenizer(), sched_config)
+    sched_config = replace(SchedulerConfig.from_engine_config(config, runner.limits), **sched)
+    engine = LLMEngine(config, runner, IdTokenizer().eos_token_ids, sched_config)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, PARAMS)
     generated: dict[str, list[int]] = {rid: [] for rid in PROMPTS}

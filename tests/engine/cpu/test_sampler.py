@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.sampler import Sampler, apply_top_k_top_p
+from pagekeeper_engine.runner.sampler import Sampler, apply_top_k_top_p
 
 EOS = 3
 

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
+from pagekeeper_engine.frontend.tokenizer import ChatTemplateError, Tokenizer
 from pagekeeper_engine.model.hf_config import CheckpointError
-from pagekeeper_engine.tokenizer import ChatTemplateError, Tokenizer
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|end|>": 3, "hello": 4, "world": 5, "user": 6}
 TEMPLATE = (

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.engine import LLMEngine
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
 from tests.engine.fakes import IdTokenizer, run_all
 
@@ -39,7 +39,7 @@ def generate(checkpoint: Path, async_scheduling: bool, params: list[SamplingPara
         max_num_seqs=8,
         async_scheduling=async_scheduling,
     )
-    engine = LLMEngine(config, runner, IdTokenizer())
+    engine = LLMEngine(config, runner, IdTokenizer().eos_token_ids)
     assert engine.is_async is async_scheduling
     assert runner.graphs is not None
     for i, p in enumerate(params):

@@ -12,7 +12,7 @@ import torch
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.model.layers import Linear
-from pagekeeper_engine.runner import ModelRunner
+from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import (
     GREEDY,
     make_runner,

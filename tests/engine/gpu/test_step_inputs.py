@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagekeeper_engine.cuda_graphs import graph_batch_sizes
-from pagekeeper_engine.step_inputs import StepInputBuilder
+from pagekeeper_engine.runner.cuda_graphs import graph_batch_sizes
+from pagekeeper_engine.runner.step_inputs import StepInputBuilder
 from tests.engine.checkpoints import seq
 
 

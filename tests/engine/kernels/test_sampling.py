@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.kernels.sampling import BLOCK_V, pick_tokens
-from pagekeeper_engine.sampler import pick_tokens_ref
+from pagekeeper_engine.runner.sampler import pick_tokens_ref
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
 SMALL_BLOCK_V = 16

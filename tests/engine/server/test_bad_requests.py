@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.server.app import create_app
+from pagekeeper_engine.frontend.app import create_app
 from tests.engine.server.checkpoint import VOCAB
 from tests.engine.server.conftest import (
     LONG_CONTEXT,

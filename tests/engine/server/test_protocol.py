@@ -8,15 +8,15 @@ import pytest
 from pydantic import ValidationError
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.server import responses as r
-from pagekeeper_engine.server.errors import APIError, from_validation_error
-from pagekeeper_engine.server.protocol import (
+from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.errors import APIError, from_validation_error
+from pagekeeper_engine.frontend.protocol import (
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pagekeeper_engine.server.responses import ChoiceState
-from pagekeeper_engine.server.serving import check_prompt, resolve_max_tokens
+from pagekeeper_engine.frontend.responses import ChoiceState
+from pagekeeper_engine.frontend.serving import check_prompt, resolve_max_tokens
 
 CONTEXT = {"max_model_len": 64}
 

@@ -1,10 +1,11 @@
 """Prometheus metrics: engine state read at scrape time, latencies observed by the server.
 
-Gauges and counters the engine already keeps (`AsyncLLMEngine.stats()`) are read when Prometheus
-scrapes, so no step of the engine loop pays for them. Latency histograms are observed by the
-request handlers, which see each token leave. Allocator figures come from the CUDA caching
-allocator, read by the step loop at most once a second (a scrape never touches the allocator,
-whose lock the model's thread needs), and are absent on the CPU (see `metric_names.CUDA_ONLY`).
+Gauges and counters the engine core already keeps (the newest `LoopStats` it sent) are read
+when Prometheus scrapes, so no step of the engine loop pays for them. Latency histograms are
+observed by the request handlers, which see each token leave. Allocator figures come from the
+CUDA caching allocator, read by the step loop at most once a second (a scrape never touches the
+allocator, whose lock the model's thread needs), and are absent on the CPU (see
+`metric_names.CUDA_ONLY`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagekeeper_engine.engine import LoopStats
-from pagekeeper_engine.memory.allocator import REPORTED_OPTIONS, AllocatorSettings, AllocatorStats
-from pagekeeper_engine.server.metric_names import (
+from pagekeeper_engine.frontend.metric_names import (
     FINISHED_REASONS,
     KV_BLOCK_STATES,
     METRICS,
     OOM_KINDS,
     REJECT_REASONS,
 )
+from pagekeeper_engine.memory.allocator import REPORTED_OPTIONS, AllocatorSettings, AllocatorStats
+from pagekeeper_engine.messages import LoopStats, Ready
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class EngineCollector(Collector):
     """Builds the engine's gauges and counters from one `LoopStats` read per scrape.
 
     `allocator_settings` (the allocator configuration in effect) is exported as an info series
-    whatever the device; `read_budget` gives the start-up budget's terms once measured.
+    whatever the device; `read_ready` gives the core's handshake once it is loaded (the start-up
+    budget's terms and the KV cache's shape).
     """
 
     def __init__(
@@ -56,13 +59,13 @@ class EngineCollector(Collector):
         model_name: str,
         read_stats: Callable[[], LoopStats | None],
         is_draining: Callable[[], bool],
-        read_budget: Callable[[], Mapping[str, int] | None] | None = None,
+        read_ready: Callable[[], Ready | None] | None = None,
         allocator_settings: AllocatorSettings | None = None,
     ) -> None:
         self._model_name = model_name
         self._read_stats = read_stats
         self._is_draining = is_draining
-        self._read_budget = read_budget
+        self._read_ready = read_ready
         self._allocator_settings = allocator_settings
 
     def _gauge(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> Metric:
@@ -85,13 +88,26 @@ class EngineCollector(Collector):
             yield from self._engine_metrics(stats)
             if stats.allocator is not None:
                 yield from self._allocator_metrics(stats.allocator)
-        budget = self._read_budget() if self._read_budget is not None else None
+        ready = self._read_ready() if self._read_ready is not None else None
+        if ready is not None:
+            yield self._cache_config_info(ready)
+        budget = ready.memory_budget_bytes if ready is not None else None
         if budget:
             name = "pagekeeper_memory_budget_bytes"
             family = GaugeMetricFamily(name, _desc(name), labels=["model_name", "term"])
             for term, num_bytes in sorted(budget.items()):
                 family.add_metric([self._model_name, term], num_bytes)
             yield family
+
+    def _cache_config_info(self, ready: Ready) -> Metric:
+        name = "vllm:cache_config_info"
+        labels = {
+            "block_size": str(ready.block_size),
+            "num_gpu_blocks": str(ready.num_gpu_blocks),
+            "num_cpu_blocks": str(ready.num_cpu_blocks),
+            "cache_dtype": ready.kv_cache_dtype,
+        }
+        return self._gauge(name, 1.0, labels)
 
     def _allocator_info(self, settings: AllocatorSettings) -> Metric:
         name = "pagekeeper_allocator_config_info"
@@ -154,41 +170,54 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The registry one server exports, and the histograms its handlers observe."""
+    """The registry one front end exports, and the histograms its handlers observe.
 
-    def __init__(self, model_name: str, collector: EngineCollector) -> None:
+    With several front ends (`multiprocess_dir` set, and `PROMETHEUS_MULTIPROC_DIR` naming it
+    before prometheus-client was imported), the histograms and counters of every front end
+    live in files there and each scrape sums them, so whichever front end answers, /metrics is
+    the whole server's. The engine's own series come from the core's stats, the same in every
+    front end.
+    """
+
+    def __init__(
+        self, model_name: str, collector: EngineCollector, multiprocess_dir: str | None = None
+    ) -> None:
         # `*_created` samples double the series count and no alert or dashboard reads them.
         # The switch is process-wide; this process exports only this registry.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
+        if multiprocess_dir is not None:
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+        # observed here, exported by the registry above (directly, or through the files)
+        own = None if multiprocess_dir is not None else self.registry
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
             "vllm:time_to_first_token_seconds",
             "Seconds from a request's arrival to its first output token.",
             labels,
-            registry=self.registry,
+            registry=own,
             buckets=TTFT_BUCKETS,
         ).labels(model_name)
         self.inter_token_latency = Histogram(
             "vllm:inter_token_latency_seconds",
             "Seconds between consecutive output tokens of one request.",
             labels,
-            registry=self.registry,
+            registry=own,
             buckets=ITL_BUCKETS,
         ).labels(model_name)
         self.e2e_request_latency = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Seconds from a request's arrival to its last output token.",
             labels,
-            registry=self.registry,
+            registry=own,
             buckets=E2E_BUCKETS,
         ).labels(model_name)
         rejected = Counter(
             "pagekeeper_requests_rejected",
             "Requests refused before reaching the engine, by reason.",
             ["model_name", "reason"],
-            registry=self.registry,
+            registry=own,
         )
         self._rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
 

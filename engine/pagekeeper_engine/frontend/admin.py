@@ -17,10 +17,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pagekeeper_engine.engine import DefragmentResult
+from pagekeeper_engine.frontend.errors import APIError, read_json_object
+from pagekeeper_engine.frontend.state import ServerState
 from pagekeeper_engine.memory.allocator import AllocatorStats
-from pagekeeper_engine.server.errors import APIError, read_json_object
-from pagekeeper_engine.server.state import ServerState
+from pagekeeper_engine.messages import DefragmentResult
 
 RETRY_AFTER_BUSY_S = 5.0
 DEFRAGMENT_TIMEOUT_S = 30.0  # a step in flight finishes well within this
@@ -77,7 +77,7 @@ async def defragment(request: web.Request, state: ServerState) -> web.Response:
     engine = state.engine
     if engine is None:
         raise APIError(503, "model is still loading", code="loading", retry_after_s=10.0)
-    if not engine.has_allocator:
+    if not engine.ready.has_allocator:
         raise APIError(
             501,
             "this engine runs on the CPU: there is no CUDA caching allocator to defragment",
@@ -86,7 +86,7 @@ async def defragment(request: web.Request, state: ServerState) -> web.Response:
     try:
         result = await asyncio.wait_for(engine.defragment(max_running), DEFRAGMENT_TIMEOUT_S)
     except TimeoutError as exc:
-        raise APIError(503, "the engine loop did not answer in time", code="timeout") from exc
+        raise APIError(503, "the engine core did not answer in time", code="timeout") from exc
     if not result.is_done:
         raise APIError(
             409,

@@ -1,9 +1,9 @@
-"""What the step loop needs from the model runner, the tokenizer and the device's allocator.
+"""What the step loop needs from the model runner and the device's allocator.
 
-Structural protocols, so the loop imports no torch: `runner.ModelRunner`, `tokenizer.Tokenizer`
-and `memory.cuda.CudaAllocatorMonitor` satisfy them without importing this module, and the CPU
-tests pass fakes. Also how the loop picks up a runner's optional abilities (launching a step
-without waiting for it, detokenizing a batch in one call).
+Structural protocols, so the loop imports no torch: `runner.runner.ModelRunner` and
+`memory.cuda.CudaAllocatorMonitor` satisfy them without importing this module, and the CPU tests
+pass fakes. Also how the loop picks up a runner's optional ability to launch a step without
+waiting for it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.detokenize import DecodeBatch
+from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.memory.allocator import AllocatorStats
 
@@ -32,6 +32,11 @@ class ModelRunnerProtocol(Protocol):
     (CPU -> GPU) - a step never has both - then the forward pass. Block 0 of the GPU pool is
     never given to a sequence (free to use as padding).
     """
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine's limits, resolved once from the flags and the model."""
+        ...
 
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -75,27 +80,6 @@ class AsyncModelRunnerProtocol(ModelRunnerProtocol, Protocol):
         ...
 
     def launch(self, out: SchedulerOutput) -> PendingStepProtocol: ...
-
-
-class TokenizerProtocol(Protocol):
-    """Text <-> token ids. `decode` is what the client sees (special tokens skipped).
-
-    A tokenizer that also has `decode_batch(list[list[int]]) -> list[str]` (the same as
-    `decode` on each) lets the loop detokenize a whole step in one call.
-    """
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-def resolve_decode_batch(tokenizer: TokenizerProtocol) -> DecodeBatch:
-    """The tokenizer's `decode_batch`, or `decode` on each window where it has none."""
-    decode_batch: DecodeBatch | None = getattr(tokenizer, "decode_batch", None)
-    return decode_batch or (lambda windows: [tokenizer.decode(w) for w in windows])
 
 
 def resolve_launch(

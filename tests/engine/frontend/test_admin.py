@@ -1,24 +1,21 @@
-"""In-process server over a fake engine: /admin/defragment (auth, busy, CPU, CUDA-shaped
-results from a fake allocator), /health answering while the step thread is busy, and the
+"""In-process front end over a fake core (`tests.engine.fake_core`): /admin/defragment (auth,
+busy, CPU, CUDA-shaped results from a fake allocator, all through the core's messages) and the
 bounded queue of --max-waiting-requests."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pagekeeper_engine.async_engine import SWITCH_INTERVAL_S, AsyncLLMEngine
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.frontend.app import STATE, create_app
+from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.memory.allocator import AllocatorStats
-from pagekeeper_engine.server.app import STATE, create_app
+from tests.engine.fake_core import FakeCore, fake_core
 from tests.engine.fakes import CharTokenizer, PagedFakeRunner, make_engine
 
 TOKEN = "s3cret-token"
@@ -42,36 +39,14 @@ class FakeAllocator:
         return 250
 
 
-class BusyRunner(PagedFakeRunner):
-    """Each step spends ~30 ms in Python, holding the GIL as a scheduling-heavy step does."""
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        started = time.perf_counter()
-        x = 0
-        while time.perf_counter() - started < 0.03:
-            for _ in range(1000):
-                x += 1
-        return super().execute(out)
-
-
-@pytest.fixture
-def switch_interval() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    yield
-    sys.setswitchinterval(before)
-
-
-def serve_fake(runner: PagedFakeRunner, **config: Any) -> tuple[AsyncLLMEngine, Any]:
-    engine, _ = make_engine(runner=runner)
-    front = AsyncLLMEngine(engine)
-    front.start()
+def serve_fake(fake: FakeCore, **config: Any) -> Any:
     app = create_app(EngineConfig(model="fake", max_model_len=128, admin_token_env=ENV, **config))
-    app[STATE].attach(front, CharTokenizer(), 128)  # type: ignore[arg-type]
-    return front, app
+    app[STATE].attach(fake.client, CharTokenizer())  # type: ignore[arg-type]
+    return app
 
 
-async def consume(front: AsyncLLMEngine, request_id: str) -> None:
-    async for _ in front.generate(request_id, [1, 2, 3], LONG):
+async def consume(client: CoreClient, request_id: str) -> None:
+    async for _ in client.generate(request_id, [1, 2, 3], LONG):
         pass
 
 
@@ -83,13 +58,10 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_defragment_requires_the_token(
-    monkeypatch: pytest.MonkeyPatch, switch_interval: None
-) -> None:
+def test_defragment_requires_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> list[tuple[int, str]]:
-        front, app = serve_fake(PagedFakeRunner(256))
         seen = []
-        async with TestClient(TestServer(app)) as client:
+        async with fake_core() as fake, TestClient(TestServer(serve_fake(fake))) as client:
             monkeypatch.delenv(ENV, raising=False)
             response = await client.post("/admin/defragment", headers=auth())
             seen.append((response.status, (await response.json())["error"]["code"]))
@@ -99,7 +71,6 @@ def test_defragment_requires_the_token(
                 seen.append((response.status, (await response.json())["error"]["code"]))
             response = await client.get("/admin/defragment", headers=auth())
             seen.append((response.status, (await response.json())["error"]["code"]))
-        front.shutdown()
         return seen
 
     assert run(main()) == [
@@ -113,7 +84,7 @@ def test_defragment_requires_the_token(
 
 
 def test_defragment_releases_when_idle_and_refuses_when_busy(
-    monkeypatch: pytest.MonkeyPatch, switch_interval: None
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(ENV, TOKEN)
     allocator = FakeAllocator()
@@ -121,8 +92,9 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
     runner.allocator_monitor = allocator
 
     async def main() -> None:
-        front, app = serve_fake(runner)
-        async with TestClient(TestServer(app)) as client:
+        engine, _ = make_engine(runner=runner)
+        async with fake_core(engine) as fake, TestClient(TestServer(serve_fake(fake))) as client:
+            front = fake.client
             response = await client.post("/admin/defragment", headers=auth())
             assert response.status == 200
             body = await response.json()
@@ -150,7 +122,7 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
                 },
             }
             task = asyncio.create_task(consume(front, "busy"))
-            while front.stats().num_running == 0:
+            while (stats := front.stats()) is None or stats.num_running == 0:
                 await asyncio.sleep(0.01)
             response = await client.post("/admin/defragment", headers=auth())
             assert response.status == 409
@@ -170,48 +142,21 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
             # the allocator reading reached the metrics through the step loop
             metrics = await (await client.get("/metrics")).text()
             assert 'pagekeeper_allocator_reserved_bytes{model_name="fake"}' in metrics
-        front.shutdown()
 
     run(main())
     assert allocator.num_releases == 2
 
 
-def test_health_answers_promptly_while_the_engine_is_busy(switch_interval: None) -> None:
-    sys.setswitchinterval(0.005)
-
-    async def main() -> tuple[list[float], int, int]:
-        front, app = serve_fake(BusyRunner(256))
-        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
-        async with TestClient(TestServer(app)) as client:
-            tasks = [asyncio.create_task(consume(front, f"r{i}")) for i in range(2)]
-            while front.stats().num_generation_tokens < 2:
-                await asyncio.sleep(0.01)
-            steps_before = front.stats().num_steps
-            latencies = []
-            for _ in range(20):
-                started = time.perf_counter()
-                response = await client.get("/health")
-                latencies.append(time.perf_counter() - started)
-                assert response.status == 200
-                await asyncio.sleep(0.005)
-            steps_after = front.stats().num_steps
-            for task in tasks:
-                task.cancel()
-        front.shutdown()
-        return latencies, steps_before, steps_after
-
-    latencies, steps_before, steps_after = run(main())
-    assert steps_after - steps_before >= 3, "the engine was meant to be stepping meanwhile"
-    # A 30 ms step of Python does not hold /health back: the GIL changes hands every 0.5 ms.
-    assert max(latencies) < 0.1, latencies
-
-
-def test_max_waiting_requests_bounds_what_is_in_flight(switch_interval: None) -> None:
+def test_max_waiting_requests_bounds_what_is_in_flight() -> None:
     async def main() -> list[tuple[int, str | None, str | None]]:
-        front, app = serve_fake(
-            PagedFakeRunner(256, step_delay_s=0.02), max_num_seqs=1, max_waiting_requests=1
-        )
-        assert app[STATE].max_num_in_flight == 2
+        engine, _ = make_engine(runner=PagedFakeRunner(256, step_delay_s=0.02))
+        config = {"max_num_seqs": 1, "max_waiting_requests": 1}
+        async with fake_core(engine, EngineConfig(model="f", **config).max_num_in_flight) as fake:
+            app = serve_fake(fake, **config)
+            assert app[STATE].max_num_in_flight == 2
+            return await overload(app)
+
+    async def overload(app: Any) -> list[tuple[int, str | None, str | None]]:
         body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0}
         async with TestClient(TestServer(app)) as client:
             first = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in (0, 1)]
@@ -231,7 +176,6 @@ def test_max_waiting_requests_bounds_what_is_in_flight(switch_interval: None) ->
                 'pagekeeper_requests_rejected_total{model_name="fake",reason="overloaded"} 1.0'
                 in metrics
             )
-        front.shutdown()
         return answers
 
     assert run(main()) == [(429, "1", "overloaded"), (200, None, "length"), (200, None, "length")]

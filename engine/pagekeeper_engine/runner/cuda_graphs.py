@@ -21,7 +21,7 @@ import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.model.llama import CausalLM
-from pagekeeper_engine.step_inputs import StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -15,21 +15,21 @@ from typing import Protocol
 
 from aiohttp import web
 
-from pagekeeper_engine.async_engine import (
-    AsyncLLMEngine,
+from pagekeeper_engine.core.limits import RequestRejectedError
+from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.client import (
+    EngineClient,
     EngineDeadError,
     EngineDrainingError,
     RequestFailedError,
+    RequestOutput,
 )
-from pagekeeper_engine.core.outputs import RequestOutput
-from pagekeeper_engine.core.scheduler import RequestRejectedError
-from pagekeeper_engine.server import responses as r
-from pagekeeper_engine.server.errors import APIError, bad_request
-from pagekeeper_engine.server.metrics import RequestTimer
-from pagekeeper_engine.server.responses import ChoiceState, Json
-from pagekeeper_engine.server.serving import Job, run_job
-from pagekeeper_engine.server.state import RETRY_AFTER_DRAINING_S, ServerState
-from pagekeeper_engine.tokenizer import Tokenizer
+from pagekeeper_engine.frontend.errors import APIError, bad_request
+from pagekeeper_engine.frontend.metrics import RequestTimer
+from pagekeeper_engine.frontend.responses import ChoiceState, Json
+from pagekeeper_engine.frontend.serving import Job, run_job
+from pagekeeper_engine.frontend.state import RETRY_AFTER_DRAINING_S, ServerState
+from pagekeeper_engine.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -168,19 +168,20 @@ class _EventStream:
         self._request = request
         self.response: web.StreamResponse | None = None
 
-    async def send(self, payload: Json | str) -> None:
+    async def send(self, *payloads: Json | str) -> None:
+        """One write for all `payloads` (the events of one engine output)."""
         if self.response is None:
             self.response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await self.response.prepare(self._request)
-        await self.response.write(r.sse_event(payload))
+        await self.response.write(b"".join(r.sse_event(payload) for payload in payloads))
 
 
 async def respond(
     request: web.Request,
     state: ServerState,
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     job: Job,
     renderer: Renderer,
     is_stream: bool,
@@ -208,9 +209,8 @@ async def respond(
                 timers[index].on_tokens(len(output.new_token_ids), now_s)
                 if output.finished:
                     timers[index].on_finish(now_s)
-                if is_stream:
-                    for chunk in renderer.chunks(choice, output, text_offset):
-                        await events.send(chunk)
+                if is_stream and (chunks := renderer.chunks(choice, output, text_offset)):
+                    await events.send(*chunks)
         usage = r.usage(choices, len(job.prompt_ids))
         if not is_stream:
             return web.json_response(renderer.final(choices, usage))

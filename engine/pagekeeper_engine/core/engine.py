@@ -1,12 +1,14 @@
-"""The synchronous step loop: schedule, run the model, apply tokens, detokenize, stop.
+"""The step loop: schedule, run the model, apply tokens, stop on stop tokens and lengths.
 
-Single-threaded by design (the model runner is not thread-safe); `AsyncLLMEngine` drives it
-from one thread. Imports no torch: the runner and tokenizer come in through the structural
-protocols of `protocols`.
+Single-threaded by design (the model runner is not thread-safe); the engine core's process
+(`core.engine_core`) drives it, and benchmarks drive it in-process. Imports no torch: the
+runner comes in through the structural protocols of `protocols`. Outputs are token ids
+(`messages.EngineOutput`); text, stop strings and their hold-back belong to the front end, which
+ends a request whose stop string matched with `abort(request_id, "stop")`.
 
 Out of device memory inside a step, the loop does not fail the step's requests: it shrinks the
-step and retries (`memory.oom_recovery`). Detokenization, stop strings and the hold-back of
-text are `core.detokenize`; what `stats()` and `defragment()` report is `loop_stats`.
+step and retries (`memory.oom_recovery`). What `stats()` and `defragment()` report is
+`loop_stats`.
 
 Asynchronous scheduling (`--async-scheduling`, on by default where the runner prefers it, i.e.
 on CUDA): each `step()` schedules and launches step N+1 while the device still runs step N,
@@ -26,37 +28,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.detokenize import cut_at_stop_string, detokenize_next, take_new_text
 from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig
-from pagekeeper_engine.core.outputs import RequestOutput, SchedulerOutput, request_output
+from pagekeeper_engine.core.loop_stats import release_cached, snapshot
+from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.core.protocols import (
+    ModelRunnerProtocol,
+    PendingStepProtocol,
+    resolve_launch,
+)
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus, check_token_stop
 from pagekeeper_engine.core.stats import FINISH_REASONS
-from pagekeeper_engine.loop_stats import DefragmentResult, LoopStats, release_cached, snapshot
 from pagekeeper_engine.memory.allocator import PeriodicReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.oom_recovery import OomRecovery
 from pagekeeper_engine.memory.step_budget import StepTokenBudget
-from pagekeeper_engine.protocols import (
-    AllocatorMonitorProtocol,
-    ModelRunnerProtocol,
-    PendingStepProtocol,
-    TokenizerProtocol,
-    resolve_decode_batch,
-    resolve_launch,
-)
-
-__all__ = [
-    "AllocatorMonitorProtocol",
-    "DefragmentResult",
-    "LLMEngine",
-    "LoopStats",
-    "ModelRunnerProtocol",
-    "RequestOutput",
-    "RequestRejectedError",
-    "TokenizerProtocol",
-]
+from pagekeeper_engine.messages import DefragmentResult, EngineOutput, LoopStats
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +65,8 @@ class LLMEngine:
 
     `add_request` queues (or raises RequestRejectedError for a request that can never run),
     `step` runs one batch and returns what each touched request produced, `abort` ends a
-    request and frees its blocks (its final output comes from the next `step`). A step whose
+    request and frees its blocks (its final output comes from the next `step`). `eos_token_ids`
+    end a request unless it ignores EOS. A step whose
     runner raises is logged, and the requests in it fail with an `error` in their output; a
     step that runs out of device memory is retried smaller (see the module docstring).
     """
@@ -86,14 +75,13 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: ModelRunnerProtocol,
-        tokenizer: TokenizerProtocol,
+        eos_token_ids: frozenset[int],
         scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
-        self.tokenizer = tokenizer
         self.scheduler = Scheduler(
-            scheduler_config or SchedulerConfig.from_engine_config(config),
+            scheduler_config or SchedulerConfig.from_engine_config(config, runner.limits),
             runner.num_gpu_blocks,
             runner.num_cpu_blocks,
         )
@@ -102,11 +90,10 @@ class LLMEngine:
         self._allocator = (
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
         )
-        self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self._decode_batch = resolve_decode_batch(tokenizer)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._launch = resolve_launch(config, runner)
         self._in_flight: _InFlight | None = None
-        self._pending: list[RequestOutput] = []
+        self._pending: list[EngineOutput] = []
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_consecutive_failed_steps = 0
@@ -116,8 +103,7 @@ class LLMEngine:
         self.num_requests_success = dict.fromkeys(FINISH_REASONS, 0)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestRejectedError for a request that can never run. Reads only settings,
-        so other threads may call it."""
+        """Raise RequestRejectedError for a request that can never run."""
         if params.max_tokens < 1:
             raise RequestRejectedError(f"max_tokens must be at least 1, got {params.max_tokens}")
         self._oom.check_request(len(prompt_token_ids))
@@ -128,13 +114,17 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         self.scheduler.add_request(Sequence(request_id, list(prompt_token_ids), params))
 
-    def abort(self, request_id: str) -> bool:
-        """End a request and free its blocks; False when it is not in flight."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request and free its blocks; False when it is not in flight. `reason` "stop":
+        the front end found a stop string (the request counts as stopped, not aborted)."""
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._pending.append(request_output(seq, [], "", []))
+        status = (
+            SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_ABORTED
+        )
+        self._finish(seq, status)
+        self._pending.append(engine_output(seq, [], []))
         return True
 
     @property
@@ -154,7 +144,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self._pending) or self._in_flight is not None or self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One batch. Raises EngineOutOfMemoryError when out-of-memory errors repeat past
         `max_consecutive_ooms`: the engine cannot serve at any step size and must restart."""
         if self._launch is not None:
@@ -185,7 +175,7 @@ class LLMEngine:
 
     def _step_async(
         self, launch: Callable[[SchedulerOutput], PendingStepProtocol]
-    ) -> list[RequestOutput]:
+    ) -> list[EngineOutput]:
         """Launch the next step, then settle the one in flight (its tokens were sampled while
         this one was being scheduled)."""
         out = self._oom.schedule()
@@ -221,7 +211,7 @@ class LLMEngine:
             self._allocator.maybe_read()
         return outputs
 
-    def _settle(self, step: _InFlight | None = None) -> list[RequestOutput]:
+    def _settle(self, step: _InFlight | None = None) -> list[EngineOutput]:
         """Read a launched step's tokens back and apply them (default: the step in flight).
 
         A step that fails here fails its requests, and the one launched after it too (its
@@ -279,9 +269,10 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_requests_success=self.num_requests_success,
+            num_consecutive_failed_steps=self.num_consecutive_failed_steps,
         )
 
-    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
         # swaps were booked but maybe not copied: every sequence whose blocks moved is suspect
         affected = [s.request_id for s in out.seqs] + out.preempted_ids + out.swapped_in_ids
         logger.exception("step failed; failing requests %s", sorted(set(affected)))
@@ -293,46 +284,26 @@ class LLMEngine:
             seq = self.scheduler.requests.get(request_id)
             if seq is not None:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                outputs.append(request_output(seq, [], "", [], error=error))
+                outputs.append(engine_output(seq, [], [], error=error))
         return outputs
 
-    def _process_tokens(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Stop checks, detokenization (one batch for the step) and outputs, in batch order."""
+    def _process_tokens(self, seqs: list[Sequence]) -> list[EngineOutput]:
+        """Stop checks, finishing or keeping each sequence, and outputs, in batch order."""
         self.num_generation_tokens += len(seqs)
-        statuses = []
+        max_seq_len = self.scheduler.max_seq_len
+        outputs = []
         for seq in seqs:
-            if seq.num_known_output_tokens == 1:
+            num_known_outputs = seq.num_known_output_tokens
+            if num_known_outputs == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
-            statuses.append(check_token_stop(seq, self._eos_token_ids, self.scheduler.max_seq_len))
-        # a stop token ends the text without showing up in it
-        shown = [
-            s
-            for s, status in zip(seqs, statuses, strict=True)
-            if status is not SequenceStatus.FINISHED_STOPPED
-        ]
-        old_lengths = dict(
-            zip(map(id, shown), detokenize_next(self._decode_batch, shown), strict=True)
-        )
-        return [
-            self._emit(seq, status, old_lengths.get(id(seq)))
-            for seq, status in zip(seqs, statuses, strict=True)
-        ]
-
-    def _emit(
-        self, seq: Sequence, status: SequenceStatus | None, num_old_chars: int | None
-    ) -> RequestOutput:
-        """Apply stop strings to the newly decoded text (`num_old_chars` None: not decoded),
-        finish or keep the sequence, and build its output."""
-        if num_old_chars is not None and cut_at_stop_string(seq, num_old_chars):
-            status = SequenceStatus.FINISHED_STOPPED
-        if status is not None:
-            self._finish(seq, status)
-        else:
-            self.scheduler.cache_known_blocks(seq)
-        new_text = take_new_text(seq, is_finished=status is not None)
-        num_known_outputs = seq.num_known_output_tokens
-        logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
-        return request_output(seq, [seq.last_known_token_id], new_text, logprobs)
+            status = check_token_stop(seq, self._eos_token_ids, max_seq_len)
+            if status is not None:
+                self._finish(seq, status)
+            else:
+                self.scheduler.cache_known_blocks(seq)
+            logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
+            outputs.append(engine_output(seq, [seq.last_known_token_id], logprobs))
+        return outputs
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.discard_pending(seq)
@@ -340,3 +311,23 @@ class LLMEngine:
         reason = status.finish_reason
         assert reason is not None
         self.num_requests_success[reason] += 1
+
+
+def engine_output(
+    seq: Sequence,
+    new_token_ids: list[int],
+    logprobs: list[float | None],
+    error: str | None = None,
+) -> EngineOutput:
+    """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
+    return EngineOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_token_ids,
+        finished=seq.status.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_known_output_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        logprobs=logprobs,
+        error=error,
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -19,27 +18,27 @@ from pydantic import ValidationError
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.engine import LoopStats
-from pagekeeper_engine.memory.allocator import AllocatorSettings
-from pagekeeper_engine.server import admin
-from pagekeeper_engine.server import responses as r
-from pagekeeper_engine.server.errors import (
+from pagekeeper_engine.frontend import admin
+from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.errors import (
     APIError,
     bad_request,
     error_middleware,
     from_validation_error,
     read_json_object,
 )
-from pagekeeper_engine.server.metrics import EngineCollector, ServerMetrics
-from pagekeeper_engine.server.protocol import (
+from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
+from pagekeeper_engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
 )
-from pagekeeper_engine.server.serving import Job, check_prompt, resolve_max_tokens
-from pagekeeper_engine.server.state import ServerState
-from pagekeeper_engine.server.streaming import ChatRenderer, CompletionRenderer, respond
-from pagekeeper_engine.tokenizer import ChatTemplateError
+from pagekeeper_engine.frontend.serving import Job, check_prompt, resolve_max_tokens
+from pagekeeper_engine.frontend.state import ServerState
+from pagekeeper_engine.frontend.streaming import ChatRenderer, CompletionRenderer, respond
+from pagekeeper_engine.frontend.tokenizer import ChatTemplateError
+from pagekeeper_engine.memory.allocator import AllocatorSettings
+from pagekeeper_engine.messages import LoopStats, Ready
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +180,11 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(
     config: EngineConfig,
     *,
-    read_budget: Callable[[], Mapping[str, int] | None] | None = None,
     allocator_settings: AllocatorSettings | None = None,
+    metrics_multiprocess_dir: str | None = None,
 ) -> web.Application:
-    """The application, loading until `app[STATE].attach(...)`; `read_budget` gives the
-    start-up memory budget's terms once measured."""
+    """The application, loading until `app[STATE].attach(...)`. With several front ends,
+    `metrics_multiprocess_dir` is where their latency histograms and counters meet."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     state: ServerState | None = None
 
@@ -195,12 +194,14 @@ def create_app(
     def is_draining() -> bool:
         return state is not None and state.is_draining
 
+    def read_ready() -> Ready | None:
+        return state.engine.ready if state is not None and state.engine is not None else None
+
     collector = EngineCollector(
-        config.model_name, read_stats, is_draining, read_budget, allocator_settings
+        config.model_name, read_stats, is_draining, read_ready, allocator_settings
     )
-    state = ServerState(
-        config, ServerMetrics(config.model_name, collector), config.max_num_in_flight
-    )
+    server_metrics = ServerMetrics(config.model_name, collector, metrics_multiprocess_dir)
+    state = ServerState(config, server_metrics)
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -1,47 +1,19 @@
 """What the step loop reports: its `/metrics` snapshot and the result of `/admin/defragment`.
 
-Imports no torch. `LoopStats` is `core.stats.EngineStats` (the scheduler's state and the loop's
-counters) plus what the loop knows of device memory; `snapshot` reads it all in one place.
+Imports no torch. `snapshot` reads the scheduler's state, the loop's counters and what the loop
+knows of device memory into one `messages.LoopStats`, in one place.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
 
+from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.scheduler import Scheduler
-from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats, PeriodicReader
-from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 from pagekeeper_engine.memory.oom_recovery import OomRecovery
-from pagekeeper_engine.protocols import AllocatorMonitorProtocol
-
-
-@dataclass(frozen=True)
-class LoopStats(EngineStats):
-    """`EngineStats` plus what the step loop knows of memory: out-of-memory events by kind,
-    the live step token budget, and the newest allocator reading (None on the CPU)."""
-
-    num_oom_events: Mapping[str, int] = field(
-        default_factory=lambda: MappingProxyType(dict.fromkeys(OOM_EVENT_KINDS, 0))
-    )
-    step_token_budget: int = 0
-    max_step_token_budget: int = 0
-    allocator: AllocatorStats | None = None
-
-
-@dataclass(frozen=True)
-class DefragmentResult:
-    """What `/admin/defragment` reports. `is_done` False: too busy (nothing was released)."""
-
-    is_done: bool
-    num_running: int
-    bytes_freed: int = 0
-    before: AllocatorStats | None = None
-    after: AllocatorStats | None = None
-    seconds: float = 0.0
+from pagekeeper_engine.messages import DefragmentResult, LoopStats
 
 
 def snapshot(
@@ -55,6 +27,7 @@ def snapshot(
     num_prompt_tokens: int,
     num_generation_tokens: int,
     num_requests_success: Mapping[str, int],
+    num_consecutive_failed_steps: int,
 ) -> LoopStats:
     """The loop's state now: the scheduler's queues and pools, its counters (passed in), the
     out-of-memory events and step budget of `oom`, and the newest `allocator` reading."""
@@ -90,6 +63,7 @@ def snapshot(
         step_token_budget=oom.budget.current,
         max_step_token_budget=oom.budget.ceiling,
         allocator=allocator,
+        num_consecutive_failed_steps=num_consecutive_failed_steps,
     )
 
 

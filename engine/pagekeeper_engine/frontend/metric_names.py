@@ -26,6 +26,11 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     "vllm:time_to_first_token_seconds": ("histogram", ()),
     "vllm:inter_token_latency_seconds": ("histogram", ()),
     "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    # 1 once loaded: the KV cache's shape, read by the inference gateway's endpoint picker
+    "vllm:cache_config_info": (
+        "gauge",
+        ("block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype"),
+    ),
     # What no other engine exports.
     "pagekeeper_kv_blocks": ("gauge", ("state",)),  # state: free | used | cached
     "pagekeeper_kv_internal_fragmentation_ratio": ("gauge", ()),

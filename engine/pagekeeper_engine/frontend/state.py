@@ -12,12 +12,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagekeeper_engine.async_engine import AsyncLLMEngine
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.engine import LoopStats
-from pagekeeper_engine.server.errors import APIError
-from pagekeeper_engine.server.metrics import ServerMetrics
-from pagekeeper_engine.tokenizer import Tokenizer
+from pagekeeper_engine.frontend.client import EngineClient
+from pagekeeper_engine.frontend.errors import APIError
+from pagekeeper_engine.frontend.metrics import ServerMetrics
+from pagekeeper_engine.frontend.tokenizer import Tokenizer
+from pagekeeper_engine.messages import LoopStats
 
 RETRY_AFTER_OVERLOADED_S = 1.0
 RETRY_AFTER_LOADING_S = 10.0
@@ -36,11 +36,11 @@ class ServerState:
 
     config: EngineConfig
     metrics: ServerMetrics
-    max_num_in_flight: int
     created: int = field(default_factory=lambda: int(time.time()))
-    engine: AsyncLLMEngine | None = None
+    engine: EngineClient | None = None
     tokenizer: Tokenizer | None = None
     max_model_len: int = 0
+    max_num_in_flight: int = 0  # sequences admitted at once (the core's limits)
     phase: Phase = Phase.LOADING
     num_in_flight: int = 0  # sequences handed to the engine and not yet answered
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,11 +61,13 @@ class ServerState:
         """The engine loop runs (not merely the web server)."""
         return self.engine is not None and self.engine.is_alive()
 
-    def attach(self, engine: AsyncLLMEngine, tokenizer: Tokenizer, max_model_len: int) -> None:
-        """The model is loaded: start serving unless a drain began during the load."""
+    def attach(self, engine: EngineClient, tokenizer: Tokenizer) -> None:
+        """The core is loaded: start serving unless a drain began during the load."""
+        limits = engine.ready.limits
         self.engine = engine
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.max_model_len = limits.max_model_len
+        self.max_num_in_flight = limits.max_num_in_flight
         if self.phase is Phase.LOADING:
             self.phase = Phase.SERVING
 
@@ -79,7 +81,7 @@ class ServerState:
     def read_stats(self) -> LoopStats | None:
         return self.engine.stats() if self.engine is not None else None
 
-    def require_serving(self) -> tuple[AsyncLLMEngine, Tokenizer]:
+    def require_serving(self) -> tuple[EngineClient, Tokenizer]:
         """The engine and tokenizer, or the 503 that says why requests are not taken now."""
         if self.phase is Phase.DRAINING:
             self.metrics.count_rejected("draining")

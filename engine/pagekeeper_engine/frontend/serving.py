@@ -8,13 +8,13 @@ handler cancelled) aborts every choice still running, so its KV blocks are freed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from pagekeeper_engine.async_engine import AsyncLLMEngine
-from pagekeeper_engine.core.outputs import RequestOutput
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.server.errors import bad_request
+from pagekeeper_engine.frontend.client import EngineClient, RequestOutput
+from pagekeeper_engine.frontend.errors import bad_request
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 async def _pump(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     job: Job,
     index: int,
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]],
@@ -80,8 +80,14 @@ async def _pump(
     await queue.put((index, None))
 
 
-async def run_job(engine: AsyncLLMEngine, job: Job) -> AsyncGenerator[tuple[int, RequestOutput]]:
+async def run_job(engine: EngineClient, job: Job) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """Every choice's outputs as (choice index, output), in the order the engine emits them."""
+    if job.num_choices == 1:  # the common case: no task and no queue between engine and handler
+        stream = engine.generate(job.choice_request_id(0), job.prompt_ids[0], job.params[0])
+        async with contextlib.aclosing(stream) as outputs:
+            async for output in outputs:
+                yield 0, output
+        return
     num_unfinished = job.num_choices
     finished = [False] * job.num_choices
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()

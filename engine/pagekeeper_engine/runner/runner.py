@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from pagekeeper_engine.attention.registry import get_backend
-from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.memory.budget import (
     KVLayout,
     MemoryBudget,
@@ -37,23 +37,12 @@ from pagekeeper_engine.model.hf_config import ModelConfig, load_eos_token_ids, l
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
-from pagekeeper_engine.sampler import Sampler
-from pagekeeper_engine.step_inputs import StepInputBuilder, StepInputs
-from pagekeeper_engine.step_results import HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
+from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"--max-model-len {config.max_model_len} exceeds the model's "
-            f"max_position_embeddings {limit} (config.json)"
-        )
-    return config.max_model_len
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -64,6 +53,16 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 
 class ModelRunner:
     """Runs scheduled steps of one model on one device over a preallocated paged KV cache."""
+
+    limits: EngineLimits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.limits.max_num_batched_tokens
 
     def __init__(self, config: EngineConfig, *, progress: bool = True):
         self.config = config
@@ -82,10 +81,7 @@ class ModelRunner:
         model_dir = Path(config.model)
         self.model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, config.device)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.max_num_batched_tokens = resolve_max_num_batched_tokens(
-            config.max_num_batched_tokens, config.enable_chunked_prefill, self.max_model_len
-        )
+        self.limits = resolve_limits(config, self.model_config.max_position_embeddings)
         self.block_size = config.block_size
         self.eos_token_ids = load_eos_token_ids(model_dir)
         self.model: CausalLM = load_model(

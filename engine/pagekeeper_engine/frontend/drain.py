@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pagekeeper_engine.server.state import ServerState
+from pagekeeper_engine.frontend.state import ServerState
 
 logger = logging.getLogger(__name__)
 

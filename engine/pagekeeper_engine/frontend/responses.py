@@ -6,8 +6,9 @@ Shapes follow OpenAI's: `text_completion` objects for /v1/completions, `chat.com
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+import msgspec
 
 Json = dict[str, object]
 
@@ -149,8 +150,9 @@ def completion_chunk(
 
 def sse_event(payload: Json | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n".encode()
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def model_list(model_name: str, created: int, max_model_len: int | None) -> Json:

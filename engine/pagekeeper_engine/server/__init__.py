@@ -1,1 +1,0 @@
-"""The OpenAI-compatible HTTP server: routes, request validation, metrics and drain."""

@@ -1,0 +1,90 @@
+"""A real `EngineCore` over a fake runner, on a thread, and a real `CoreClient` talking to it.
+
+The messages cross real ZMQ sockets in a private directory, so front-end tests exercise the
+process boundary's code without a model: only the process is missing (the server tests start
+the real processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.core.engine_core import EngineCore
+from pagekeeper_engine.core.limits import resolve_limits
+from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.frontend.client import RequestOutput
+from pagekeeper_engine.frontend.core_client import CoreClient
+from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
+from tests.engine.fakes import CharTokenizer, make_engine
+
+JOIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class FakeCore:
+    engine: LLMEngine
+    core: EngineCore
+    client: CoreClient
+    thread: threading.Thread
+    exit_codes: list[int]
+
+
+def ready_for(engine: LLMEngine, max_num_in_flight: int | None = None) -> Ready:
+    config = engine.config
+    limits = resolve_limits(config, config.max_model_len or 128)
+    if max_num_in_flight is not None:
+        limits = replace(limits, max_num_in_flight=max_num_in_flight)
+    return Ready(
+        protocol_version=PROTOCOL_VERSION,
+        limits=limits,
+        block_size=config.block_size,
+        num_gpu_blocks=engine.runner.num_gpu_blocks,
+        num_cpu_blocks=engine.runner.num_cpu_blocks,
+        kv_cache_dtype="float32",
+        memory_budget_bytes=None,
+        has_allocator=engine.has_allocator,
+        is_async_scheduling=engine.is_async,
+        stats=engine.stats(),
+    )
+
+
+@contextlib.asynccontextmanager
+async def fake_core(
+    engine: LLMEngine | None = None, max_num_in_flight: int | None = None, **engine_args: Any
+) -> AsyncIterator[FakeCore]:
+    """Serve `engine` (default: `make_engine(**engine_args)`) from a core thread; the client
+    has its handshake (with `max_num_in_flight` in its limits, if given). On exit the core is
+    told to stop and its thread joined."""
+    if engine is None:
+        engine, _ = make_engine(**engine_args)
+    with tempfile.TemporaryDirectory(prefix="pk-core-") as directory:
+        addresses = CoreAddresses(directory)
+        core = EngineCore(engine, addresses, 1)
+        exit_codes: list[int] = []
+        thread = threading.Thread(
+            target=lambda: exit_codes.append(core.run()), name="fake-core", daemon=True
+        )
+        client = CoreClient(addresses, 0, CharTokenizer().decode_batch)
+        core.send_ready(ready_for(engine, max_num_in_flight))
+        thread.start()
+        await client.wait_ready()
+        try:
+            yield FakeCore(engine, core, client, thread, exit_codes)
+        finally:
+            if thread.is_alive():
+                client.shutdown_core()
+                thread.join(JOIN_TIMEOUT_S)
+            await client.close()
+            core.close()
+
+
+async def collect(
+    client: CoreClient, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    return [out async for out in client.generate(request_id, prompt, params)]
