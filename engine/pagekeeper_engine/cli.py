@@ -42,12 +42,17 @@ def _watch(process: BaseProcess, gone: asyncio.Event, what: str) -> None:
     """Set `gone` when `process` exits (its sentinel becomes readable)."""
     loop = asyncio.get_running_loop()
 
-    def on_exit() -> None:
-        loop.remove_reader(process.sentinel)
-        process.join(0)
+    async def reap() -> None:
+        # the sentinel can turn readable a moment before the exit status can be collected
+        await asyncio.to_thread(process.join, CORE_STOP_TIMEOUT_S)
         logger.error("%s exited with code %s", what, process.exitcode)
         gone.set()
 
+    def on_exit() -> None:
+        loop.remove_reader(process.sentinel)
+        reaping.append(loop.create_task(reap()))
+
+    reaping: list[asyncio.Task[None]] = []
     loop.add_reader(process.sentinel, on_exit)
 
 

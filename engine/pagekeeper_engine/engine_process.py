@@ -87,7 +87,10 @@ def _serve(
             )
         )
         logger.info(
-            "engine core ready: %d KV blocks of %d tokens", runner.num_gpu_blocks, runner.block_size
+            "engine core (pid %d) ready: %d KV blocks of %d tokens",
+            os.getpid(),
+            runner.num_gpu_blocks,
+            runner.block_size,
         )
         code = core.run()
     finally:
