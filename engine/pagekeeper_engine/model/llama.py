@@ -163,9 +163,18 @@ class CausalLM(nn.Module):
         hidden: torch.Tensor = self.model(input_ids, positions, meta, workspace)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden_size) -> fp32 logits (N, vocab_size)."""
-        return functional.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """hidden: (N, hidden_size) -> fp32 logits (N, vocab_size). With `out` (a buffer in the
+        model's dtype and an fp32 one, each with at least N rows), written into their leading
+        rows: no allocation of the step's size."""
+        if out is None:
+            return functional.linear(hidden, self.lm_head_weight).float()
+        num_rows = hidden.shape[0]
+        low, full = out[0][:num_rows], out[1][:num_rows]
+        torch.mm(hidden, self.lm_head_weight.t(), out=low)
+        return full.copy_(low)
 
     # -- weights ---------------------------------------------------------------------------
 

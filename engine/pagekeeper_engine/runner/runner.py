@@ -38,7 +38,7 @@ from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
-from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 
@@ -105,7 +105,11 @@ class ModelRunner:
             self.device,
         )
         self.model.bind_workspace(self.workspace)
-        self.sampler = Sampler(self.device, config.seed, self.eos_token_ids)
+        # Sampling's rows, beside the workspace and before the profile: part of the activations.
+        self.sampler_buffers = SamplerBuffers(
+            config.max_num_seqs, self.model_config.vocab_size, self.dtype, self.device
+        )
+        self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
         self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         self.inputs = StepInputBuilder(
             self.device,
@@ -215,7 +219,7 @@ class ModelRunner:
 
     @property
     def workspace_bytes(self) -> int:
-        return self.workspace.nbytes
+        return self.workspace.nbytes + self.sampler_buffers.nbytes
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         self._scratch = torch.zeros(
@@ -246,7 +250,9 @@ class ModelRunner:
         step = self.prepare_inputs(seqs)
         hidden = self.model(step.input_ids, step.positions, step.meta)  # (T, H)
         rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(hidden[rows])  # (num_sampled_rows, V)
+        logits = self.model.compute_logits(  # (num_sampled_rows, V)
+            hidden[rows], self.sampler_buffers.logits_out
+        )
         params = [seqs[0].sampling] * num_sampled_rows
         self.sampler(logits, params, [0] * num_sampled_rows)
 
@@ -304,7 +310,9 @@ class ModelRunner:
         )
         if not step.sampled_seqs:
             return PendingStep(len(out.seqs), [], None, None)
-        logits = self.model.compute_logits(hidden[step.sample_indices])  # (N, V)
+        logits = self.model.compute_logits(  # (N, V)
+            hidden[step.sample_indices], self.sampler_buffers.logits_out
+        )
         picked = [out.seqs[i] for i in step.sampled_seqs]
         token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
             logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]

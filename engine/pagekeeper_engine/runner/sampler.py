@@ -96,13 +96,46 @@ def _cut_top_k_top_p(
     return apply_top_k_top_p(logits, top_k, top_p, scale=scale)
 
 
-class Sampler:
-    """Samples one token per row of a logits matrix, each row with its request's parameters."""
+class SamplerBuffers:
+    """The rows a step's logits and noise live in, allocated once for `max_rows` sequences:
+    the logits in the model's dtype and in fp32, and the Exp(1) draws. A step works in their
+    leading rows, so sampling leaves nothing of the batch's size in the caching allocator."""
 
-    def __init__(self, device: torch.device | str, seed: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self, max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.max_rows = max_rows
+        self.logits_low = torch.empty(max_rows, vocab_size, dtype=dtype, device=device)
+        self.logits = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+        self.noise = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.logits_low.nbytes + self.logits.nbytes + self.noise.nbytes
+
+    @property
+    def logits_out(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.logits_low, self.logits
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix, each row with its request's parameters.
+
+    With `buffers`, the common paths (greedy, or one temperature without top-k/top-p) draw
+    their noise into them instead of allocating it.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        seed: int,
+        eos_token_ids: frozenset[int],
+        buffers: SamplerBuffers | None = None,
+    ):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids
+        self.buffers = buffers
 
     def __call__(
         self,
@@ -182,7 +215,12 @@ class Sampler:
     ) -> torch.Tensor:
         """(R, V) Exp(1) draws, each > 0: seeded rows from their own generators."""
         device = like.device
-        noise = torch.empty_like(like)
+        buffers = self.buffers
+        noise = (
+            buffers.noise[: like.shape[0]]
+            if buffers is not None and like.shape[0] <= buffers.max_rows
+            else torch.empty_like(like)
+        )
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if len(unseeded) == len(params):  # the same draws as below, without the scatter
             noise.exponential_(generator=self.generator)

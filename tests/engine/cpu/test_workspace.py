@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import hf_logits, make_runner, seq, step_logits, tokens
@@ -27,7 +29,30 @@ def test_the_runner_binds_one_workspace_at_its_token_budget(
     _, runner = qwen3
     workspace = runner.workspace
     assert runner.model.workspace is workspace and workspace.max_tokens == 32
-    assert runner.workspace_bytes == workspace.nbytes == workspace.shape.num_elements * 4
+    assert workspace.nbytes == workspace.shape.num_elements * 4
+    # sampling's rows: logits in the model's dtype and in fp32, and the noise, per sequence
+    rows = runner.sampler_buffers
+    vocab = runner.model_config.vocab_size
+    assert rows.nbytes == runner.config.max_num_seqs * vocab * (4 + 4 + 4)
+    assert runner.workspace_bytes == workspace.nbytes + rows.nbytes
+
+
+def test_logits_and_noise_live_in_the_sampling_rows(
+    qwen3: tuple[torch.Tensor, ModelRunner],
+) -> None:
+    _, runner = qwen3
+    out = runner.execute(
+        SchedulerOutput([seq("a", tokens(5), 0, [0]), seq("b", tokens(3), 0, [1])], 8)
+    )
+    assert len(out.sampled_token_ids) == 2
+    vocab = runner.model_config.vocab_size
+    params = [SamplingParams(temperature=0.7)] * 2
+    noise = runner.sampler._draw_noise(torch.zeros(2, vocab), params, [0, 0])
+    assert noise.data_ptr() == runner.sampler_buffers.noise.data_ptr()
+    hidden = torch.zeros(2, runner.model_config.hidden_size)
+    logits = runner.model.compute_logits(hidden, runner.sampler_buffers.logits_out)
+    assert logits.data_ptr() == runner.sampler_buffers.logits.data_ptr()
+    assert logits.shape == (2, runner.model_config.vocab_size)
 
 
 def test_hidden_states_are_a_view_of_the_workspace(
