@@ -230,6 +230,25 @@ def test_live_scrape_has_every_contract_name(server: Server) -> None:
                 assert set(dict(labels)) - {"model_name", "le"} == set(extra_labels), name
 
 
+def test_the_endpoint_pickers_model_server_protocol(server: Server) -> None:
+    """What the Gateway API Inference Extension's endpoint picker reads from a model server:
+    queue length and running requests as gauges, KV-cache usage as a 0-1 gauge, and the cache's
+    block size and block count as labels of `vllm:cache_config_info`."""
+    types, samples = scrape(server)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        assert types[name] == "gauge", name
+        assert samples[(name, label())] >= 0
+    assert types["vllm:kv_cache_usage_perc"] == "gauge"
+    assert 0.0 <= samples[("vllm:kv_cache_usage_perc", label())] <= 1.0
+    assert types["vllm:cache_config_info"] == "gauge"
+    [(labels, value)] = [
+        (dict(k[1]), v) for k, v in samples.items() if k[0] == "vllm:cache_config_info"
+    ]
+    assert value == 1.0
+    # the server fixture's --block-size 8 and --num-gpu-blocks-override 64, as the core has them
+    assert (labels["block_size"], labels["num_gpu_blocks"]) == ("8", "64")
+
+
 def test_live_counters_move_by_one_request(server: Server) -> None:
     _, before = scrape(server)
     body: dict[str, Any] = {
