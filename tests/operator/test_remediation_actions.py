@@ -92,7 +92,12 @@ def test_bounded_history_keeps_the_most_recent() -> None:
 def test_server_info_from_the_api_object() -> None:
     body = {
         "metadata": {"name": "chat", "namespace": "prod"},
-        "spec": {"replicas": 3, "remediation": {"cooldownSeconds": 30}},
+        "spec": {
+            "model": {"source": "/m"},
+            "runtime": "vllm",
+            "replicas": 3,
+            "remediation": {"cooldownSeconds": 30},
+        },
         "status": {"remediationHistory": [record("a").model_dump(by_alias=True)]},
     }
     mine = PodState("a", "prod", "chat", True, False)
@@ -102,7 +107,12 @@ def test_server_info_from_the_api_object() -> None:
     assert info.state.remediation.cooldown_seconds == 30
     assert info.state.pods == (mine,)
     assert info.history == (record("a"),)
-    bare = server_info({"metadata": {"name": "chat", "namespace": "prod"}, "spec": {}}, [])
+    assert info.state.runtime == "vllm"
+    bare_body = {
+        "metadata": {"name": "chat", "namespace": "prod"},
+        "spec": {"model": {"source": "/m"}},
+    }
+    bare = server_info(bare_body, [])
     assert (bare.state.num_desired, bare.state.remediation.cooldown_seconds, bare.history) == (
         1,
         600,

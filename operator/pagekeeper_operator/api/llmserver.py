@@ -12,6 +12,13 @@ from pydantic import ConfigDict, Field, model_validator
 
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import (
+    RUNTIMES,
+    TRIGGERS,
+    Runtime,
+    missing_series,
+    unfed_message,
+)
 from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
     MAX_NAME_LENGTH,
@@ -32,7 +39,6 @@ SINGULAR = "llmserver"
 SHORT_NAMES = ["llms"]
 CATEGORIES = ["pagekeeper"]
 
-Runtime = Literal["pagekeeper", "vllm"]
 # Names the operator sets itself from memoryPolicy.allocator; a user value would fight it.
 RESERVED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MAX_LIST_ITEMS = 64
@@ -43,6 +49,46 @@ SWAP_RULE = cel(
     "spec.memoryPolicy.swapSpaceGiB must be 0 when spec.runtime is vllm "
     "(only the pagekeeper runtime swaps KV blocks to CPU memory)",
     ".memoryPolicy.swapSpaceGiB",
+)
+BLOCK_SIZE_RULE = cel(
+    "self.runtime == 'pagekeeper' || self.memoryPolicy.blockSize != 8",
+    "spec.memoryPolicy.blockSize must be 16 or 32 when spec.runtime is vllm "
+    "(vLLM's CUDA attention backends need a multiple of 16)",
+    ".memoryPolicy.blockSize",
+)
+ADAPTIVE_FLOOR_RULE = cel(
+    "!self.remediation.adaptive.enabled"
+    " || self.remediation.adaptive.minGpuMemoryUtilization"
+    " <= self.memoryPolicy.gpuMemoryUtilization",
+    "spec.remediation.adaptive.minGpuMemoryUtilization must be <= "
+    "spec.memoryPolicy.gpuMemoryUtilization (the floor of a step-down cannot be above the "
+    "utilization it steps down from)",
+    ".remediation.adaptive.minGpuMemoryUtilization",
+)
+DRAIN_RULE = cel(
+    "self.shutdownGracePeriodSeconds >= self.remediation.drainTimeoutSeconds",
+    "spec.shutdownGracePeriodSeconds must be >= spec.remediation.drainTimeoutSeconds (a "
+    "shorter grace period lets the kubelet kill a pod in the middle of its drain)",
+    ".shutdownGracePeriodSeconds",
+)
+
+
+def _trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
+    enabled = f"self.remediation.triggers.{key}.enabled"
+    return cel(
+        f"self.runtime != '{runtime}' || !has({enabled}) || !{enabled}",
+        f"spec.remediation.triggers.{key}.enabled must not be true when spec.runtime is "
+        f"{runtime} ({reason}, so its alert could never fire; leave it unset)",
+        f".remediation.triggers.{key}.enabled",
+    )
+
+
+# A trigger switched on explicitly for a runtime that does not export what its alert reads.
+TRIGGER_RULES: tuple[dict[str, str], ...] = tuple(
+    _trigger_rule(runtime, trigger.key, unfed_message(runtime, trigger))
+    for runtime in RUNTIMES
+    for trigger in TRIGGERS
+    if missing_series(runtime, trigger)
 )
 ROLLOUT_RULE = cel(
     "self.maxSurge > 0 || self.maxUnavailable > 0",
@@ -234,7 +280,11 @@ class DisruptionBudgetSpec(ApiModel):
 class LLMServerSpec(ApiModel):
     """Desired state of an LLMServer."""
 
-    model_config = ConfigDict(json_schema_extra=validations(SWAP_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            SWAP_RULE, BLOCK_SIZE_RULE, ADAPTIVE_FLOOR_RULE, DRAIN_RULE, *TRIGGER_RULES
+        )
+    )
 
     model: ModelSource = Field(description="The model to serve.")
     runtime: Runtime = Field(
@@ -282,9 +332,23 @@ class LLMServerSpec(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _check_swap(self) -> LLMServerSpec:
-        if self.runtime != "pagekeeper" and self.memory_policy.swap_space_gib != 0.0:
+    def _check_cross_fields(self) -> LLMServerSpec:
+        policy, remediation = self.memory_policy, self.remediation
+        if self.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
             raise ValueError(SWAP_RULE["message"])
+        if self.runtime != "pagekeeper" and policy.block_size == 8:
+            raise ValueError(BLOCK_SIZE_RULE["message"])
+        adaptive = remediation.adaptive
+        if adaptive.enabled and adaptive.min_gpu_memory_utilization > policy.gpu_memory_utilization:
+            raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
+        if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
+            raise ValueError(DRAIN_RULE["message"])
+        for trigger in TRIGGERS:
+            if missing_series(self.runtime, trigger) and (
+                remediation.triggers.by_key(trigger.key).enabled
+            ):
+                reason = unfed_message(self.runtime, trigger)
+                raise ValueError(_trigger_rule(self.runtime, trigger.key, reason)["message"])
         return self
 
 

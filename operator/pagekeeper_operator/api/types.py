@@ -8,8 +8,10 @@ mirrored by a pydantic validator that raises the same message.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Annotated, Any
 
+from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
@@ -40,6 +42,17 @@ Quantity = Annotated[
     ),
 ]
 """A Kubernetes resource quantity; an int in YAML is accepted and kept as its text."""
+
+
+def quantity_value(text: str | int) -> Decimal:
+    """The number a Kubernetes quantity stands for (`1Gi` -> 1073741824, `500m` -> 0.5).
+
+    Raises ValueError for text that is not a quantity.
+    """
+    value = parse_quantity(text)  # type: ignore[no-untyped-call]
+    assert isinstance(value, Decimal), f"parse_quantity({text!r}) gave {value!r}"
+    return value
+
 
 FreeForm = Annotated[
     dict[str, Any],

@@ -27,8 +27,8 @@ from kubernetes.client import (
 )
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from pagekeeper_operator.api.remediation import RemediationRecord, RemediationSpec
+from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
+from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.render.meta import SERVER_LABEL
@@ -68,18 +68,16 @@ def bounded_history(
 
 def server_info(body: dict[str, Any], pods: Sequence[PodState]) -> ServerInfo:
     """ServerInfo from an LLMServer object as the API returns it."""
-    metadata, spec, status = body["metadata"], body.get("spec", {}), body.get("status") or {}
-    history = tuple(
-        RemediationRecord.model_validate(entry) for entry in status.get("remediationHistory", [])
-    )
+    server = LLMServer.from_body(body)
     state = ServerState(
-        namespace=metadata["namespace"],
-        name=metadata["name"],
-        remediation=RemediationSpec.model_validate(spec.get("remediation") or {}),
-        num_desired=int(spec.get("replicas", 1)),
-        pods=tuple(p for p in pods if p.server == metadata["name"]),
+        namespace=server.metadata.namespace,
+        name=server.metadata.name,
+        remediation=server.spec.remediation,
+        num_desired=server.spec.replicas,
+        pods=tuple(p for p in pods if p.server == server.metadata.name),
+        runtime=server.spec.runtime,
     )
-    return ServerInfo(state=state, history=history)
+    return ServerInfo(state=state, history=tuple(server.status.remediation_history))
 
 
 class KubeClusterPort:

@@ -44,6 +44,7 @@ def render_all(
                 server.metadata.name,
                 server.metadata.namespace,
                 server.spec.remediation,
+                server.spec.runtime,
                 owner_reference(server),
             )
         )
