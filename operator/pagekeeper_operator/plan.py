@@ -19,6 +19,7 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from pagekeeper_operator.api.types import quantity_value
+from pagekeeper_operator.render.meta import is_controlled_by
 
 APPLIED_HASH_ANNOTATION = "pagekeeper.dev/applied-hash"
 # Keys that identify an item of an associative list (the API's merge keys), tried in order.
@@ -130,14 +131,6 @@ def judge(desired: Mapping[str, Any], observed: Mapping[str, Any] | None) -> Rea
     return None
 
 
-def is_controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
-    """Whether `obj` names the object with `owner_uid` as its controller."""
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return bool(owner_uid) and any(
-        ref.get("controller") and ref.get("uid") == owner_uid for ref in refs
-    )
-
-
 @dataclass(frozen=True)
 class Delete:
     """One delete to issue: the object, and its uid as observed (a delete precondition)."""
@@ -159,7 +152,7 @@ def prune(
     return [
         Delete(key=key, uid=str(obj["metadata"].get("uid", "")))
         for key in unwanted
-        if (obj := observed.get(key)) is not None and is_controlled_by(obj, owner_uid)
+        if (obj := observed.get(key)) is not None and is_controlled_by(obj, uid=owner_uid)
     ]
 
 
