@@ -24,11 +24,14 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, PLURAL
 from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.render import ClusterFeatures
+from pagekeeper_operator.render.gateway import INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND
 
 FIELD_MANAGER = "pagekeeper-operator"
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 PROMETHEUS_RULE_CRD = "prometheusrules.monitoring.coreos.com"
-# A missing CRD may be installed later (the Prometheus Operator after us): look again this often.
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
+# A missing CRD may be installed later (the Prometheus Operator or the inference gateway after
+# us): look again this often.
 CRD_RECHECK_SECONDS = 300.0
 # Status writes race other writers (kopf, another replica): read again this many times.
 MAX_CONFLICT_RETRIES = 5
@@ -42,6 +45,7 @@ _PLURALS = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
+    (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): "inferencepools",
     (API_VERSION, KIND): PLURAL,
 }
 StatusChange = Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -245,4 +249,5 @@ class Kube:
         return ClusterFeatures(
             has_service_monitor=self.has_crd(SERVICE_MONITOR_CRD),
             has_prometheus_rule=self.has_crd(PROMETHEUS_RULE_CRD),
+            has_inference_pool=self.has_crd(INFERENCE_POOL_CRD),
         )

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from pagekeeper_operator.api.gateway import GatewaySpec
+from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import (
@@ -22,9 +24,8 @@ from pagekeeper_operator.api.runtime import (
 from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
     MAX_NAME_LENGTH,
+    STRING_MAP,
     ApiModel,
-    FreeForm,
-    JsonDict,
     Quantity,
     cel,
     validations,
@@ -38,11 +39,6 @@ PLURAL = "llmservers"
 SINGULAR = "llmserver"
 SHORT_NAMES = ["llms"]
 CATEGORIES = ["pagekeeper"]
-
-# Names the operator sets itself from memoryPolicy.allocator; a user value would fight it.
-RESERVED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-MAX_LIST_ITEMS = 64
-MAX_MAP_ITEMS = 64
 
 SWAP_RULE = cel(
     "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
@@ -96,12 +92,6 @@ ROLLOUT_RULE = cel(
     "replace a pod)",
     ".maxUnavailable",
 )
-ENV_RULE = cel(
-    "self.all(e, e.name != 'PYTORCH_CUDA_ALLOC_CONF' && e.name != 'PYTORCH_ALLOC_CONF')",
-    "spec.podTemplate.env must not set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: use "
-    "spec.memoryPolicy.allocator",
-)
-_STRING_MAP: JsonDict = {"maxProperties": MAX_MAP_ITEMS}
 
 
 class ModelSource(ApiModel):
@@ -170,75 +160,8 @@ class ServiceSpec(ApiModel):
     )
     port: int = Field(default=8000, ge=1, le=65535, description="Port the Service listens on.")
     annotations: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Service annotations."
+        default_factory=dict, json_schema_extra=STRING_MAP, description="Service annotations."
     )
-
-
-class EnvVar(ApiModel):
-    """An extra environment variable for the engine container."""
-
-    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Variable name.")
-    value: str | None = Field(default=None, max_length=32768, description="Literal value.")
-    value_from: FreeForm | None = Field(
-        default=None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
-    )
-
-
-class VolumeMount(ApiModel):
-    """Where an extra volume appears in the engine container."""
-
-    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Volume name.")
-    mount_path: str = Field(min_length=1, max_length=4096, description="Path in the container.")
-    read_only: bool = Field(default=False, description="Mount read-only.")
-    sub_path: str | None = Field(default=None, max_length=4096, description="Sub-path to mount.")
-
-
-class PodTemplateOverrides(ApiModel):
-    """Additions to the pods the operator renders; the operator's own fields always win."""
-
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra nodeSelector."
-    )
-    tolerations: list[FreeForm] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="core/v1 Tolerations."
-    )
-    affinity: FreeForm | None = Field(default=None, description="A core/v1 Affinity.")
-    priority_class_name: str | None = Field(
-        default=None, max_length=MAX_NAME_LENGTH, description="PriorityClass of the pods."
-    )
-    service_account_name: str | None = Field(
-        default=None, max_length=MAX_NAME_LENGTH, description="ServiceAccount the pods run as."
-    )
-    image_pull_secrets: list[str] = Field(
-        default_factory=list,
-        max_length=16,
-        json_schema_extra={"items": {"type": "string", "maxLength": MAX_NAME_LENGTH}},
-        description="Names of Secrets used to pull the image.",
-    )
-    env: list[EnvVar] = Field(
-        default_factory=list,
-        max_length=MAX_LIST_ITEMS,
-        json_schema_extra=validations(ENV_RULE),
-        description="Extra environment variables (not the allocator's: see memoryPolicy).",
-    )
-    volumes: list[FreeForm] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="Extra core/v1 Volumes."
-    )
-    volume_mounts: list[VolumeMount] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="Mounts of extra volumes."
-    )
-    annotations: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Pod annotations."
-    )
-    labels: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra pod labels."
-    )
-
-    @model_validator(mode="after")
-    def _check_env(self) -> PodTemplateOverrides:
-        if any(env.name in RESERVED_ENV for env in self.env):
-            raise ValueError(ENV_RULE["message"])
-        return self
 
 
 class RolloutSpec(ApiModel):
@@ -321,6 +244,10 @@ class LLMServerSpec(ApiModel):
         default_factory=PodTemplateOverrides, description="Additions to the rendered pods."
     )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout strategy.")
+    gateway: GatewaySpec = Field(
+        default_factory=GatewaySpec,
+        description="Inference gateway integration (Gateway API Inference Extension).",
+    )
     shutdown_grace_period_seconds: int = Field(
         default=30,
         ge=1,

@@ -19,7 +19,11 @@ from pydantic.alias_generators import to_camel
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE])?$"
 MAX_NAME_LENGTH = 253
 MAX_TEXT_LENGTH = 4096
+MAX_LIST_ITEMS = 64
+MAX_MAP_ITEMS = 64
 JsonDict = dict[str, Any]
+STRING_MAP: JsonDict = {"maxProperties": MAX_MAP_ITEMS}
+"""`json_schema_extra` of a string-to-string map (labels, annotations)."""
 
 
 def _quantity_text(value: object) -> object:
