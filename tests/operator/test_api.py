@@ -20,7 +20,7 @@ from pagekeeper_operator.api.llmserver import (
 )
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
-from tests.operator.servers import make_server
+from tests.operator.servers import make_server, server_body
 
 
 def test_defaults_of_a_minimal_server() -> None:
@@ -160,6 +160,24 @@ def test_rules_allow_what_they_should() -> None:
     make_server({"runtime": "vllm", "remediation": {"triggers": off}})
     on = {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}}
     make_server({"remediation": {"triggers": on}})
+
+
+def test_a_stored_object_is_read_even_if_a_newer_rule_refuses_it() -> None:
+    """What the API server stored under an earlier schema is reconciled, not rejected."""
+    spec = {
+        "runtime": "vllm",
+        "shutdownGracePeriodSeconds": 30,
+        "remediation": {
+            "drainTimeoutSeconds": 120,
+            "triggers": {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}},
+        },
+    }
+    assert DRAIN_RULE["message"] in _error_messages(spec)
+    server = LLMServer.from_body(server_body(spec))
+    assert server.spec.remediation.drain_timeout_seconds == 120
+    # Rules as old as the stored object still hold.
+    with pytest.raises(ValidationError, match="swapSpaceGiB must be 0"):
+        LLMServer.from_body(server_body({"runtime": "vllm", "memoryPolicy": {"swapSpaceGiB": 1}}))
 
 
 def test_status_conditions_lookup() -> None:

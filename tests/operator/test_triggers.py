@@ -59,3 +59,9 @@ def test_a_trigger_switched_off_says_so() -> None:
     # The runtime decides first: off in spec and unfed reads as unfed.
     frag = _status("vllm", {"triggers": {"fragmentation": {"enabled": False}}})[0]
     assert frag["reason"] == "SeriesNotExported"
+
+
+def test_enabled_true_cannot_feed_an_alert_the_runtime_lacks() -> None:
+    # A stored object may say so (the CRD refuses it on write): the alert still is not rendered.
+    status = _status("vllm", {"triggers": {"oomEvents": {"enabled": True}}})
+    assert status[-1]["active"] is False and status[-1]["reason"] == "SeriesNotExported"

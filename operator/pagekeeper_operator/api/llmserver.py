@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
@@ -39,6 +39,8 @@ PLURAL = "llmservers"
 SINGULAR = "llmserver"
 SHORT_NAMES = ["llms"]
 CATEGORIES = ["pagekeeper"]
+# Validation context of an object read back from the API server (see `LLMServer.from_body`).
+STORED_CONTEXT = "stored"
 
 SWAP_RULE = cel(
     "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
@@ -259,10 +261,15 @@ class LLMServerSpec(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> LLMServerSpec:
+    def _check_cross_fields(self, info: ValidationInfo) -> LLMServerSpec:
         policy, remediation = self.memory_policy, self.remediation
         if self.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
             raise ValueError(SWAP_RULE["message"])
+        if (info.context or {}).get(STORED_CONTEXT):
+            # The API server enforces the rules below on every write. An object it stored under
+            # an earlier schema may break them; it is still reconciled as written (alerts follow
+            # the runtime whatever `enabled` says) until its next write meets the CRD.
+            return self
         if self.runtime != "pagekeeper" and policy.block_size == 8:
             raise ValueError(BLOCK_SIZE_RULE["message"])
         adaptive = remediation.adaptive
@@ -305,5 +312,5 @@ class LLMServer(ApiModel):
 
     @classmethod
     def from_body(cls, body: Any) -> LLMServer:
-        """Parse an object as the API (or kopf's body) gives it."""
-        return cls.model_validate(dict(body))
+        """Parse an object as the API (or kopf's body) gives it: stored, so already admitted."""
+        return cls.model_validate(dict(body), context={STORED_CONTEXT: True})
