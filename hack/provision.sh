@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Provision the local test environment into $PAGEKEEPER_CACHE (default ~/.cache/pagekeeper):
 # Kubernetes control-plane binaries, etcd, kwok/kwokctl and helm built from their Go modules,
-# the Prometheus Operator CRDs from its Go module, and prometheus/promtool/alertmanager from
-# Debian's packages. Every step is skipped when its output is already there.
+# the Prometheus Operator CRDs and the Gateway API Inference Extension's InferencePool CRD from
+# their Go modules, and prometheus/promtool/alertmanager from Debian's packages. Every step is skipped when its output is already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -12,6 +12,8 @@ ETCD_VERSION="${ETCD_VERSION:-v3.5.35}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.85.0}"
+# v1.0.0 introduced inference.networking.k8s.io/v1; later versions add fields we do not set.
+INFERENCE_EXTENSION_VERSION="${INFERENCE_EXTENSION_VERSION:-v1.4.0}"
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOPATH="$CACHE/go/path"
@@ -88,6 +90,20 @@ prometheus_operator_crds() {
   touch "$dest/.done"
 }
 
+inference_pool_crd() {
+  local dest="$CACHE/crds/gateway-api-inference-extension-$INFERENCE_EXTENSION_VERSION"
+  [[ -f "$dest/.done" ]] && { log "InferencePool CRD: cached"; return; }
+  log "InferencePool CRD $INFERENCE_EXTENSION_VERSION: fetching module"
+  local dir
+  dir=$(cd "$CACHE" && go mod download -json "sigs.k8s.io/gateway-api-inference-extension@$INFERENCE_EXTENSION_VERSION" \
+    | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+  mkdir -p "$dest"
+  # Only the v1 API (inference.networking.k8s.io); the x-k8s.io ones are alpha.
+  cp "$dir"/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml "$dest/"
+  chmod u+w "$dest"/*.yaml
+  touch "$dest/.done"
+}
+
 debian_tools() {
   local need=()
   command -v prometheus >/dev/null || need+=(prometheus)
@@ -109,13 +125,13 @@ main() {
   local start=$SECONDS
   for w in "${what[@]}"; do
     case "$w" in
-      all) debian_tools; prometheus_operator_crds; build_etcd
+      all) debian_tools; prometheus_operator_crds; inference_pool_crd; build_etcd
            go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
            build_kubernetes ;;
       debian) debian_tools ;;
-      crds) prometheus_operator_crds ;;
+      crds) prometheus_operator_crds; inference_pool_crd ;;
       etcd) build_etcd ;;
       kubernetes) build_kubernetes ;;
       *) echo "unknown target $w" >&2; exit 2 ;;

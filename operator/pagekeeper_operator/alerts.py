@@ -1,7 +1,10 @@
 """The memory alerts shipped with each LLMServer, rendered from `spec.remediation` (pure).
 
-Every expression reads only the engine's metric contract (`ENGINE_METRICS_USED`) and selects a
-server's series by the `namespace` and `llmserver` labels. Scrapes must carry `namespace`, `pod`
+Each alert reads only the series its trigger lists (`api.runtime.TRIGGERS`), and is rendered
+only where the server's runtime exports them (`triggers.is_active`): under runtime vllm, whose
+image exports no `pagekeeper_` series, the fragmentation and OOM alerts are left out rather
+than rendered to never fire. Expressions select a server's series by the `namespace` and
+`llmserver` labels. Scrapes must carry `namespace`, `pod`
 and `llmserver` (the ServiceMonitor relabels the pod label `pagekeeper.dev/llmserver` to
 `llmserver`); each expression aggregates `by (namespace, pod, llmserver)`, so every alert names
 exactly one pod, which is what the remediation webhook acts on.
@@ -9,36 +12,28 @@ exactly one pod, which is what the remediation webhook acts on.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import yaml
 
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY, TRIGGERS, Runtime
+from pagekeeper_operator.api.types import quantity_value
+from pagekeeper_operator.triggers import is_active
 
 # The engine metrics these alerts read; a contract test checks the engine exports each one.
-ENGINE_METRICS_USED: tuple[str, ...] = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:request_success_total",
-    "pagekeeper_allocator_reserved_bytes",
-    "pagekeeper_allocator_allocated_bytes",
-    "pagekeeper_oom_events_total",
+ENGINE_METRICS_USED: tuple[str, ...] = tuple(
+    dict.fromkeys(name for trigger in TRIGGERS for name in trigger.series)
 )
 
-ALERT_FRAGMENTATION = "PagekeeperFragmentationHigh"
-ALERT_KV_CACHE_SATURATED = "PagekeeperKVCacheSaturated"
-ALERT_QUEUE_BACKLOG = "PagekeeperQueueBacklog"
-ALERT_ENGINE_STALLED = "PagekeeperEngineStalled"
-ALERT_OOM_EVENTS = "PagekeeperOOMEvents"
-ALERT_NAMES: tuple[str, ...] = (
-    ALERT_FRAGMENTATION,
-    ALERT_KV_CACHE_SATURATED,
-    ALERT_QUEUE_BACKLOG,
-    ALERT_ENGINE_STALLED,
-    ALERT_OOM_EVENTS,
-)
+ALERT_FRAGMENTATION = TRIGGER_BY_KEY["fragmentation"].alert
+ALERT_KV_CACHE_SATURATED = TRIGGER_BY_KEY["kvCacheSaturation"].alert
+ALERT_QUEUE_BACKLOG = TRIGGER_BY_KEY["queueBacklog"].alert
+ALERT_ENGINE_STALLED = TRIGGER_BY_KEY["engineStalled"].alert
+ALERT_OOM_EVENTS = TRIGGER_BY_KEY["oomEvents"].alert
+ALERT_NAMES: tuple[str, ...] = tuple(trigger.alert for trigger in TRIGGERS)
 
 # Alertmanager routes alerts carrying this label (value "true") to the operator's webhook.
 REMEDIATE_LABEL = "pagekeeper_remediate"
@@ -51,24 +46,6 @@ MIN_STALL_WINDOW = "1m"
 _BY = "by (namespace, pod, llmserver)"
 _ON = "on (namespace, pod, llmserver)"
 
-_QUANTITY_RE = re.compile(
-    r"^(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)(?P<suffix>[KMGTPE]i|[kMGTPE])?$"
-)
-_SUFFIX_MULTIPLIER: dict[str, int] = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-}
 _DURATION_RE = re.compile(r"([0-9]+)(ms|y|w|d|h|m|s)")
 _DURATION_MS: dict[str, int] = {
     "ms": 1,
@@ -81,17 +58,9 @@ _DURATION_MS: dict[str, int] = {
 }
 
 
-def parse_quantity(quantity: str) -> int:
+def quantity_bytes(quantity: str) -> int:
     """Bytes in a non-negative Kubernetes quantity (`1Gi`, `512M`, `1073741824`), rounded up."""
-    match = _QUANTITY_RE.fullmatch(quantity)
-    if match is None:
-        raise ValueError(f"not a byte quantity: {quantity!r}")
-    whole, _, fraction = match["number"].partition(".")
-    multiplier = _SUFFIX_MULTIPLIER[match["suffix"] or ""]
-    # Exact integer arithmetic: `1.5Gi` must not pick up float rounding.
-    scale: int = 10 ** len(fraction)
-    numerator = int(whole or "0") * scale + int(fraction or "0")
-    return -(-numerator * multiplier // scale)
+    return math.ceil(quantity_value(quantity))
 
 
 def duration_seconds(duration: str) -> float:
@@ -143,22 +112,28 @@ def render_alert_rules(
     name: str,
     namespace: str,
     remediation: RemediationSpec,
+    runtime: Runtime,
     runbook_base: str = RUNBOOK_BASE,
 ) -> list[dict[str, Any]]:
-    """The alerting rules for one LLMServer: one per enabled trigger, in `ALERT_NAMES` order."""
+    """The alerting rules for one LLMServer: one per active trigger (`triggers.is_active`: on
+    in spec, and fed by the runtime's series), in `ALERT_NAMES` order."""
     sel = _selector(name, namespace)
     triggers = remediation.triggers
+
+    def active(key: str) -> bool:
+        return is_active(runtime, remediation, TRIGGER_BY_KEY[key])
+
     pod = "{{ $labels.namespace }}/{{ $labels.pod }}"
     rules: list[dict[str, Any]] = []
 
     frag = triggers.fragmentation
-    if frag.enabled:
+    if active("fragmentation"):
         reserved = f"sum {_BY} (pagekeeper_allocator_reserved_bytes{sel})"
         allocated = f"sum {_BY} (pagekeeper_allocator_allocated_bytes{sel})"
         unused = f"({reserved} - {allocated})"
         expr = (
             f"{unused} / {reserved} > {frag.threshold}\n"
-            f"and {_ON}\n{unused} > {parse_quantity(frag.min_bytes)}"
+            f"and {_ON}\n{unused} > {quantity_bytes(frag.min_bytes)}"
         )
         rules.append(
             _rule(
@@ -176,7 +151,7 @@ def render_alert_rules(
         )
 
     kv = triggers.kv_cache_saturation
-    if kv.enabled:
+    if active("kvCacheSaturation"):
         rules.append(
             _rule(
                 ALERT_KV_CACHE_SATURATED,
@@ -192,7 +167,7 @@ def render_alert_rules(
         )
 
     backlog = triggers.queue_backlog
-    if backlog.enabled:
+    if active("queueBacklog"):
         waiting = f"sum {_BY} (vllm:num_requests_waiting{sel})"
         running = f"sum {_BY} (vllm:num_requests_running{sel})"
         expr = f"{waiting} > {backlog.ratio} * {running}\nand {_ON}\n{waiting} > 0"
@@ -211,7 +186,7 @@ def render_alert_rules(
         )
 
     stalled = triggers.engine_stalled
-    if stalled.enabled:
+    if active("engineStalled"):
         window = stalled.for_
         if duration_seconds(window) < duration_seconds(MIN_STALL_WINDOW):
             window = MIN_STALL_WINDOW
@@ -240,7 +215,7 @@ def render_alert_rules(
         )
 
     oom = triggers.oom_events
-    if oom.enabled:
+    if active("oomEvents"):
         rules.append(
             _rule(
                 ALERT_OOM_EVENTS,
@@ -262,9 +237,9 @@ def rule_group_name(name: str, namespace: str) -> str:
 
 
 def _groups(
-    name: str, namespace: str, remediation: RemediationSpec, runbook_base: str
+    name: str, namespace: str, remediation: RemediationSpec, runtime: Runtime, runbook_base: str
 ) -> list[dict[str, Any]]:
-    rules = render_alert_rules(name, namespace, remediation, runbook_base)
+    rules = render_alert_rules(name, namespace, remediation, runtime, runbook_base)
     return [{"name": rule_group_name(name, namespace), "rules": rules}] if rules else []
 
 
@@ -276,6 +251,7 @@ def render_prometheus_rule(
     name: str,
     namespace: str,
     remediation: RemediationSpec,
+    runtime: Runtime,
     owner_ref: dict[str, Any] | None,
     runbook_base: str = RUNBOOK_BASE,
 ) -> dict[str, Any]:
@@ -295,7 +271,7 @@ def render_prometheus_rule(
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": metadata,
-        "spec": {"groups": _groups(name, namespace, remediation, runbook_base)},
+        "spec": {"groups": _groups(name, namespace, remediation, runtime, runbook_base)},
     }
 
 
@@ -303,10 +279,11 @@ def render_rules_file(
     name: str,
     namespace: str,
     remediation: RemediationSpec,
+    runtime: Runtime,
     runbook_base: str = RUNBOOK_BASE,
 ) -> str:
     """The same alerts as a plain Prometheus rules file, for clusters without the Operator."""
-    groups = _groups(name, namespace, remediation, runbook_base)
+    groups = _groups(name, namespace, remediation, runtime, runbook_base)
     return yaml.dump({"groups": groups}, Dumper=_RulesDumper, sort_keys=False, width=1000)
 
 

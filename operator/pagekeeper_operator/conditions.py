@@ -1,4 +1,5 @@
-"""Status from observation (pure): conditions, replica counts and the effective policy.
+"""Status from observation (pure): conditions, replica counts, the effective policy and the
+active alert triggers.
 
 The operator owns every status field except `remediationHistory`, `lastRemediation` and
 `lastOutOfMemory`, which remediation writes and this module carries over unchanged.
@@ -22,6 +23,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.render.meta import selector_string
+from pagekeeper_operator.triggers import trigger_status
 
 MEMORY_HEALTHY = "MemoryHealthy"
 NO_EVENTS_MESSAGE = "no out-of-memory events recorded"
@@ -36,6 +38,7 @@ OWNED_FIELDS = (
     "effectiveMemoryPolicy",
     "specMemoryPolicyHash",
     "policyHash",
+    "triggers",
 )
 
 
@@ -201,6 +204,7 @@ def compute_status(
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
             "policy_hash": memory_policy_hash(policy),
+            "triggers": trigger_status(server.spec.runtime, server.spec.remediation),
         }
     )
 

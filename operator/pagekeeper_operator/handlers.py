@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import kopf
-import kubernetes
 from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
-from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.kube import Kube, shared_kube
 from pagekeeper_operator.metrics import serve_metrics
 from pagekeeper_operator.reconcile import reconcile, refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
@@ -33,9 +33,7 @@ RETRY_DELAY_SECONDS = 15.0
 
 
 def _kube(memo: kopf.Memo) -> Kube:
-    kube = memo.get("kube")
-    assert isinstance(kube, Kube), "the startup handler sets memo.kube"
-    return kube
+    return shared_kube(memo, os.environ)
 
 
 def _parse(body: kopf.Body) -> LLMServer:
@@ -57,8 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     # Successes are logged, not posted: an Event per reconcile would be a write per reconcile.
     settings.posting.level = logging.WARNING
-    kubernetes.config.load_config()  # type: ignore[no-untyped-call]
-    memo["kube"] = Kube(kubernetes.client.ApiClient())
+    _kube(memo)
     if SETTINGS.metrics_port is not None:
         serve_metrics(SETTINGS.metrics_port)
 

@@ -1,9 +1,11 @@
-"""The operator's only Kubernetes I/O: reads, server-side applies, deletes of objects the
-spec no longer wants, and status patches.
+"""The operator's only Kubernetes I/O: one API client, one request path, for reconciliation
+(reads, server-side applies, deletes, status patches, CRD checks) and remediation (pods,
+evictions, Events, status written under optimistic concurrency).
 
-Every write is a server-side apply under one field manager. `force=True` is safe because we
-apply only the fields we render: it takes back a field we own that someone else changed, and
-never touches fields we do not set.
+Every write of a child object is a server-side apply under one field manager. `force=True` is
+safe because we apply only the fields we render: it takes back a field we own that someone else
+changed, and never touches fields we do not set. Objects travel as the API's JSON (dicts); the
+calls block, so async callers run them in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,30 +13,43 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
+import kubernetes
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, PLURAL
 from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.render import ClusterFeatures
+from pagekeeper_operator.render.gateway import INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND
 
 FIELD_MANAGER = "pagekeeper-operator"
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 PROMETHEUS_RULE_CRD = "prometheusrules.monitoring.coreos.com"
-# A missing CRD may be installed later (the Prometheus Operator after us): look again this often.
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
+# A missing CRD may be installed later (the Prometheus Operator or the inference gateway after
+# us): look again this often.
 CRD_RECHECK_SECONDS = 300.0
+# Status writes race other writers (kopf, another replica): read again this many times.
+MAX_CONFLICT_RETRIES = 5
+MEMO_KEY = "kube"
 
 _PLURALS = {
+    ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
+    (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): "inferencepools",
     (API_VERSION, KIND): PLURAL,
 }
+StatusChange = Callable[[dict[str, Any]], dict[str, Any] | None]
+"""Given the LLMServer as read, the status merge patch to write (None: write nothing)."""
 logger = logging.getLogger(__name__)
 
 
@@ -45,8 +60,36 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str | None 
     return path if name is None else f"{path}/{name}"
 
 
+def api_client(env: Mapping[str, str]) -> ApiClient:
+    """A client with a configuration of its own (the library's global default is left alone):
+    $KUBECONFIG or ~/.kube/config when present, else the pod's service account."""
+    configuration = kubernetes.client.Configuration()
+    kubeconfig = env.get("KUBECONFIG", "").strip()
+    default = Path("~/.kube/config").expanduser()
+    if not kubeconfig and default.exists():
+        kubeconfig = str(default)
+    if kubeconfig:
+        kubernetes.config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, client_configuration=configuration
+        )
+    else:
+        kubernetes.config.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=configuration
+        )
+    return ApiClient(configuration)
+
+
+def shared_kube(memo: MutableMapping[str, Any], env: Mapping[str, str]) -> Kube:
+    """The process's one adapter, kept in kopf's memo and made on first use."""
+    kube = memo.get(MEMO_KEY)
+    if kube is None:
+        kube = memo[MEMO_KEY] = Kube(api_client(env))
+    assert isinstance(kube, Kube), f"memo[{MEMO_KEY!r}] is not a Kube"
+    return kube
+
+
 class Kube:
-    """Typed-enough access to the objects of LLMServers, over one ApiClient."""
+    """The objects of LLMServers, as the API's JSON, over one ApiClient."""
 
     def __init__(self, api: ApiClient, field_manager: str = FIELD_MANAGER) -> None:
         self.api = api
@@ -89,6 +132,14 @@ class Kube:
                 return None
             raise
 
+    def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str
+    ) -> list[dict[str, Any]]:
+        path = resource_path(api_version, kind, namespace)
+        answer = self._request("GET", path, query=[("labelSelector", label_selector)])
+        items: list[dict[str, Any]] = answer.get("items") or []
+        return items
+
     def observe(self, namespace: str, keys: Iterable[ObjectKey]) -> dict[ObjectKey, Any]:
         """The current state of each object (None where absent)."""
         return {key: self.get(key[0], key[1], namespace, key[2]) for key in keys}
@@ -119,15 +170,64 @@ class Kube:
             if exc.status != 404:
                 raise
 
-    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        """Merge-patch LLMServer status (the status subresource)."""
-        self._request(
-            "PATCH",
-            resource_path(API_VERSION, KIND, namespace, name) + "/status",
-            query=[("fieldManager", self.field_manager)],
-            body={"status": dict(patch)},
-            content_type="application/merge-patch+json",
-        )
+    def patch_status(
+        self,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        resource_version: str | None = None,
+    ) -> bool:
+        """Merge-patch LLMServer status (the status subresource). With `resource_version`, only
+        if the object is still at it: False on a conflict."""
+        body: dict[str, Any] = {"status": dict(patch)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        try:
+            self._request(
+                "PATCH",
+                resource_path(API_VERSION, KIND, namespace, name) + "/status",
+                query=[("fieldManager", self.field_manager)],
+                body=body,
+                content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status == 409 and resource_version is not None:
+                return False
+            raise
+        return True
+
+    def update_status(
+        self, namespace: str, name: str, change: StatusChange
+    ) -> dict[str, Any] | None:
+        """Read the LLMServer, compute a status patch from it and write it only if nobody wrote
+        in between; read again on a conflict. The object the patch was computed from, or None
+        when it is gone or `change` wanted nothing written."""
+        for _ in range(MAX_CONFLICT_RETRIES):
+            body = self.get(API_VERSION, KIND, namespace, name)
+            if body is None:
+                return None
+            patch = change(body)
+            if patch is None:
+                return None
+            version = str(body["metadata"]["resourceVersion"])
+            if self.patch_status(namespace, name, patch, resource_version=version):
+                return body
+        raise RuntimeError(f"status of {namespace}/{name} kept changing; not written")
+
+    def evict(self, namespace: str, pod: str) -> None:
+        """Ask the Eviction API (policy/v1) to evict a pod; PodDisruptionBudgets decide."""
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": pod, "namespace": namespace},
+        }
+        path = resource_path("v1", "Pod", namespace, pod) + "/eviction"
+        self._request("POST", path, body=eviction, content_type="application/json")
+
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        namespace = str(event["metadata"]["namespace"])
+        path = resource_path("v1", "Event", namespace)
+        self._request("POST", path, body=dict(event), content_type="application/json")
 
     def has_crd(self, name: str) -> bool:
         """Whether a CRD is installed; answers are cached (a negative one only for a while)."""
@@ -149,4 +249,5 @@ class Kube:
         return ClusterFeatures(
             has_service_monitor=self.has_crd(SERVICE_MONITOR_CRD),
             has_prometheus_rule=self.has_crd(PROMETHEUS_RULE_CRD),
+            has_inference_pool=self.has_crd(INFERENCE_POOL_CRD),
         )

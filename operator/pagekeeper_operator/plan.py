@@ -13,11 +13,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Literal
+
+from pagekeeper_operator.api.types import quantity_value
+from pagekeeper_operator.render.meta import is_controlled_by
 
 APPLIED_HASH_ANNOTATION = "pagekeeper.dev/applied-hash"
 # Keys that identify an item of an associative list (the API's merge keys), tried in order.
@@ -26,25 +28,6 @@ _MERGE_KEYS = ("uid", "name", "mountPath", "containerPort")
 _QUANTITY_PARENTS = {"requests", "limits"}
 _QUANTITY_KEYS = {"sizeLimit"}
 _QUANTITY_CONTEXT = "<quantity>"
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]i?|Ki)?$")
-_SUFFIX = {
-    None: Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
-}
 
 ObjectKey = tuple[str, str, str]
 """(apiVersion, kind, name) of a namespaced object of one LLMServer."""
@@ -82,16 +65,10 @@ def stamp(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return stamped
 
 
-def parse_quantity(text: str) -> Decimal | None:
-    match = _QUANTITY.match(text)
-    if match is None:
-        return None
-    number, suffix = match.groups()
+def _quantity(value: str | int) -> Decimal | None:
     try:
-        if suffix is not None and suffix[0] in "eE":
-            return Decimal(number + suffix)
-        return Decimal(number) * _SUFFIX[suffix]
-    except (InvalidOperation, KeyError):
+        return quantity_value(value)
+    except ValueError:
         return None
 
 
@@ -99,7 +76,7 @@ def _same_scalar(want: Any, have: Any, *, is_quantity: bool) -> bool:
     if want == have and type(want) is type(have):
         return True
     if is_quantity and isinstance(have, str | int) and isinstance(want, str | int):
-        wanted, had = parse_quantity(str(want)), parse_quantity(str(have))
+        wanted, had = _quantity(want), _quantity(have)
         return wanted is not None and wanted == had
     return False
 
@@ -154,14 +131,6 @@ def judge(desired: Mapping[str, Any], observed: Mapping[str, Any] | None) -> Rea
     return None
 
 
-def is_controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
-    """Whether `obj` names the object with `owner_uid` as its controller."""
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return bool(owner_uid) and any(
-        ref.get("controller") and ref.get("uid") == owner_uid for ref in refs
-    )
-
-
 @dataclass(frozen=True)
 class Delete:
     """One delete to issue: the object, and its uid as observed (a delete precondition)."""
@@ -183,7 +152,7 @@ def prune(
     return [
         Delete(key=key, uid=str(obj["metadata"].get("uid", "")))
         for key in unwanted
-        if (obj := observed.get(key)) is not None and is_controlled_by(obj, owner_uid)
+        if (obj := observed.get(key)) is not None and is_controlled_by(obj, uid=owner_uid)
     ]
 
 

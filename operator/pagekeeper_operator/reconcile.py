@@ -53,7 +53,8 @@ def reconcile(
 ) -> ReconcileResult:
     """Bring the server's children to the rendered state; return the status to write."""
     namespace = server.metadata.namespace
-    desired = render_all(server, default_images, kube.features())
+    features = kube.features()
+    desired = render_all(server, default_images, features)
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
     error_text: str | None = None
@@ -76,17 +77,18 @@ def reconcile(
             action.reason,
         )
     if result.error is None:
-        error_text = _prune(kube, server, result)
+        error_text = _prune(kube, server, unwanted_objects(server, features), result)
     deployment = next((obj for key, obj in observed.items() if key[1] == "Deployment"), None)
     status = compute_status(server, deployment, now or utc_now(), error_text)
     result.status_patch = status_patch(server, status)
     return result
 
 
-def _prune(kube: Kube, server: LLMServer, result: ReconcileResult) -> str | None:
+def _prune(
+    kube: Kube, server: LLMServer, unwanted: list[ObjectKey], result: ReconcileResult
+) -> str | None:
     """Delete the objects the spec no longer wants; the error text of a failure."""
     namespace = server.metadata.namespace
-    unwanted = unwanted_objects(server)
     if not unwanted:
         return None
     for delete in prune(unwanted, kube.observe(namespace, unwanted), server.metadata.uid):

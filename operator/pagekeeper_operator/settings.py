@@ -25,7 +25,8 @@ PAGEKEEPER_WEBHOOK_TOKEN_FILE (no default)
     operator refuses to start.
 PAGEKEEPER_WEBHOOK_TLS_CERT_FILE, PAGEKEEPER_WEBHOOK_TLS_KEY_FILE (default: unset)
     PEM certificate chain and private key: set both to serve the receiver over HTTPS, or
-    neither for plain HTTP (inside the cluster network, behind the bearer token).
+    neither for plain HTTP (inside the cluster network, behind the bearer token); one without
+    the other is refused.
 PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0)
     Image for runtime pagekeeper when spec.image is unset.
 PAGEKEEPER_VLLM_IMAGE (default: docker.io/vllm/vllm-openai:v0.11.0)
@@ -35,6 +36,9 @@ PAGEKEEPER_METRICS_PORT (default: unset, no metrics endpoint)
 PAGEKEEPER_RESYNC_SECONDS (default: 60)
     How often each LLMServer is re-planned (drift repair, a policy stepped down in status);
     a re-plan with nothing to change writes nothing.
+
+This module is the only reader of these variables; the rest of the operator takes an
+`OperatorSettings`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, TypeVar
 
 LogFormat = Literal["plain", "full", "json"]
@@ -67,6 +72,9 @@ class OperatorSettings:
     log_format: LogFormat = "full"
     log_level: LogLevel = "info"
     webhook_port: int = 8443
+    webhook_token_file: Path | None = None
+    webhook_tls_cert_file: Path | None = None
+    webhook_tls_key_file: Path | None = None
     metrics_port: int | None = None
     default_images: Mapping[str, str] = field(
         default_factory=lambda: {
@@ -102,6 +110,11 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[T, ...], default: 
     raise SettingsError(f"{name}={text!r} must be one of {', '.join(choices)}")
 
 
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    text = env.get(name, "").strip()
+    return Path(text) if text else None
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
     """Settings from `env` (default: the process environment), validated."""
     env = os.environ if env is None else env
@@ -113,6 +126,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
     images = dict(defaults.default_images)
     images["pagekeeper"] = env.get("PAGEKEEPER_ENGINE_IMAGE", "").strip() or images["pagekeeper"]
     images["vllm"] = env.get("PAGEKEEPER_VLLM_IMAGE", "").strip() or images["vllm"]
+    cert = _path(env, "PAGEKEEPER_WEBHOOK_TLS_CERT_FILE")
+    key = _path(env, "PAGEKEEPER_WEBHOOK_TLS_KEY_FILE")
+    if (cert is None) != (key is None):
+        raise SettingsError(
+            "set both PAGEKEEPER_WEBHOOK_TLS_CERT_FILE and PAGEKEEPER_WEBHOOK_TLS_KEY_FILE, "
+            "or neither"
+        )
     return OperatorSettings(
         namespaces=namespaces,
         peering_name=peering,
@@ -122,6 +142,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
         log_format=_choice(env, "PAGEKEEPER_LOG_FORMAT", _LOG_FORMATS, defaults.log_format),
         log_level=_choice(env, "PAGEKEEPER_LOG_LEVEL", _LOG_LEVELS, defaults.log_level),
         webhook_port=_int(env, "PAGEKEEPER_WEBHOOK_PORT", defaults.webhook_port, 1, 65535),
+        webhook_token_file=_path(env, "PAGEKEEPER_WEBHOOK_TOKEN_FILE"),
+        webhook_tls_cert_file=cert,
+        webhook_tls_key_file=key,
         metrics_port=(
             _int(env, "PAGEKEEPER_METRICS_PORT", 0, 1, 65535)
             if env.get("PAGEKEEPER_METRICS_PORT", "").strip()

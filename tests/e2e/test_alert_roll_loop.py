@@ -78,7 +78,7 @@ def server_spec(replicas: int) -> dict[str, Any]:
         "replicas": replicas,
         "resources": {"gpus": 1},
         "remediation": REMEDIATION,
-        "shutdownGracePeriodSeconds": 5,
+        "shutdownGracePeriodSeconds": 60,
     }
 
 

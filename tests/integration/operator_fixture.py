@@ -17,9 +17,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.support.cluster import Cluster, wait_for
-from tests.support.tools import REPO
+from tests.support.tools import CACHE, REPO, missing
 
 CRD_PATH = REPO / "crds" / "llmservers.pagekeeper.dev.yaml"
+# Fetched by hack/provision.sh from the Gateway API Inference Extension's Go module.
+INFERENCE_POOL_CRDS = sorted(
+    CACHE.glob("crds/gateway-api-inference-extension-*/inference.networking.k8s.io_*.yaml")
+)
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
 GROUP, VERSION, PLURAL = "pagekeeper.dev", "v1alpha1", "llmservers"
 RESYNC_SECONDS = 5
 
@@ -99,6 +104,35 @@ def llmserver_crd(cluster: Cluster) -> Path:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
     cluster.wait_established("llmservers.pagekeeper.dev")
     return CRD_PATH
+
+
+def _crd_exists(cluster: Cluster, name: str) -> bool:
+    return cluster.kubectl("get", "crd", name, "--ignore-not-found", "-o", "name").stdout != ""
+
+
+@pytest.fixture
+def inference_pool_crd(cluster: Cluster) -> Iterator[Path]:
+    """The InferencePool CRD, installed for one test and removed after it, so every other
+    test runs on a cluster without it (the operator must then render no InferencePool)."""
+    if not INFERENCE_POOL_CRDS:
+        missing("the InferencePool CRD (gateway-api-inference-extension)")
+    [path] = INFERENCE_POOL_CRDS
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    cluster.wait_established(INFERENCE_POOL_CRD)
+    try:
+        yield path
+    finally:
+        cluster.kubectl("delete", "-f", str(path), "--wait=true", "--timeout=120s")
+
+
+@pytest.fixture
+def no_inference_pool_crd(cluster: Cluster) -> None:
+    """A cluster without the InferencePool CRD (another test's may still be going away)."""
+    wait_for(
+        lambda: not _crd_exists(cluster, INFERENCE_POOL_CRD),
+        timeout=120,
+        what=f"CRD {INFERENCE_POOL_CRD} absent",
+    )
 
 
 @pytest.fixture

@@ -19,11 +19,13 @@ from tests.support.tools import REPO
 llmserver_crd = operator_fixture.llmserver_crd
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-# What each example is for (issue 8): a small model, an 8B model on one GPU, upstream vLLM.
+# What each example is for: a small model, an 8B model on one GPU, upstream vLLM, and replicas
+# behind an inference gateway.
 EXPECTED = {
     "llmserver-small.yaml": ("qwen3-0-6b", "pagekeeper", 1),
     "llmserver-8b.yaml": ("llama-3-1-8b", "pagekeeper", 1),
     "llmserver-vllm.yaml": ("qwen3-8b-vllm", "vllm", 1),
+    "llmserver-gateway.yaml": ("qwen3-8b-pool", "pagekeeper", 1),
 }
 
 

@@ -202,3 +202,35 @@ def test_service_monitor_and_rules_are_created_and_owned(
     assert get_server(cluster, namespace, "small")["status"]["selector"] == (
         "app.kubernetes.io/name=pagekeeper-engine,pagekeeper.dev/llmserver=small"
     )
+
+
+def test_vllm_server_gets_only_the_alerts_vllm_can_feed(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    spec = {"model": {"source": "Qwen/Qwen3-0.6B"}, "runtime": "vllm", "resources": {"gpus": 1}}
+    apply_server(cluster, namespace, llmserver("upstream", spec))
+    obj = wait_ready(cluster, namespace, "upstream", 1)
+    rule = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", namespace, "prometheusrules", "upstream-memory-alerts"
+    )
+    [group] = rule["spec"]["groups"]
+    assert [r["alert"] for r in group["rules"]] == [
+        "PagekeeperKVCacheSaturated",
+        "PagekeeperQueueBacklog",
+        "PagekeeperEngineStalled",
+    ]
+    assert "pagekeeper_" not in " ".join(r["expr"] for r in group["rules"])
+    triggers = {t["name"]: t for t in obj["status"]["triggers"]}
+    assert {name for name, t in triggers.items() if t["active"]} == {
+        "kvCacheSaturation",
+        "queueBacklog",
+        "engineStalled",
+    }
+    assert triggers["oomEvents"] == {
+        "name": "oomEvents",
+        "alert": "PagekeeperOOMEvents",
+        "active": False,
+        "reason": "SeriesNotExported",
+        "message": "runtime vllm does not export pagekeeper_oom_events_total",
+    }
+    assert triggers["fragmentation"]["reason"] == "SeriesNotExported"

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 import yaml
 
-from pagekeeper_operator.api.llmserver import ENV_RULE, ROLLOUT_RULE, SWAP_RULE
+from pagekeeper_operator.api.llmserver import (
+    ADAPTIVE_FLOOR_RULE,
+    BLOCK_SIZE_RULE,
+    DRAIN_RULE,
+    ROLLOUT_RULE,
+    SWAP_RULE,
+    TRIGGER_RULES,
+)
+from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
@@ -50,6 +58,34 @@ CEL_CASES = [
         {"podTemplate": {"env": [{"name": "PYTORCH_ALLOC_CONF", "value": "x"}]}},
         "spec.podTemplate.env",
         ENV_RULE,
+    ),
+    (
+        {"runtime": "vllm", "memoryPolicy": {"blockSize": 8}},
+        "spec.memoryPolicy.blockSize",
+        BLOCK_SIZE_RULE,
+    ),
+    (
+        {
+            "memoryPolicy": {"gpuMemoryUtilization": 0.8},
+            "remediation": {"adaptive": {"minGpuMemoryUtilization": 0.85}},
+        },
+        "spec.remediation.adaptive.minGpuMemoryUtilization",
+        ADAPTIVE_FLOOR_RULE,
+    ),
+    (
+        {"shutdownGracePeriodSeconds": 20, "remediation": {"drainTimeoutSeconds": 60}},
+        "spec.shutdownGracePeriodSeconds",
+        DRAIN_RULE,
+    ),
+    (
+        {"runtime": "vllm", "remediation": {"triggers": {"fragmentation": {"enabled": True}}}},
+        "spec.remediation.triggers.fragmentation.enabled",
+        TRIGGER_RULES[0],
+    ),
+    (
+        {"runtime": "vllm", "remediation": {"triggers": {"oomEvents": {"enabled": True}}}},
+        "spec.remediation.triggers.oomEvents.enabled",
+        TRIGGER_RULES[1],
     ),
 ]
 SCHEMA_CASES = [
@@ -121,6 +157,7 @@ def test_valid_specs_are_stored_with_defaults(
     assert spec["memoryPolicy"]["blockSize"] == 16
     assert spec["resources"]["requests"]["cpu"] == 4
     assert spec["remediation"]["maxUnavailable"] == 1
+    assert "enabled" not in spec["remediation"]["triggers"]["fragmentation"]
     explain = cluster.kubectl("explain", "llmserver.spec.memoryPolicy.gpuMemoryUtilization")
     assert "the fraction of the GPU's total memory this instance may use" in " ".join(
         explain.stdout.split()
@@ -133,3 +170,17 @@ def test_small_example_passes_a_server_side_dry_run(
     example = Path(__file__).resolve().parents[2] / "examples" / "llmserver-small.yaml"
     result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
     assert "llmserver.pagekeeper.dev/qwen3-0-6b created (server dry run)" in result.stdout
+
+
+def test_vllm_accepts_what_it_can_run(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    """Block sizes 16 and 32, and the triggers it cannot feed unset or switched off."""
+    off = {"fragmentation": {"enabled": False}, "oomEvents": {"enabled": False}}
+    for name, spec in (
+        ("vllm-16", {"runtime": "vllm"}),
+        ("vllm-32", {"runtime": "vllm", "memoryPolicy": {"blockSize": 32}}),
+        ("vllm-off", {"runtime": "vllm", "remediation": {"triggers": off}}),
+    ):
+        result = _apply(cluster, namespace, spec, name=name)
+        assert result.returncode == 0, result.stderr

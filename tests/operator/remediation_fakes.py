@@ -46,6 +46,7 @@ class FakeCluster:
             RemediationSpec.model_validate(self.spec),
             len(self.pod_names),
             tuple(self.pods.values()),
+            "pagekeeper",
         )
         return ServerInfo(state, tuple(self.history))
 

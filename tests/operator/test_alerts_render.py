@@ -12,12 +12,13 @@ from pagekeeper_operator.alerts import (
     ALERT_NAMES,
     ENGINE_METRICS_USED,
     duration_seconds,
-    parse_quantity,
+    quantity_bytes,
     render_alert_rules,
     render_prometheus_rule,
     render_rules_file,
 )
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import TRIGGERS
 
 REPO = Path(__file__).resolve().parents[2]
 SEL = '{namespace="prod", llmserver="chat"}'
@@ -25,7 +26,7 @@ BY = "by (namespace, pod, llmserver)"
 
 
 def test_default_rules_exactly() -> None:
-    rules = render_alert_rules("chat", "prod", RemediationSpec())
+    rules = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
     assert [r["alert"] for r in rules] == list(ALERT_NAMES)
     kv = rules[1]
     assert kv == {
@@ -76,7 +77,7 @@ def test_thresholds_and_durations_come_from_the_spec() -> None:
             }
         }
     )
-    rules = {r["alert"]: r for r in render_alert_rules("chat", "prod", spec)}
+    rules = {r["alert"]: r for r in render_alert_rules("chat", "prod", spec, "pagekeeper")}
     assert rules["PagekeeperFragmentationHigh"]["expr"].endswith(" > 536870912")
     assert " > 0.4\n" in rules["PagekeeperFragmentationHigh"]["expr"]
     assert rules["PagekeeperFragmentationHigh"]["for"] == "30m"
@@ -91,7 +92,9 @@ def test_thresholds_and_durations_come_from_the_spec() -> None:
 
 def test_stall_window_has_a_minimum() -> None:
     spec = RemediationSpec.model_validate({"triggers": {"engineStalled": {"for": "0m"}}})
-    [stalled] = [r for r in render_alert_rules("chat", "prod", spec) if "Stalled" in r["alert"]]
+    [stalled] = [
+        r for r in render_alert_rules("chat", "prod", spec, "pagekeeper") if "Stalled" in r["alert"]
+    ]
     assert stalled["expr"].count("[1m]") == 2
 
 
@@ -99,7 +102,7 @@ def test_disabled_triggers_and_remediation() -> None:
     spec = RemediationSpec.model_validate(
         {"enabled": False, "triggers": {"fragmentation": {"enabled": False}}}
     )
-    rules = render_alert_rules("chat", "prod", spec)
+    rules = render_alert_rules("chat", "prod", spec, "pagekeeper")
     assert [r["alert"] for r in rules] == list(ALERT_NAMES[1:])
     # Still notifying people, but not routed to the operator.
     assert {r["labels"]["pagekeeper_remediate"] for r in rules} == {"false"}
@@ -117,8 +120,10 @@ def test_disabled_triggers_and_remediation() -> None:
             }
         }
     )
-    assert render_alert_rules("chat", "prod", everything_off) == []
-    assert yaml.safe_load(render_rules_file("chat", "prod", everything_off)) == {"groups": []}
+    assert render_alert_rules("chat", "prod", everything_off, "pagekeeper") == []
+    assert yaml.safe_load(render_rules_file("chat", "prod", everything_off, "pagekeeper")) == {
+        "groups": []
+    }
 
 
 def test_prometheus_rule_object() -> None:
@@ -130,7 +135,7 @@ def test_prometheus_rule_object() -> None:
         "controller": True,
         "blockOwnerDeletion": True,
     }
-    rule = render_prometheus_rule("chat", "prod", RemediationSpec(), owner)
+    rule = render_prometheus_rule("chat", "prod", RemediationSpec(), "pagekeeper", owner)
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["kind"] == "PrometheusRule"
     assert rule["metadata"] == {
@@ -147,23 +152,25 @@ def test_prometheus_rule_object() -> None:
         "groups": [
             {
                 "name": "pagekeeper.prod.chat",
-                "rules": render_alert_rules("chat", "prod", RemediationSpec()),
+                "rules": render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper"),
             }
         ]
     }
     assert (
         "ownerReferences"
-        not in render_prometheus_rule("chat", "prod", RemediationSpec(), None)["metadata"]
+        not in render_prometheus_rule("chat", "prod", RemediationSpec(), "pagekeeper", None)[
+            "metadata"
+        ]
     )
 
 
 def test_rules_file_round_trips() -> None:
-    text = render_rules_file("chat", "prod", RemediationSpec())
+    text = render_rules_file("chat", "prod", RemediationSpec(), "pagekeeper")
     assert yaml.safe_load(text) == {
         "groups": [
             {
                 "name": "pagekeeper.prod.chat",
-                "rules": render_alert_rules("chat", "prod", RemediationSpec()),
+                "rules": render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper"),
             }
         ]
     }
@@ -171,17 +178,36 @@ def test_rules_file_round_trips() -> None:
     assert "    expr: |-\n" in text
 
 
-def test_every_metric_read_is_in_the_contract() -> None:
-    exprs = " ".join(r["expr"] for r in render_alert_rules("chat", "prod", RemediationSpec()))
-    used = set(re.findall(r"\b((?:vllm:|pagekeeper_)[a-z_:]+)\{", exprs))
-    assert used == set(ENGINE_METRICS_USED)
+def _series_read(expr: str) -> set[str]:
+    return set(re.findall(r"\b((?:vllm:|pagekeeper_)[a-z_:]+)\{", expr))
+
+
+def test_each_alert_reads_exactly_the_series_its_trigger_lists() -> None:
+    rules = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
+    assert {r["alert"]: _series_read(r["expr"]) for r in rules} == {
+        t.alert: set(t.series) for t in TRIGGERS
+    }
+    assert set().union(*(_series_read(r["expr"]) for r in rules)) == set(ENGINE_METRICS_USED)
+
+
+def test_vllm_gets_only_the_alerts_whose_series_it_exports() -> None:
+    rules = render_alert_rules("chat", "prod", RemediationSpec(), "vllm")
+    assert [r["alert"] for r in rules] == [
+        "PagekeeperKVCacheSaturated",
+        "PagekeeperQueueBacklog",
+        "PagekeeperEngineStalled",
+    ]
+    assert all(name.startswith("vllm:") for r in rules for name in _series_read(r["expr"]))
+    # The same thresholds as for the paged engine: only the missing series decide.
+    pagekeeper = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
+    assert rules == [r for r in pagekeeper if r["alert"] in {r["alert"] for r in rules}]
 
 
 def test_runbook_has_a_section_per_alert() -> None:
     runbook = (REPO / "docs" / "runbook.md").read_text()
     headings = re.findall(r"^## (\S+)\s*$", runbook, flags=re.MULTILINE)
     assert [h for h in headings if h.startswith("Pagekeeper")] == list(ALERT_NAMES)
-    for rule in render_alert_rules("chat", "prod", RemediationSpec()):
+    for rule in render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper"):
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
         assert anchor == rule["alert"].lower()
 
@@ -200,14 +226,8 @@ def test_runbook_has_a_section_per_alert() -> None:
         ("1.0001k", 1001),  # rounded up to whole bytes
     ],
 )
-def test_parse_quantity(quantity: str, num_bytes: int) -> None:
-    assert parse_quantity(quantity) == num_bytes
-
-
-@pytest.mark.parametrize("bad", ["", "1GiB", "-1Gi", "1m", "Gi"])
-def test_parse_quantity_refuses(bad: str) -> None:
-    with pytest.raises(ValueError, match="not a byte quantity"):
-        parse_quantity(bad)
+def test_quantity_bytes(quantity: str, num_bytes: int) -> None:
+    assert quantity_bytes(quantity) == num_bytes
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,18 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pagekeeper_operator.api.llmserver import ENV_RULE, ROLLOUT_RULE, SWAP_RULE, LLMServer
+from pagekeeper_operator.api.llmserver import (
+    ADAPTIVE_FLOOR_RULE,
+    BLOCK_SIZE_RULE,
+    DRAIN_RULE,
+    ROLLOUT_RULE,
+    SWAP_RULE,
+    TRIGGER_RULES,
+    LLMServer,
+)
+from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
-from tests.operator.servers import make_server
+from tests.operator.servers import make_server, server_body
 
 
 def test_defaults_of_a_minimal_server() -> None:
@@ -71,6 +80,23 @@ def _error_messages(spec: dict[str, Any]) -> str:
             {"podTemplate": {"env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "x"}]}},
             ENV_RULE["message"],
         ),
+        ({"runtime": "vllm", "memoryPolicy": {"blockSize": 8}}, BLOCK_SIZE_RULE["message"]),
+        (
+            {"memoryPolicy": {"gpuMemoryUtilization": 0.6}},
+            ADAPTIVE_FLOOR_RULE["message"],
+        ),
+        ({"shutdownGracePeriodSeconds": 20}, DRAIN_RULE["message"]),
+        (
+            {
+                "runtime": "vllm",
+                "remediation": {"triggers": {"fragmentation": {"enabled": True}}},
+            },
+            TRIGGER_RULES[0]["message"],
+        ),
+        (
+            {"runtime": "vllm", "remediation": {"triggers": {"oomEvents": {"enabled": True}}}},
+            TRIGGER_RULES[1]["message"],
+        ),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
@@ -116,6 +142,42 @@ def test_rules_allow_what_they_should() -> None:
     assert split.spec.memory_policy.allocator.max_split_size_mb == 512
     surge = make_server({"rollout": {"maxSurge": 1, "maxUnavailable": 0}})
     assert surge.spec.rollout.max_surge == 1
+    small_blocks = make_server({"memoryPolicy": {"blockSize": 8}})
+    assert small_blocks.spec.memory_policy.block_size == 8
+    low = {"memoryPolicy": {"gpuMemoryUtilization": 0.6}}
+    lowered_floor = make_server(
+        {**low, "remediation": {"adaptive": {"minGpuMemoryUtilization": 0.5}}}
+    )
+    assert lowered_floor.spec.remediation.adaptive.min_gpu_memory_utilization == 0.5
+    # A floor of a disabled step-down bounds nothing.
+    make_server({**low, "remediation": {"adaptive": {"enabled": False}}})
+    grace = make_server(
+        {"shutdownGracePeriodSeconds": 60, "remediation": {"drainTimeoutSeconds": 60}}
+    )
+    assert grace.spec.remediation.drain_timeout_seconds == 60
+    # Switching off what vLLM cannot feed is allowed; leaving it unset is the usual way.
+    off = {"fragmentation": {"enabled": False}, "oomEvents": {"enabled": False}}
+    make_server({"runtime": "vllm", "remediation": {"triggers": off}})
+    on = {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}}
+    make_server({"remediation": {"triggers": on}})
+
+
+def test_a_stored_object_is_read_even_if_a_newer_rule_refuses_it() -> None:
+    """What the API server stored under an earlier schema is reconciled, not rejected."""
+    spec = {
+        "runtime": "vllm",
+        "shutdownGracePeriodSeconds": 30,
+        "remediation": {
+            "drainTimeoutSeconds": 120,
+            "triggers": {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}},
+        },
+    }
+    assert DRAIN_RULE["message"] in _error_messages(spec)
+    server = LLMServer.from_body(server_body(spec))
+    assert server.spec.remediation.drain_timeout_seconds == 120
+    # Rules as old as the stored object still hold.
+    with pytest.raises(ValidationError, match="swapSpaceGiB must be 0"):
+        LLMServer.from_body(server_body({"runtime": "vllm", "memoryPolicy": {"swapSpaceGiB": 1}}))
 
 
 def test_status_conditions_lookup() -> None:

@@ -10,7 +10,13 @@ import pytest
 import yaml
 
 from pagekeeper_operator import crdgen
-from pagekeeper_operator.api.llmserver import SWAP_RULE
+from pagekeeper_operator.api.llmserver import (
+    ADAPTIVE_FLOOR_RULE,
+    BLOCK_SIZE_RULE,
+    DRAIN_RULE,
+    SWAP_RULE,
+    TRIGGER_RULES,
+)
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
 
 
@@ -174,7 +180,13 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
     spec = schema["properties"]["spec"]
     policy = spec["properties"]["memoryPolicy"]
     allocator = policy["properties"]["allocator"]
-    assert spec["x-kubernetes-validations"] == [SWAP_RULE]
+    assert spec["x-kubernetes-validations"] == [
+        SWAP_RULE,
+        BLOCK_SIZE_RULE,
+        ADAPTIVE_FLOOR_RULE,
+        DRAIN_RULE,
+        *TRIGGER_RULES,
+    ]
     assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
     assert allocator["x-kubernetes-validations"] == [SPLIT_SIZE_RULE]
     env = spec["properties"]["podTemplate"]["properties"]["env"]
@@ -184,7 +196,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 6
+    assert len(rules) == 9 + len(TRIGGER_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

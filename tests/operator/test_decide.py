@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.remediation.decide import (
     Decision,
     Memory,
@@ -56,6 +57,7 @@ def snapshot(
     num_desired: int | None = None,
     memory: Memory | None = None,
     extra_pods: list[PodState] | None = None,
+    runtime: Runtime = "pagekeeper",
     **spec: Any,
 ) -> Snapshot:
     pods = pods if pods is not None else [pod("chat-a"), pod("chat-b"), pod("chat-c")]
@@ -65,6 +67,7 @@ def snapshot(
         RemediationSpec.model_validate(spec),
         len(pods) if num_desired is None else num_desired,
         tuple(pods),
+        runtime,
     )
     everything = pods + (extra_pods or [])
     return Snapshot(
@@ -164,6 +167,7 @@ def test_num_unavailable() -> None:
         RemediationSpec(),
         4,
         (pod("a"), pod("b", is_ready=False), pod("c", is_terminating=True)),
+        "pagekeeper",
     )
     # b (not ready), c (terminating) and the fourth that does not exist; then a, evicting.
     assert num_unavailable(server, frozenset()) == 3
@@ -236,6 +240,18 @@ def test_remediation_or_trigger_disabled() -> None:
     assert verdicts(decide([alert(name="PagekeeperEngineStalled")], snapshot(**off), NOW)) == [
         ("chat-a", Verdict.EVICT, None)
     ]
+
+
+def test_an_alert_the_runtime_cannot_feed_is_not_acted_on() -> None:
+    # Under vllm no fragmentation alert is rendered; a stray one (an old rule) is skipped.
+    stray = alert(name="PagekeeperFragmentationHigh")
+    assert verdicts(decide([stray], snapshot(runtime="vllm"), NOW)) == [
+        ("chat-a", Verdict.SKIP, SkipReason.TRIGGER_DISABLED)
+    ]
+    assert verdicts(decide([alert()], snapshot(runtime="vllm"), NOW)) == [
+        ("chat-a", Verdict.EVICT, None)
+    ]
+    assert verdicts(decide([stray], snapshot(), NOW)) == [("chat-a", Verdict.EVICT, None)]
 
 
 def test_alerts_that_are_not_ours() -> None:

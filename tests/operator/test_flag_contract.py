@@ -43,6 +43,7 @@ SPECS: list[dict[str, Any]] = [
             "gpuMemoryUtilization": 0.5,
             "fragmentationBuffer": "1.5Gi",
         },
+        "remediation": {"adaptive": {"minGpuMemoryUtilization": 0.5}},
     },
 ]
 

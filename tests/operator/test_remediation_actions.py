@@ -3,70 +3,62 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
-from kubernetes.client import (
-    ApiClient,
-    V1ObjectMeta,
-    V1OwnerReference,
-    V1Pod,
-    V1PodCondition,
-    V1PodStatus,
-)
+from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.remediation.actions import (
     KubeClusterPort,
     bounded_history,
+    event,
     pod_state,
     server_info,
 )
 from pagekeeper_operator.remediation.decide import PodState
-from pagekeeper_operator.remediation.handlers import webhook_settings
 from pagekeeper_operator.remediation.remediator import EvictionOutcome
 
 
-def v1pod(
+def pod_body(
     name: str,
     *,
     owner_kind: str | None = "ReplicaSet",
     ready: str = "True",
     deleting: bool = False,
     server: str | None = "chat",
-) -> V1Pod:
-    owners = None
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": "prod",
+        "labels": {"pagekeeper.dev/llmserver": server} if server else {},
+    }
     if owner_kind is not None:
-        owners = [
-            V1OwnerReference(
-                api_version="apps/v1", kind=owner_kind, name="chat-6d8f", uid="u", controller=True
-            )
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": "apps/v1",
+                "kind": owner_kind,
+                "name": "chat-6d8f",
+                "uid": "u",
+                "controller": True,
+            }
         ]
-    return V1Pod(
-        metadata=V1ObjectMeta(
-            name=name,
-            namespace="prod",
-            labels={"pagekeeper.dev/llmserver": server} if server else {},
-            owner_references=owners,
-            deletion_timestamp=datetime(2026, 3, 1, tzinfo=UTC) if deleting else None,
-        ),
-        status=V1PodStatus(conditions=[V1PodCondition(type="Ready", status=ready)]),
-    )
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-03-01T00:00:00Z"
+    return {"metadata": metadata, "status": {"conditions": [{"type": "Ready", "status": ready}]}}
 
 
 def test_pod_state() -> None:
-    assert pod_state(v1pod("a")) == PodState("a", "prod", "chat", True, False)
-    assert pod_state(v1pod("b", ready="False", deleting=True)) == PodState(
+    assert pod_state(pod_body("a")) == PodState("a", "prod", "chat", True, False)
+    assert pod_state(pod_body("b", ready="False", deleting=True)) == PodState(
         "b", "prod", "chat", False, True
     )
     # The label alone does not make a pod the server's: a ReplicaSet must control it.
-    assert pod_state(v1pod("c", owner_kind=None)).server is None
-    assert pod_state(v1pod("d", owner_kind="StatefulSet")).server is None
-    assert pod_state(v1pod("e", server=None)).server is None
+    assert pod_state(pod_body("c", owner_kind=None)).server is None
+    assert pod_state(pod_body("d", owner_kind="StatefulSet")).server is None
+    assert pod_state(pod_body("e", server=None)).server is None
 
 
 def record(pod: str) -> RemediationRecord:
@@ -92,7 +84,12 @@ def test_bounded_history_keeps_the_most_recent() -> None:
 def test_server_info_from_the_api_object() -> None:
     body = {
         "metadata": {"name": "chat", "namespace": "prod"},
-        "spec": {"replicas": 3, "remediation": {"cooldownSeconds": 30}},
+        "spec": {
+            "model": {"source": "/m"},
+            "runtime": "vllm",
+            "replicas": 3,
+            "remediation": {"cooldownSeconds": 30},
+        },
         "status": {"remediationHistory": [record("a").model_dump(by_alias=True)]},
     }
     mine = PodState("a", "prod", "chat", True, False)
@@ -102,7 +99,12 @@ def test_server_info_from_the_api_object() -> None:
     assert info.state.remediation.cooldown_seconds == 30
     assert info.state.pods == (mine,)
     assert info.history == (record("a"),)
-    bare = server_info({"metadata": {"name": "chat", "namespace": "prod"}, "spec": {}}, [])
+    assert info.state.runtime == "vllm"
+    bare_body = {
+        "metadata": {"name": "chat", "namespace": "prod"},
+        "spec": {"model": {"source": "/m"}},
+    }
+    bare = server_info(bare_body, [])
     assert (bare.state.num_desired, bare.state.remediation.cooldown_seconds, bare.history) == (
         1,
         600,
@@ -110,13 +112,16 @@ def test_server_info_from_the_api_object() -> None:
     )
 
 
-class StubCore:
-    def __init__(self, error: ApiException | None) -> None:
-        self.error = error
-        self.calls: list[tuple[str, str, Any]] = []
+class StubKube(Kube):
+    """The adapter with its eviction answered by a fixed API response."""
 
-    def create_namespaced_pod_eviction(self, name: str, namespace: str, body: Any) -> None:
-        self.calls.append((name, namespace, body))
+    def __init__(self, error: ApiException | None) -> None:
+        super().__init__(ApiClient())
+        self.error = error
+        self.evicted: list[tuple[str, str]] = []
+
+    def evict(self, namespace: str, pod: str) -> None:
+        self.evicted.append((namespace, pod))
         if self.error is not None:
             raise self.error
 
@@ -132,25 +137,26 @@ class StubCore:
     ],
 )
 def test_evict_maps_api_answers(error: ApiException | None, outcome: EvictionOutcome) -> None:
-    port = KubeClusterPort(ApiClient())
-    stub = StubCore(error)
-    port.core = stub  # type: ignore[assignment]
-    result, _ = asyncio.run(port.evict("prod", "chat-a"))
+    kube = StubKube(error)
+    result, _ = asyncio.run(KubeClusterPort(kube).evict("prod", "chat-a"))
     assert result is outcome
-    [(name, namespace, body)] = stub.calls
-    assert (name, namespace) == ("chat-a", "prod")
-    assert (body.api_version, body.kind, body.metadata.name) == ("policy/v1", "Eviction", "chat-a")
-    # No delete options: the pod's own grace period applies, and nothing is forced.
-    assert body.delete_options is None
+    assert kube.evicted == [("prod", "chat-a")]
 
 
-def test_webhook_settings(tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    settings = webhook_settings(
-        {"PAGEKEEPER_WEBHOOK_PORT": "9443", "PAGEKEEPER_WEBHOOK_TOKEN_FILE": str(token)}
+def test_event_about_a_server() -> None:
+    body = event("prod", "chat", "u-1", "Warning", "EvictionBlocked", "no")
+    assert body["metadata"] == {"generateName": "chat.", "namespace": "prod"}
+    assert body["involvedObject"] == {
+        "apiVersion": "pagekeeper.dev/v1alpha1",
+        "kind": "LLMServer",
+        "name": "chat",
+        "namespace": "prod",
+        "uid": "u-1",
+    }
+    assert (body["type"], body["reason"], body["message"], body["count"]) == (
+        "Warning",
+        "EvictionBlocked",
+        "no",
+        1,
     )
-    assert (settings.port, settings.token_file, settings.tls_cert_file) == (9443, token, None)
-    assert webhook_settings({}).token_file is None
-    assert webhook_settings({}).port == 8443
-    with pytest.raises(kopf.PermanentError, match="set both"):
-        webhook_settings({"PAGEKEEPER_WEBHOOK_TLS_CERT_FILE": "/tls/crt"})
+    assert "uid" not in event("prod", "chat", None, "Normal", "PodEvicted", "")["involvedObject"]

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +94,15 @@ class _StatusPort:
         self.body = body
         self.events: list[str] = []
 
-    async def read_server_object(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.body)
-
-    async def patch_server_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
-    ) -> bool:
-        assert resource_version == self.body["metadata"]["resourceVersion"]
-        self.body["status"] = {**self.body.get("status", {}), **status}
-        self.body["metadata"]["resourceVersion"] = str(int(resource_version) + 1)
-        return True
+    async def update_server_status(
+        self, namespace: str, name: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> dict[str, Any] | None:
+        before = copy.deepcopy(self.body)
+        patch = change(before)
+        if patch is None:
+            return None
+        self.body["status"] = {**self.body.get("status", {}), **patch}
+        return before
 
     async def emit_event(
         self, namespace: str, server: str, type_: str, reason: str, message: str
@@ -145,3 +145,22 @@ def test_a_step_down_reconciles_the_server_at_once(
     asyncio.run(handlers._respond(runtime, "ml", "qwen", "qwen-a", classification, "k1", "t"))
     assert port.events == [event]
     assert calls == ([("ml", "qwen", 0.85)] if reconciled else [])
+
+
+def test_an_oom_already_recorded_is_not_answered_twice() -> None:
+    body = server_body()
+    port = _StatusPort(body)
+
+    async def reconcile_server(namespace: str, name: str) -> None:
+        raise AssertionError("nothing to reconcile")
+
+    runtime = handlers.RemediationRuntime(
+        port=port,  # type: ignore[arg-type]
+        remediator=Remediator(port),  # type: ignore[arg-type]
+        reconcile_server=reconcile_server,
+    )
+    oom = OOMClassification("gpu", "startup", "")
+    asyncio.run(handlers._respond(runtime, "ml", "qwen", "qwen-a", oom, "k1", "t"))
+    asyncio.run(handlers._respond(runtime, "ml", "qwen", "qwen-a", oom, "k1", "t"))
+    assert port.events == ["GPUOutOfMemoryAtStartup"]
+    assert len(port.body["status"]["remediationHistory"]) == 1

@@ -405,11 +405,13 @@ def test_service_pdb_and_service_monitor_exactly() -> None:
 def test_user_brings_their_own_disruption_budget() -> None:
     managed = make_server()
     assert managed.spec.disruption_budget.managed is True
-    assert unwanted_objects(managed) == []
+    assert unwanted_objects(managed, ClusterFeatures()) == []
     own = make_server({"disruptionBudget": {"managed": False}})
     kinds = [o["kind"] for o in render_all(own, DEFAULT_IMAGES, ClusterFeatures(True, True))]
     assert kinds == ["Service", "Deployment", "ServiceMonitor", "PrometheusRule"]
-    assert unwanted_objects(own) == [("policy/v1", "PodDisruptionBudget", "qwen")]
+    assert unwanted_objects(own, ClusterFeatures()) == [
+        ("policy/v1", "PodDisruptionBudget", "qwen")
+    ]
 
 
 def test_render_all_follows_cluster_features() -> None:
@@ -422,3 +424,59 @@ def test_render_all_follows_cluster_features() -> None:
     assert rule["metadata"]["namespace"] == "ml"
     assert rule["metadata"]["ownerReferences"] == [OWNER]
     assert rule["spec"]["groups"][0]["rules"]
+
+
+POOL_SPEC = {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "qwen-epp"}}}}
+ALL_FEATURES = ClusterFeatures(True, True, True)
+
+
+def test_inference_pool_exactly() -> None:
+    server = make_server(POOL_SPEC)
+    pool = render_all(server, DEFAULT_IMAGES, ALL_FEATURES)[-1]
+    assert pool == {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {
+            "name": "qwen",
+            "namespace": "ml",
+            "labels": LABELS,
+            "ownerReferences": [OWNER],
+        },
+        "spec": {
+            "selector": {"matchLabels": SELECTOR},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": "qwen-epp",
+                "port": {"number": 9002},
+                "failureMode": "FailClose",
+            },
+        },
+    }
+    # The pool selects exactly the Deployment's pods, on the port their container serves.
+    deployment = render_deployment(server, DEFAULT_IMAGES)
+    assert deployment["spec"]["selector"]["matchLabels"] == SELECTOR
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["ports"][0]["containerPort"] == 8000
+    picker = {"name": "epp", "port": 9100, "failureMode": "FailOpen"}
+    other = make_server({"gateway": {"inferencePool": {"endpointPickerRef": picker}}})
+    ref = render_all(other, DEFAULT_IMAGES, ALL_FEATURES)[-1]["spec"]["endpointPickerRef"]
+    assert ref == {
+        "kind": "Service",
+        "name": "epp",
+        "port": {"number": 9100},
+        "failureMode": "FailOpen",
+    }
+
+
+def test_inference_pool_needs_the_spec_and_the_crd() -> None:
+    kinds = [o["kind"] for o in render_all(make_server(), DEFAULT_IMAGES, ALL_FEATURES)]
+    assert "InferencePool" not in kinds  # off by default
+    asked = make_server(POOL_SPEC)
+    without_crd = render_all(asked, DEFAULT_IMAGES, ClusterFeatures(True, True, False))
+    assert "InferencePool" not in [o["kind"] for o in without_crd]
+    # Once unset, the one the operator made is deleted; without the CRD nothing is looked for.
+    pool_key = ("inference.networking.k8s.io/v1", "InferencePool", "qwen")
+    assert unwanted_objects(make_server(), ALL_FEATURES) == [pool_key]
+    assert unwanted_objects(make_server(), ClusterFeatures()) == []
+    assert unwanted_objects(asked, ALL_FEATURES) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pagekeeper_operator.settings import SettingsError, load_settings
@@ -45,8 +47,26 @@ def test_values_from_env() -> None:
         ({"PAGEKEEPER_WEBHOOK_PORT": "http"}, "PAGEKEEPER_WEBHOOK_PORT"),
         ({"PAGEKEEPER_LOG_FORMAT": "xml"}, "PAGEKEEPER_LOG_FORMAT"),
         ({"PAGEKEEPER_RESYNC_SECONDS": "1"}, "PAGEKEEPER_RESYNC_SECONDS"),
+        ({"PAGEKEEPER_WEBHOOK_TLS_CERT_FILE": "/tls/crt"}, "PAGEKEEPER_WEBHOOK_TLS_KEY_FILE"),
+        ({"PAGEKEEPER_WEBHOOK_TLS_KEY_FILE": "/tls/key"}, "PAGEKEEPER_WEBHOOK_TLS_CERT_FILE"),
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], name: str) -> None:
     with pytest.raises(SettingsError, match=name):
         load_settings(env)
+
+
+def test_webhook_files() -> None:
+    assert load_settings({}).webhook_token_file is None
+    settings = load_settings(
+        {
+            "PAGEKEEPER_WEBHOOK_TOKEN_FILE": "/secrets/token",
+            "PAGEKEEPER_WEBHOOK_TLS_CERT_FILE": "/tls/tls.crt",
+            "PAGEKEEPER_WEBHOOK_TLS_KEY_FILE": " /tls/tls.key ",
+        }
+    )
+    assert settings.webhook_token_file == Path("/secrets/token")
+    assert (settings.webhook_tls_cert_file, settings.webhook_tls_key_file) == (
+        Path("/tls/tls.crt"),
+        Path("/tls/tls.key"),
+    )

@@ -8,16 +8,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
+from pagekeeper_operator.api.gateway import GatewaySpec
+from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import (
+    RUNTIMES,
+    TRIGGERS,
+    Runtime,
+    missing_series,
+    unfed_message,
+)
 from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
     MAX_NAME_LENGTH,
+    STRING_MAP,
     ApiModel,
-    FreeForm,
-    JsonDict,
     Quantity,
     cel,
     validations,
@@ -31,12 +39,8 @@ PLURAL = "llmservers"
 SINGULAR = "llmserver"
 SHORT_NAMES = ["llms"]
 CATEGORIES = ["pagekeeper"]
-
-Runtime = Literal["pagekeeper", "vllm"]
-# Names the operator sets itself from memoryPolicy.allocator; a user value would fight it.
-RESERVED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-MAX_LIST_ITEMS = 64
-MAX_MAP_ITEMS = 64
+# Validation context of an object read back from the API server (see `LLMServer.from_body`).
+STORED_CONTEXT = "stored"
 
 SWAP_RULE = cel(
     "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
@@ -44,18 +48,52 @@ SWAP_RULE = cel(
     "(only the pagekeeper runtime swaps KV blocks to CPU memory)",
     ".memoryPolicy.swapSpaceGiB",
 )
+BLOCK_SIZE_RULE = cel(
+    "self.runtime == 'pagekeeper' || self.memoryPolicy.blockSize != 8",
+    "spec.memoryPolicy.blockSize must be 16 or 32 when spec.runtime is vllm "
+    "(vLLM's CUDA attention backends need a multiple of 16)",
+    ".memoryPolicy.blockSize",
+)
+ADAPTIVE_FLOOR_RULE = cel(
+    "!self.remediation.adaptive.enabled"
+    " || self.remediation.adaptive.minGpuMemoryUtilization"
+    " <= self.memoryPolicy.gpuMemoryUtilization",
+    "spec.remediation.adaptive.minGpuMemoryUtilization must be <= "
+    "spec.memoryPolicy.gpuMemoryUtilization (the floor of a step-down cannot be above the "
+    "utilization it steps down from)",
+    ".remediation.adaptive.minGpuMemoryUtilization",
+)
+DRAIN_RULE = cel(
+    "self.shutdownGracePeriodSeconds >= self.remediation.drainTimeoutSeconds",
+    "spec.shutdownGracePeriodSeconds must be >= spec.remediation.drainTimeoutSeconds (a "
+    "shorter grace period lets the kubelet kill a pod in the middle of its drain)",
+    ".shutdownGracePeriodSeconds",
+)
+
+
+def _trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
+    enabled = f"self.remediation.triggers.{key}.enabled"
+    return cel(
+        f"self.runtime != '{runtime}' || !has({enabled}) || !{enabled}",
+        f"spec.remediation.triggers.{key}.enabled must not be true when spec.runtime is "
+        f"{runtime} ({reason}, so its alert could never fire; leave it unset)",
+        f".remediation.triggers.{key}.enabled",
+    )
+
+
+# A trigger switched on explicitly for a runtime that does not export what its alert reads.
+TRIGGER_RULES: tuple[dict[str, str], ...] = tuple(
+    _trigger_rule(runtime, trigger.key, unfed_message(runtime, trigger))
+    for runtime in RUNTIMES
+    for trigger in TRIGGERS
+    if missing_series(runtime, trigger)
+)
 ROLLOUT_RULE = cel(
     "self.maxSurge > 0 || self.maxUnavailable > 0",
     "spec.rollout.maxUnavailable must be > 0 when maxSurge is 0 (a rollout must be able to "
     "replace a pod)",
     ".maxUnavailable",
 )
-ENV_RULE = cel(
-    "self.all(e, e.name != 'PYTORCH_CUDA_ALLOC_CONF' && e.name != 'PYTORCH_ALLOC_CONF')",
-    "spec.podTemplate.env must not set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: use "
-    "spec.memoryPolicy.allocator",
-)
-_STRING_MAP: JsonDict = {"maxProperties": MAX_MAP_ITEMS}
 
 
 class ModelSource(ApiModel):
@@ -124,75 +162,8 @@ class ServiceSpec(ApiModel):
     )
     port: int = Field(default=8000, ge=1, le=65535, description="Port the Service listens on.")
     annotations: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Service annotations."
+        default_factory=dict, json_schema_extra=STRING_MAP, description="Service annotations."
     )
-
-
-class EnvVar(ApiModel):
-    """An extra environment variable for the engine container."""
-
-    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Variable name.")
-    value: str | None = Field(default=None, max_length=32768, description="Literal value.")
-    value_from: FreeForm | None = Field(
-        default=None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, ...)."
-    )
-
-
-class VolumeMount(ApiModel):
-    """Where an extra volume appears in the engine container."""
-
-    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="Volume name.")
-    mount_path: str = Field(min_length=1, max_length=4096, description="Path in the container.")
-    read_only: bool = Field(default=False, description="Mount read-only.")
-    sub_path: str | None = Field(default=None, max_length=4096, description="Sub-path to mount.")
-
-
-class PodTemplateOverrides(ApiModel):
-    """Additions to the pods the operator renders; the operator's own fields always win."""
-
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra nodeSelector."
-    )
-    tolerations: list[FreeForm] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="core/v1 Tolerations."
-    )
-    affinity: FreeForm | None = Field(default=None, description="A core/v1 Affinity.")
-    priority_class_name: str | None = Field(
-        default=None, max_length=MAX_NAME_LENGTH, description="PriorityClass of the pods."
-    )
-    service_account_name: str | None = Field(
-        default=None, max_length=MAX_NAME_LENGTH, description="ServiceAccount the pods run as."
-    )
-    image_pull_secrets: list[str] = Field(
-        default_factory=list,
-        max_length=16,
-        json_schema_extra={"items": {"type": "string", "maxLength": MAX_NAME_LENGTH}},
-        description="Names of Secrets used to pull the image.",
-    )
-    env: list[EnvVar] = Field(
-        default_factory=list,
-        max_length=MAX_LIST_ITEMS,
-        json_schema_extra=validations(ENV_RULE),
-        description="Extra environment variables (not the allocator's: see memoryPolicy).",
-    )
-    volumes: list[FreeForm] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="Extra core/v1 Volumes."
-    )
-    volume_mounts: list[VolumeMount] = Field(
-        default_factory=list, max_length=MAX_LIST_ITEMS, description="Mounts of extra volumes."
-    )
-    annotations: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Pod annotations."
-    )
-    labels: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra pod labels."
-    )
-
-    @model_validator(mode="after")
-    def _check_env(self) -> PodTemplateOverrides:
-        if any(env.name in RESERVED_ENV for env in self.env):
-            raise ValueError(ENV_RULE["message"])
-        return self
 
 
 class RolloutSpec(ApiModel):
@@ -234,7 +205,11 @@ class DisruptionBudgetSpec(ApiModel):
 class LLMServerSpec(ApiModel):
     """Desired state of an LLMServer."""
 
-    model_config = ConfigDict(json_schema_extra=validations(SWAP_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            SWAP_RULE, BLOCK_SIZE_RULE, ADAPTIVE_FLOOR_RULE, DRAIN_RULE, *TRIGGER_RULES
+        )
+    )
 
     model: ModelSource = Field(description="The model to serve.")
     runtime: Runtime = Field(
@@ -271,6 +246,10 @@ class LLMServerSpec(ApiModel):
         default_factory=PodTemplateOverrides, description="Additions to the rendered pods."
     )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout strategy.")
+    gateway: GatewaySpec = Field(
+        default_factory=GatewaySpec,
+        description="Inference gateway integration (Gateway API Inference Extension).",
+    )
     shutdown_grace_period_seconds: int = Field(
         default=30,
         ge=1,
@@ -282,9 +261,28 @@ class LLMServerSpec(ApiModel):
     )
 
     @model_validator(mode="after")
-    def _check_swap(self) -> LLMServerSpec:
-        if self.runtime != "pagekeeper" and self.memory_policy.swap_space_gib != 0.0:
+    def _check_cross_fields(self, info: ValidationInfo) -> LLMServerSpec:
+        policy, remediation = self.memory_policy, self.remediation
+        if self.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
             raise ValueError(SWAP_RULE["message"])
+        if (info.context or {}).get(STORED_CONTEXT):
+            # The API server enforces the rules below on every write. An object it stored under
+            # an earlier schema may break them; it is still reconciled as written (alerts follow
+            # the runtime whatever `enabled` says) until its next write meets the CRD.
+            return self
+        if self.runtime != "pagekeeper" and policy.block_size == 8:
+            raise ValueError(BLOCK_SIZE_RULE["message"])
+        adaptive = remediation.adaptive
+        if adaptive.enabled and adaptive.min_gpu_memory_utilization > policy.gpu_memory_utilization:
+            raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
+        if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
+            raise ValueError(DRAIN_RULE["message"])
+        for trigger in TRIGGERS:
+            if missing_series(self.runtime, trigger) and (
+                remediation.triggers.by_key(trigger.key).enabled
+            ):
+                reason = unfed_message(self.runtime, trigger)
+                raise ValueError(_trigger_rule(self.runtime, trigger.key, reason)["message"])
         return self
 
 
@@ -314,5 +312,5 @@ class LLMServer(ApiModel):
 
     @classmethod
     def from_body(cls, body: Any) -> LLMServer:
-        """Parse an object as the API (or kopf's body) gives it."""
-        return cls.model_validate(dict(body))
+        """Parse an object as the API (or kopf's body) gives it: stored, so already admitted."""
+        return cls.model_validate(dict(body), context={STORED_CONTEXT: True})

@@ -24,12 +24,24 @@ class _Model(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
 
-class FragmentationTrigger(_Model):
+class _Trigger(_Model):
+    enabled: bool | None = Field(
+        default=None,
+        description=(
+            "Render this trigger's alert for this server. Unset: on wherever spec.runtime "
+            "exports the series the alert reads (status.triggers says which are active and why "
+            "the others are not); true for a runtime that cannot feed it is refused; false: off."
+        ),
+    )
+
+    def is_on_for(self, can_feed: bool) -> bool:
+        """Whether the alert is rendered, given whether the runtime exports its series."""
+        return can_feed and self.enabled is not False
+
+
+class FragmentationTrigger(_Trigger):
     """Allocator fragmentation: memory the caching allocator reserved but does not use."""
 
-    enabled: bool = Field(
-        default=True, description="Fire PagekeeperFragmentationHigh for this server."
-    )
     threshold: float = Field(
         default=0.25,
         gt=0.0,
@@ -57,12 +69,9 @@ class FragmentationTrigger(_Model):
     )
 
 
-class KVCacheSaturationTrigger(_Model):
+class KVCacheSaturationTrigger(_Trigger):
     """The paged KV cache is (nearly) full, so requests queue or are preempted."""
 
-    enabled: bool = Field(
-        default=True, description="Fire PagekeeperKVCacheSaturated for this server."
-    )
     threshold: float = Field(
         default=0.95,
         gt=0.0,
@@ -78,10 +87,9 @@ class KVCacheSaturationTrigger(_Model):
     )
 
 
-class QueueBacklogTrigger(_Model):
+class QueueBacklogTrigger(_Trigger):
     """Requests wait far longer than they run: the pod admits too little work."""
 
-    enabled: bool = Field(default=True, description="Fire PagekeeperQueueBacklog for this server.")
     ratio: float = Field(
         default=3.0,
         gt=0.0,
@@ -97,10 +105,9 @@ class QueueBacklogTrigger(_Model):
     )
 
 
-class EngineStalledTrigger(_Model):
+class EngineStalledTrigger(_Trigger):
     """Requests wait but none completes: the engine is stuck, not merely idle."""
 
-    enabled: bool = Field(default=True, description="Fire PagekeeperEngineStalled for this server.")
     for_: str = Field(
         default="5m",
         alias="for",
@@ -113,10 +120,9 @@ class EngineStalledTrigger(_Model):
     )
 
 
-class OOMEventsTrigger(_Model):
+class OOMEventsTrigger(_Trigger):
     """The engine recovered from (or died of) an out-of-memory error."""
 
-    enabled: bool = Field(default=True, description="Fire PagekeeperOOMEvents for this server.")
     for_: str = Field(
         default="0m",
         alias="for",
@@ -153,6 +159,15 @@ class RemediationTriggers(_Model):
         alias="oomEvents",
         description="Out-of-memory events (PagekeeperOOMEvents).",
     )
+
+    def by_key(self, key: str) -> _Trigger:
+        """The trigger under its camelCase key (`api.runtime.TRIGGERS`)."""
+        for name, field in type(self).model_fields.items():
+            if (field.alias or name) == key:
+                trigger = getattr(self, name)
+                assert isinstance(trigger, _Trigger), f"{key} is not a trigger"
+                return trigger
+        raise KeyError(key)
 
 
 class AdaptiveSpec(_Model):
@@ -225,15 +240,15 @@ class RemediationSpec(_Model):
         ),
     )
     drain_timeout_seconds: int = Field(
-        default=120,
+        default=30,
         ge=0,
         le=3600,
         alias="drainTimeoutSeconds",
         description=(
             "How long an evicted pod counts as being evicted (toward maxUnavailable) while it "
             "drains; past it, a pod still present is reported (EvictionStuck Event) and no "
-            "longer counted. The drain itself is bounded by the pod's termination grace period "
-            "(spec.shutdownGracePeriodSeconds)."
+            "longer counted. At most spec.shutdownGracePeriodSeconds, the time the engine gets "
+            "to drain before the kubelet stops it."
         ),
     )
     hysteresis_seconds: int = Field(

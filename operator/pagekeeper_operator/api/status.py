@@ -32,6 +32,24 @@ class Condition(ApiModel):
     )
 
 
+class TriggerStatus(ApiModel):
+    """Whether one alert trigger is active for this server, and why (not)."""
+
+    name: str = Field(
+        max_length=64, description="The trigger (a key of spec.remediation.triggers)."
+    )
+    alert: str = Field(max_length=128, description="The alert it renders.")
+    active: bool = Field(description="Whether the alert is rendered for this server.")
+    reason: str = Field(
+        max_length=64,
+        description=(
+            "Active; DisabledInSpec (enabled: false); SeriesNotExported (the runtime does not "
+            "export a series the alert reads, so it could never fire)."
+        ),
+    )
+    message: str = Field(default="", max_length=1024, description="Human-readable detail.")
+
+
 class LLMServerStatus(ApiModel):
     """Observed state of an LLMServer, written only by the operator."""
 
@@ -71,6 +89,15 @@ class LLMServerStatus(ApiModel):
         default=None,
         max_length=64,
         description="Hash of effectiveMemoryPolicy (the pods' pagekeeper.dev/policy-hash).",
+    )
+    triggers: list[TriggerStatus] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description=(
+            "The alert triggers of spec.remediation: which are active for this server's runtime "
+            "and spec, and why the others are not."
+        ),
     )
     last_remediation: str | None = Field(
         default=None, description="Time of the most recent remediation (RFC 3339)."

@@ -8,8 +8,10 @@ mirrored by a pydantic validator that raises the same message.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Annotated, Any
 
+from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
@@ -17,7 +19,11 @@ from pydantic.alias_generators import to_camel
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE])?$"
 MAX_NAME_LENGTH = 253
 MAX_TEXT_LENGTH = 4096
+MAX_LIST_ITEMS = 64
+MAX_MAP_ITEMS = 64
 JsonDict = dict[str, Any]
+STRING_MAP: JsonDict = {"maxProperties": MAX_MAP_ITEMS}
+"""`json_schema_extra` of a string-to-string map (labels, annotations)."""
 
 
 def _quantity_text(value: object) -> object:
@@ -40,6 +46,17 @@ Quantity = Annotated[
     ),
 ]
 """A Kubernetes resource quantity; an int in YAML is accepted and kept as its text."""
+
+
+def quantity_value(text: str | int) -> Decimal:
+    """The number a Kubernetes quantity stands for (`1Gi` -> 1073741824, `500m` -> 0.5).
+
+    Raises ValueError for text that is not a quantity.
+    """
+    value = parse_quantity(text)  # type: ignore[no-untyped-call]
+    assert isinstance(value, Decimal), f"parse_quantity({text!r}) gave {value!r}"
+    return value
+
 
 FreeForm = Annotated[
     dict[str, Any],

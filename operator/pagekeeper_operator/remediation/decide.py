@@ -15,15 +15,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from pagekeeper_operator.alerts import (
-    ALERT_ENGINE_STALLED,
-    ALERT_FRAGMENTATION,
-    ALERT_KV_CACHE_SATURATED,
-    ALERT_OOM_EVENTS,
-    ALERT_QUEUE_BACKLOG,
-)
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import TRIGGER_BY_ALERT, Runtime
 from pagekeeper_operator.remediation.payload import WebhookAlert
+from pagekeeper_operator.triggers import is_active
 
 ServerKey = tuple[str, str]
 """(namespace, LLMServer name)."""
@@ -79,6 +74,7 @@ class ServerState:
     remediation: RemediationSpec
     num_desired: int
     pods: tuple[PodState, ...]
+    runtime: Runtime
 
 
 @dataclass(frozen=True)
@@ -117,17 +113,12 @@ class Decision:
         return self.reason in RETRYABLE_REASONS
 
 
-def trigger_enabled(remediation: RemediationSpec, alert: str) -> bool | None:
-    """Whether the trigger behind `alert` is on; None for an alert that is not ours."""
-    triggers = remediation.triggers
-    enabled = {
-        ALERT_FRAGMENTATION: triggers.fragmentation.enabled,
-        ALERT_KV_CACHE_SATURATED: triggers.kv_cache_saturation.enabled,
-        ALERT_QUEUE_BACKLOG: triggers.queue_backlog.enabled,
-        ALERT_ENGINE_STALLED: triggers.engine_stalled.enabled,
-        ALERT_OOM_EVENTS: triggers.oom_events.enabled,
-    }
-    return enabled.get(alert)
+def trigger_enabled(server: ServerState, alert: str) -> bool | None:
+    """Whether the trigger behind `alert` is active for `server`; None for an alert not ours."""
+    trigger = TRIGGER_BY_ALERT.get(alert)
+    if trigger is None:
+        return None
+    return is_active(server.runtime, server.remediation, trigger)
 
 
 def num_unavailable(server: ServerState, evicting: frozenset[str]) -> int:
@@ -205,13 +196,13 @@ def _decide_one(
         return skip(SkipReason.NOT_OWNED, f"pod {namespace}/{pod_name} has no LLMServer")
     name = server.name
     spec = server.remediation
-    is_trigger_enabled = trigger_enabled(spec, alert.name)
+    is_trigger_enabled = trigger_enabled(server, alert.name)
     if is_trigger_enabled is None:
         return skip(SkipReason.UNKNOWN_ALERT, f"{alert.name} is not a pagekeeper alert", name)
     if not spec.enabled:
         return skip(SkipReason.DISABLED, "spec.remediation.enabled is false", name)
     if not is_trigger_enabled:
-        return skip(SkipReason.TRIGGER_DISABLED, f"the trigger of {alert.name} is disabled", name)
+        return skip(SkipReason.TRIGGER_DISABLED, f"the trigger of {alert.name} is not active", name)
     evicting = frozenset(working.evicting.get((namespace, name), set()))
     if pod.is_terminating or pod.name in evicting:
         return skip(SkipReason.POD_GOING_AWAY, "the pod is already going away", name)

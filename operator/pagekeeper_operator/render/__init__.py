@@ -1,4 +1,6 @@
-"""Pure rendering: an LLMServer in, the Kubernetes objects that serve it out.
+"""Pure rendering: an LLMServer in, the Kubernetes objects that serve it out (Service,
+PodDisruptionBudget, Deployment, and where the cluster has their CRDs: ServiceMonitor,
+PrometheusRule, InferencePool).
 
 Nothing here talks to the API; `kube` applies what these functions return.
 """
@@ -11,6 +13,11 @@ from typing import Any
 
 from pagekeeper_operator.alerts import render_prometheus_rule
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.render.gateway import (
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    render_inference_pool,
+)
 from pagekeeper_operator.render.meta import owner_reference
 from pagekeeper_operator.render.network import (
     render_pod_disruption_budget,
@@ -26,6 +33,7 @@ class ClusterFeatures:
 
     has_service_monitor: bool = False
     has_prometheus_rule: bool = False
+    has_inference_pool: bool = False
 
 
 def render_all(
@@ -44,24 +52,33 @@ def render_all(
                 server.metadata.name,
                 server.metadata.namespace,
                 server.spec.remediation,
+                server.spec.runtime,
                 owner_reference(server),
             )
         )
+    pool = server.spec.gateway.inference_pool
+    if features.has_inference_pool and pool is not None:
+        objects.append(render_inference_pool(server, pool))
     return objects
 
 
-def unwanted_objects(server: LLMServer) -> list[tuple[str, str, str]]:
+def unwanted_objects(server: LLMServer, features: ClusterFeatures) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of objects this server may once have had and must not have now;
     the reconcile deletes those it controls."""
-    if server.spec.disruption_budget.managed:
-        return []
-    return [("policy/v1", "PodDisruptionBudget", server.metadata.name)]
+    name = server.metadata.name
+    unwanted = []
+    if not server.spec.disruption_budget.managed:
+        unwanted.append(("policy/v1", "PodDisruptionBudget", name))
+    if features.has_inference_pool and server.spec.gateway.inference_pool is None:
+        unwanted.append((INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND, name))
+    return unwanted
 
 
 __all__ = [
     "ClusterFeatures",
     "render_all",
     "render_deployment",
+    "render_inference_pool",
     "render_pod_disruption_budget",
     "render_service",
     "render_service_monitor",

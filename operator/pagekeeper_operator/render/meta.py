@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
@@ -40,6 +41,20 @@ def owner_reference(server: LLMServer) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def is_controlled_by(
+    obj: Mapping[str, Any], *, uid: str | None = None, kind: str | None = None
+) -> bool:
+    """Whether `obj`'s controller (the owner reference marked `controller`) is the object with
+    `uid` and/or of `kind`; an empty `uid` matches nothing."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    controller = next((ref for ref in refs if ref.get("controller")), None)
+    if controller is None or uid == "":
+        return False
+    return (uid is None or controller.get("uid") == uid) and (
+        kind is None or controller.get("kind") == kind
+    )
 
 
 def object_meta(server: LLMServer, name: str | None = None) -> dict[str, Any]:

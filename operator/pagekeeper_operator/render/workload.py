@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagekeeper_operator.api.llmserver import LLMServer, Runtime
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.render.engine import CACHE_DIR, TMP_DIR, engine_command, engine_env
 from pagekeeper_operator.render.meta import (

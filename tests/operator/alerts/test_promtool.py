@@ -287,8 +287,12 @@ def promtool() -> str:
 
 
 def write_rules(tmp_path: Path) -> list[str]:
-    (tmp_path / "chat.rules.yml").write_text(render_rules_file(SERVER, NS, RemediationSpec()))
-    (tmp_path / "batch.rules.yml").write_text(render_rules_file(CUSTOM_SERVER, NS, CUSTOM_SPEC))
+    (tmp_path / "chat.rules.yml").write_text(
+        render_rules_file(SERVER, NS, RemediationSpec(), "pagekeeper")
+    )
+    (tmp_path / "batch.rules.yml").write_text(
+        render_rules_file(CUSTOM_SERVER, NS, CUSTOM_SPEC, "pagekeeper")
+    )
     return ["chat.rules.yml", "batch.rules.yml"]
 
 

@@ -1,0 +1,67 @@
+"""Which alert triggers are active for a server, and the status that says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.runtime import TRIGGERS, missing_series
+from pagekeeper_operator.triggers import trigger_status
+
+
+def _status(runtime: Any, spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    remediation = RemediationSpec.model_validate(spec or {})
+    return [entry.to_api() for entry in trigger_status(runtime, remediation)]
+
+
+def test_pagekeeper_runtime_feeds_every_trigger() -> None:
+    assert all(not missing_series("pagekeeper", t) for t in TRIGGERS)
+    assert _status("pagekeeper") == [
+        {
+            "name": t.key,
+            "alert": t.alert,
+            "active": True,
+            "reason": "Active",
+            "message": f"reads {', '.join(t.series)}",
+        }
+        for t in TRIGGERS
+    ]
+
+
+def test_vllm_runtime_lacks_the_pagekeeper_series() -> None:
+    status = {entry["name"]: entry for entry in _status("vllm")}
+    assert {name for name, entry in status.items() if entry["active"]} == {
+        "kvCacheSaturation",
+        "queueBacklog",
+        "engineStalled",
+    }
+    assert status["fragmentation"] == {
+        "name": "fragmentation",
+        "alert": "PagekeeperFragmentationHigh",
+        "active": False,
+        "reason": "SeriesNotExported",
+        "message": "runtime vllm does not export pagekeeper_allocator_reserved_bytes, "
+        "pagekeeper_allocator_allocated_bytes",
+    }
+    assert status["oomEvents"]["message"] == (
+        "runtime vllm does not export pagekeeper_oom_events_total"
+    )
+
+
+def test_a_trigger_switched_off_says_so() -> None:
+    status = _status("vllm", {"triggers": {"queueBacklog": {"enabled": False}}})
+    backlog = next(entry for entry in status if entry["name"] == "queueBacklog")
+    assert (backlog["active"], backlog["reason"], backlog["message"]) == (
+        False,
+        "DisabledInSpec",
+        "spec.remediation.triggers.queueBacklog.enabled is false",
+    )
+    # The runtime decides first: off in spec and unfed reads as unfed.
+    frag = _status("vllm", {"triggers": {"fragmentation": {"enabled": False}}})[0]
+    assert frag["reason"] == "SeriesNotExported"
+
+
+def test_enabled_true_cannot_feed_an_alert_the_runtime_lacks() -> None:
+    # A stored object may say so (the CRD refuses it on write): the alert still is not rendered.
+    status = _status("vllm", {"triggers": {"oomEvents": {"enabled": True}}})
+    assert status[-1]["active"] is False and status[-1]["reason"] == "SeriesNotExported"
