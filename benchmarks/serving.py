@@ -169,8 +169,7 @@ async def run_client(
     connector = aiohttp.TCPConnector(limit=0)  # the default limit (100) would cap concurrency
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=plan.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        n = wl.WARMUP_TOKENS
-        warm_ups = (stream_completion(session, plan, -1, p, n) for p in plan.warmup_prompts)
+        warm_ups = (stream_completion(session, plan, -1, p, n) for p, n in plan.warmup)
         warm = await asyncio.gather(*warm_ups)
         if failed := [r for r in warm if r.failure is not None]:
             raise RuntimeError(f"a warm-up request failed ({failed[0].failure}): {failed[0].error}")
@@ -285,14 +284,12 @@ def run_offline(
     results = []
     for level, (work, warm) in runs:
         assert level.concurrency is not None, "offline runs are closed-loop"
-        run_closed(engine, warm, level.concurrency, f"warm-{level.label}", wl.WARMUP_TOKENS)
+        run_closed(engine, warm, level.concurrency, f"warm-{level.label}")
         results.append(run_closed(engine, work, level.concurrency, level.label))
     return env, results
 
 
-def run_closed(
-    engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str, max_tokens: int | None = None
-) -> dict[str, Any]:
+def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -> dict[str, Any]:
     """Keep `concurrency` requests in the engine, adding the next whenever one finishes."""
     from pagekeeper_engine.core.sampling import SamplingParams  # noqa: PLC0415
 
@@ -300,7 +297,7 @@ def run_closed(
 
     def admit() -> None:
         if (i := next(pending, None)) is not None:
-            n = max_tokens or work.output_lens[i]
+            n = work.output_lens[i]
             params = SamplingParams(max_tokens=n, temperature=wl.TEMPERATURE, ignore_eos=True)
             engine.add_request(f"{tag}-{i}", work.prompts[i], params)
 

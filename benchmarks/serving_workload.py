@@ -1,7 +1,7 @@
-"""W-chat (BENCHMARKS.md): its requests, what a client records of each, and the summary.
-
-Pure: no I/O, no torch. `benchmarks/serving.py` sends the requests through the server and the
-offline engine and hands the records here.
+"""W-chat (BENCHMARKS.md), its pure parts: each level's seeded requests, the engine settings the
+server and the offline engine share, each client process's share of a level, what a client
+records of one stream, the summary, the /metrics figures, the offline decode-step selection, and
+the printed lines and table. No I/O, no torch: `benchmarks/serving.py` does the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PREFIX_GROUP_SIZE = 16  # requests that share one system prefix in the prefix-sh
 PREFIX_LEN = 1024
 OPEN_LOOP_REQUESTS = 512  # per --request-rate level unless --num-requests says otherwise
 TEMPERATURE = 0.6
-WARMUP_TOKENS = 16  # per warm-up request (their prompts are drawn apart from the level's)
+WARMUP_TOKENS = 16  # at most, per warm-up request (drawn apart from the level's requests)
 # Share of the concurrency that a step must return tokens for to count as a decode step at
 # that batch (requests finish and are replaced, so a step seldom serves exactly all of them).
 DECODE_BATCH_SHARE = 0.9
@@ -93,7 +93,7 @@ class ClientPlan:
     model: str
     prompts: list[list[int]]
     output_lens: list[int]
-    warmup_prompts: list[list[int]]
+    warmup: list[tuple[list[int], int]]  # (prompt, max_tokens) of this process's warm-up
     num_streams: int  # closed loop: requests this process keeps in flight; 0 in open loop
     arrivals: list[tuple[int, float]]  # open loop: (request index, seconds after the start)
     timeout_s: float
@@ -138,11 +138,11 @@ def level_workloads(
     level: Level, seed: int, num_requests: int | None, **lengths: Any
 ) -> LevelRequests:
     """A level's requests (`num_requests`, else 4 x C, or OPEN_LOOP_REQUESTS at a rate) and
-    its warm-up requests (one per stream, or PREFIX_GROUP_SIZE at a rate)."""
+    its warm-up requests (one per stream, or PREFIX_GROUP_SIZE at a rate; short outputs)."""
     default = OPEN_LOOP_REQUESTS if level.concurrency is None else 4 * level.concurrency
     work = w_chat(num_requests or default, level.seed(seed, "requests"), **lengths)
-    num_warm = level.concurrency or PREFIX_GROUP_SIZE
-    return work, w_chat(num_warm, level.seed(seed, "warm-up"), **lengths)
+    warm = w_chat(level.concurrency or PREFIX_GROUP_SIZE, level.seed(seed, "warm-up"), **lengths)
+    return work, ChatWorkload(warm.prompts, [min(n, WARMUP_TOKENS) for n in warm.output_lens])
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int | str) -> list[float]:
@@ -168,7 +168,7 @@ def client_plans(
         ClientPlan(
             prompts=work.prompts,
             output_lens=work.output_lens,
-            warmup_prompts=warm.prompts[w::num_procs],
+            warmup=list(zip(warm.prompts, warm.output_lens, strict=True))[w::num_procs],
             num_streams=concurrency // num_procs + (w < concurrency % num_procs),
             arrivals=arrivals[w::num_procs],
             **common,

@@ -79,6 +79,7 @@ def test_each_level_draws_its_own_requests_and_warm_up() -> None:
     work, warm = level_workloads(closed, 0, None, **LENGTHS)
     assert (len(work.prompts), len(warm.prompts)) == (128, 32)
     assert not set(map(tuple, warm.prompts)) & set(map(tuple, work.prompts))
+    assert set(warm.output_lens) == {16}
     rate_work, rate_warm = level_workloads(rate, 0, None, **LENGTHS)
     assert (len(rate_work.prompts), len(rate_warm.prompts)) == (512, 16)
     assert rate_work.prompts[0] != work.prompts[0]
@@ -98,7 +99,8 @@ def test_closed_loop_splits_the_streams_and_open_loop_the_arrivals() -> None:
     common = {"url": "u", "model": "m", "timeout_s": 1.0}
     plans = client_plans(Level(concurrency=10), requests, 0, num_processes=4, **common)
     assert [p.num_streams for p in plans] == [3, 3, 2, 2]
-    assert sum(len(p.warmup_prompts) for p in plans) == 10
+    assert sum(len(p.warmup) for p in plans) == 10
+    assert plans[1].warmup[0] == (requests[1].prompts[1], 16)
     assert all(p.prompts == requests[0].prompts and not p.arrivals for p in plans)
     assert len(client_plans(Level(concurrency=2), requests, 0, num_processes=4, **common)) == 2
 
