@@ -35,7 +35,6 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import aiohttp
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -265,18 +264,11 @@ def run_offline(
     import torch  # noqa: PLC0415
 
     from benchmarks import throughput  # noqa: PLC0415
-    from pagekeeper_engine.config import EngineConfig  # noqa: PLC0415
 
     fields = asdict(settings)
-
-    def config(**given: Any) -> EngineConfig:
-        return EngineConfig(**{**given, **fields})
-
-    # build_engine fixes W-nano's settings (max_model_len 2048, CUDA, no prefix caching); the
-    # offline run must use the server's.
-    with mock.patch.object(throughput, "EngineConfig", new=config):
-        args = argparse.Namespace(**fields, async_scheduling=None, safety="on")
-        engine, start = throughput.build_engine(model_dir, args)
+    # the server's settings, not W-nano's (max_model_len 2048, CUDA, no prefix caching)
+    args = argparse.Namespace(**fields, async_scheduling=None, safety="on")
+    engine, start = throughput.build_engine(model_dir, args, **fields)
     env = {"torch": torch.__version__, **start}
     if settings.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()

@@ -97,25 +97,29 @@ def write_checkpoint(shape: str, root: Path) -> Path:
     return model_dir
 
 
-def build_engine(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, dict[str, Any]]:
-    """The engine, and how long its start took (CUDA-graph capture included)."""
+def build_engine(
+    model_dir: Path, args: argparse.Namespace, **settings: Any
+) -> tuple[LLMEngine, dict[str, Any]]:
+    """The engine, and how long its start took (CUDA-graph capture included). W-nano's settings
+    unless `settings` (EngineConfig fields) say otherwise."""
     started = time.perf_counter()
-    config = EngineConfig(
-        model=str(model_dir),
-        load_format="dummy",
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=2048,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space=0.0,
-        enable_prefix_caching=False,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        fragmentation_buffer="auto" if args.safety == "on" else 0,
-    )
+    w_nano = {
+        "model": str(model_dir),
+        "load_format": "dummy",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "max_num_seqs": args.max_num_seqs,
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "swap_space": 0.0,
+        "enable_prefix_caching": False,
+        "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
+        "fragmentation_buffer": "auto" if args.safety == "on" else 0,
+    }
+    config = EngineConfig(**{**w_nano, **settings})
     runner = ModelRunner(config, progress=False)
     if args.safety == "off":
         # The memory-safety features a bare engine lacks: the allocator statistics the step
