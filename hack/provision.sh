@@ -2,7 +2,9 @@
 # Provision the local test environment into $PAGEKEEPER_CACHE (default ~/.cache/pagekeeper):
 # Kubernetes control-plane binaries, etcd, kwok/kwokctl and helm built from their Go modules,
 # the Prometheus Operator CRDs and the Gateway API Inference Extension's InferencePool CRD from
-# their Go modules, and prometheus/promtool/alertmanager from Debian's packages. Every step is skipped when its output is already there.
+# their Go modules, prometheus/promtool/alertmanager from Debian's packages, and the image tools
+# (buildah, podman, mmdebstrap, runc) from Debian's packages too. Every step is skipped when its
+# output is already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -120,17 +122,30 @@ debian_tools() {
   pkill -x prometheus-alertmanager 2>/dev/null || true
 }
 
+# The daemonless image builder and runner hack/images.sh uses; uidmap lets them run rootless.
+container_tools() {
+  local need=() tool
+  for tool in buildah podman mmdebstrap runc; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  [[ $(id -u) -eq 0 ]] || command -v newuidmap >/dev/null || need+=(uidmap)
+  ((${#need[@]})) || { log "buildah, podman, mmdebstrap, runc: installed"; return; }
+  log "apt-get install ${need[*]}"
+  local sudo=""; [[ $(id -u) -eq 0 ]] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+}
+
 main() {
   local what=("${@:-all}")
   local start=$SECONDS
   for w in "${what[@]}"; do
     case "$w" in
-      all) debian_tools; prometheus_operator_crds; inference_pool_crd; build_etcd
+      all) debian_tools; container_tools; prometheus_operator_crds; inference_pool_crd; build_etcd
            go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
            build_kubernetes ;;
       debian) debian_tools ;;
+      containers) container_tools ;;
       crds) prometheus_operator_crds; inference_pool_crd ;;
       etcd) build_etcd ;;
       kubernetes) build_kubernetes ;;
