@@ -7,12 +7,15 @@ export PAGEKEEPER_CACHE := $(CACHE)
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
 
-.PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo clean
+.PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo clean \
+	images images-push images-test
 
 help:
 	@echo "make test     lint, type-check, import contracts, CRD drift and every test suite"
 	@echo "make demo     local control plane + operator + CPU engine + the alert -> roll loop"
 	@echo "make tools    build/install the test tools into $(CACHE) (skips what is there)"
+	@echo "make images   build pagekeeper-operator and pagekeeper-engine (BASES=published|debian)"
+	@echo "make images-push REGISTRY=ghcr.io/you   push them"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,7 +46,7 @@ test-fast: venv
 	$(PY) -m pytest tests -q -m 'not integration and not e2e'
 
 # pytest's exit code 5 (no tests collected) is a failure here, never a pass.
-test: venv tools lint typecheck imports crds-check
+test: venv tools images-test lint typecheck imports crds-check
 	$(PY) -m pytest tests -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
@@ -56,6 +59,21 @@ cluster-down:
 # Provisions what is missing, then runs the narrated alert -> roll loop; cleans up on exit.
 demo: venv
 	$(PY) hack/demo.py
+
+# Both Dockerfile targets with buildah (hack/images.sh): BASES=published, the Dockerfile's own
+# bases from their registry; BASES=debian, bases made here from Debian's packages (tags -bookworm).
+BASES ?= published
+images:
+	bash hack/provision.sh containers
+	bash hack/images.sh build $(BASES)
+
+images-push:
+	@test -n "$(REGISTRY)" || { echo "usage: make images-push REGISTRY=ghcr.io/you [BASES=...]" >&2; exit 2; }
+	bash hack/images.sh push "$(REGISTRY)" $(BASES)
+
+# The images the tests run (tests/images/); the layer cache makes a warm build take seconds.
+images-test: tools
+	bash hack/images.sh build debian
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

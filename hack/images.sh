@@ -106,25 +106,44 @@ build() { # bases
   esac
   local version revision target iid
   version="$(version)"; revision="$(revision)"
-  local labels=(
-    --build-arg "VERSION=$version" --build-arg "REVISION=$revision" --build-arg "SOURCE=$SOURCE"
-    # Also as labels of the build: buildah's layer cache reuses a LABEL step whose build
-    # arguments changed, which would keep a stale revision.
-    --label "org.opencontainers.image.version=$version"
-    --label "org.opencontainers.image.revision=$revision"
-    --label "org.opencontainers.image.source=$SOURCE"
-  )
+  args+=(--build-arg "VERSION=$version" --build-arg "REVISION=$revision" --build-arg "SOURCE=$SOURCE")
   iid="$(mktemp)"
   for target in "${TARGETS[@]}"; do
     log "$(tag_of "$target" "$bases"): building target $target ($bases bases)"
     local start=$SECONDS
-    buildah_ build "${BUILD[@]}" "${args[@]}" "${labels[@]}" \
-      --target "$target" --iidfile "$iid" --tag "$(tag_of "$target" "$bases")" \
-      --file "$REPO/Dockerfile" "$REPO" >&2
+    buildah_ build "${BUILD[@]}" "${args[@]}" --target "$target" --iidfile "$iid" \
+      --tag "$(tag_of "$target" "$bases")" --file "$REPO/Dockerfile" "$REPO" >&2
+    relabel "$(cat "$iid")" "$(tag_of "$target" "$bases")" \
+      "org.opencontainers.image.version=$version" \
+      "org.opencontainers.image.revision=$revision" \
+      "org.opencontainers.image.source=$SOURCE" >"$iid"
     log "$(tag_of "$target" "$bases"): built in $((SECONDS - start)) s"
     echo "$target $(cat "$iid")"
   done
   rm -f "$iid"
+}
+
+# buildah's layer cache reuses a LABEL step whose build arguments changed (a new commit with
+# no change to the image's files), keeping a stale revision; and its --label applies to the
+# Dockerfile's last stage, not to --target. So the labels are checked after the build and,
+# where stale, set on a commit of the image. Its timestamp is the commit's, so the same tree
+# always gives the same image id.
+relabel() { # image-id tag label...
+  local image="$1" tag="$2" label want have
+  shift 2
+  for label in "$@"; do
+    want="${label#*=}"
+    have="$(podman_ image inspect --format "{{index .Config.Labels \"${label%%=*}\"}}" "$image")"
+    [[ $have == "$want" ]] && continue
+    local ctr flags=()
+    for label in "$@"; do flags+=(--label "$label"); done
+    ctr="$(buildah_ from --pull-never --quiet "$image")"
+    buildah_ config "${flags[@]}" "$ctr"
+    buildah_ commit --rm --quiet --timestamp "$(git -C "$REPO" log -1 --format=%ct 2>/dev/null || echo 0)" \
+      "$ctr" "$tag"
+    return
+  done
+  echo "$image"
 }
 
 push() { # registry bases

@@ -1,0 +1,30 @@
+"""The container images, built from this tree on the Debian bases and run with podman.
+
+`make test` builds them before pytest starts (`make images-test`); the `images` fixture builds
+again, which takes seconds when nothing changed and makes these tests runnable on their own.
+Every test here is marked `integration`: they need the image tools (and, for the operator, the
+local control plane), like the suites in `tests/integration/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.images.podman import build_test_images, require_tools
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Image id by Dockerfile target (`operator`, `engine`)."""
+    require_tools()
+    return build_test_images(tmp_path_factory.mktemp("images") / "build.log")
