@@ -129,21 +129,21 @@ build() { # bases
 # where stale, set on a commit of the image. Its timestamp is the commit's, so the same tree
 # always gives the same image id.
 relabel() { # image-id tag label...
-  local image="$1" tag="$2" label want have
+  local image="$1" tag="$2" label have stale=0 flags=() ctr
   shift 2
   for label in "$@"; do
-    want="${label#*=}"
     have="$(podman_ image inspect --format "{{index .Config.Labels \"${label%%=*}\"}}" "$image")"
-    [[ $have == "$want" ]] && continue
-    local ctr flags=()
-    for label in "$@"; do flags+=(--label "$label"); done
+    [[ $have == "${label#*=}" ]] || stale=1
+    flags+=(--label "$label")
+  done
+  if ((stale)); then
     ctr="$(buildah_ from --pull-never --quiet "$image")"
     buildah_ config "${flags[@]}" "$ctr"
     buildah_ commit --rm --quiet --timestamp "$(git -C "$REPO" log -1 --format=%ct 2>/dev/null || echo 0)" \
       "$ctr" "$tag"
-    return
-  done
-  echo "$image"
+  else
+    echo "$image"
+  fi
 }
 
 push() { # registry bases

@@ -98,18 +98,23 @@ def is_ready(container: Container, url: str) -> bool:
         return False
 
 
+@pytest.fixture(params=["read-only", "writable"])
+def root_fs(request: pytest.FixtureRequest) -> str:
+    """The container's root filesystem: read-only as in the pod, or writable for `podman diff`."""
+    return str(request.param)
+
+
 @pytest.fixture
 def started(
-    images: dict[str, str], checkpoint: tuple[Path, PreTrainedModel], request: pytest.FixtureRequest
+    images: dict[str, str], checkpoint: tuple[Path, PreTrainedModel], root_fs: str
 ) -> Iterator[tuple[Container, dict[str, Any], int]]:
-    """The engine container (read-only root unless the test's `root_fs` says writable)."""
+    """The engine container, ready, with its pod spec and port."""
     port = free_port()
     pod = engine_pod(checkpoint[0], port)
     host = PodHost(pod_name=f"tiny-{uuid.uuid4().hex[:6]}", namespace="images")
-    read_only_root = request.node.callspec.params["root_fs"] == "read-only"
     container = run_detached(
         f"pk-engine-{host.pod_name}",
-        run_args(pod, "engine", images["engine"], host, read_only_root=read_only_root),
+        run_args(pod, "engine", images["engine"], host, read_only_root=root_fs == "read-only"),
     )
     try:
         url = f"http://127.0.0.1:{port}/ready"
@@ -139,7 +144,6 @@ def noop_changes(images: dict[str, str], pod: dict[str, Any]) -> set[str]:
         noop.remove()
 
 
-@pytest.mark.parametrize("root_fs", ["read-only", "writable"])
 def test_engine_image_serves_and_drains(
     images: dict[str, str],
     checkpoint: tuple[Path, PreTrainedModel],
