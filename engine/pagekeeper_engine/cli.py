@@ -42,8 +42,8 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
-    """Run a front end's event loop: uvloop's where it is installed (less host time per
-    streamed token than asyncio's; docs/benchmarks.md), else asyncio's."""
+    """Run a front end's event loop: uvloop's where it is installed (a faster loop and
+    transports for thousands of streamed tokens a second), else asyncio's."""
     try:
         import uvloop  # noqa: PLC0415
     except ImportError:
