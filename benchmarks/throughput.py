@@ -234,6 +234,42 @@ def profile_decode(engine: LLMEngine, batch: int, path: str | None) -> None:
         engine.step()
 
 
+def mixed_step_cost(engine: LLMEngine, batch: int, prompt_len: int) -> dict[str, float]:
+    """Kernels launched and host / wall time of one mixed step (a `prompt_len`-token prefill
+    beside `batch` decodes) against a decode-only step of the same batch."""
+    for i in range(batch):
+        prompt = [(7 * i + j) % 10000 for j in range(512)]
+        engine.add_request(f"mix-{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in range(8):  # past the prefills: every request decodes from here on
+        engine.step()
+    costs: dict[str, float] = {}
+    for kind in ("decode", "mixed"):
+        if kind == "mixed":
+            prompt = [(11 * j) % 10000 for j in range(prompt_len)]
+            engine.add_request("mix-prefill", prompt, SamplingParams(max_tokens=1))
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        started = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            engine.step()
+            host_s = time.perf_counter() - started
+            torch.cuda.synchronize()
+        wall_s = time.perf_counter() - started
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        costs[f"{kind}_kernels"] = len(kernels)
+        costs[f"{kind}_host_ms"] = host_s * 1e3
+        costs[f"{kind}_wall_ms"] = wall_s * 1e3
+    print(
+        f"  mixed step ({prompt_len}-token prefill + {batch} decodes): "
+        f"{costs['mixed_kernels']:.0f} kernels, host {costs['mixed_host_ms']:.2f} ms, "
+        f"wall {costs['mixed_wall_ms']:.2f} ms; decode-only: {costs['decode_kernels']:.0f} "
+        f"kernels, host {costs['decode_host_ms']:.2f} ms, wall {costs['decode_wall_ms']:.2f} ms"
+    )
+    while engine.has_work():
+        engine.step()
+    return costs
+
+
 def run_peer(shape: str, work: Workload, time_limit: float) -> dict[str, Any]:
     """HF transformers continuous batching, configured as BENCHMARKS.md prescribes."""
     cfg = AutoConfig.for_model(**SHAPES[shape])
@@ -309,6 +345,13 @@ def main() -> None:
     )
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--profile", action="store_true", help="profile 10 decode steps")
+    parser.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        help="time one step of this many prefill tokens beside"
+        " --max-num-seqs / 2 decodes, against a decode-only step (kernels, host and wall time)",
+    )
     parser.add_argument("--trace", default=None, help="write the profile's Chrome trace here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -339,6 +382,8 @@ def main() -> None:
                 print_itl(row)
             if args.profile:
                 profile_decode(engine, args.max_num_seqs, args.trace)
+            if args.mixed:
+                row["mixed_step"] = mixed_step_cost(engine, args.max_num_seqs // 2, args.mixed)
             report.append(row)
             del engine
             gc.collect()
