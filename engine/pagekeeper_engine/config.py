@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 BLOCK_SIZES = (8, 16, 32)
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
 # activations stay a small share of memory.
@@ -100,6 +101,7 @@ class EngineConfig:
     max_consecutive_ooms: int = 8
     termination_log_path: str = "/dev/termination-log"
     api_server_count: int = 1
+    tensor_parallel_size: int = 1
 
     @property
     def model_name(self) -> str:
@@ -225,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--termination-log-path",
         default="/dev/termination-log",
         help="where an out-of-memory exit writes its reason for the operator",
+    )
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        choices=TENSOR_PARALLEL_SIZES,
+        default=1,
+        help="GPUs one model is split over, one engine process each",
     )
     add(
         "--api-server-count",

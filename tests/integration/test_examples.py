@@ -19,11 +19,12 @@ from tests.support.tools import REPO
 llmserver_crd = operator_fixture.llmserver_crd
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-# What each example is for: a small model, an 8B model on one GPU, upstream vLLM, and replicas
-# behind an inference gateway.
+# What each example is for: a small model, an 8B model on one GPU, a 70B model over four GPUs,
+# upstream vLLM, and replicas behind an inference gateway. (name, runtime, GPUs per pod)
 EXPECTED = {
     "llmserver-small.yaml": ("qwen3-0-6b", "pagekeeper", 1),
     "llmserver-8b.yaml": ("llama-3-1-8b", "pagekeeper", 1),
+    "llmserver-70b-tp4.yaml": ("llama-3-1-70b", "pagekeeper", 4),
     "llmserver-vllm.yaml": ("qwen3-8b-vllm", "vllm", 1),
     "llmserver-gateway.yaml": ("qwen3-8b-pool", "pagekeeper", 1),
 }
@@ -64,7 +65,7 @@ def test_example_is_accepted_by_the_api_server(
 
     # The operator's own model takes it as it is (the CRD is generated from that model).
     server = LLMServer.from_body({**doc, "metadata": {**doc["metadata"], "namespace": namespace}})
-    assert (server.metadata.name, server.spec.runtime, server.spec.resources.gpus) == (
+    assert (server.metadata.name, server.spec.runtime, server.spec.num_gpus) == (
         name,
         runtime,
         num_gpus,
@@ -111,7 +112,7 @@ def test_what_an_example_renders_to_is_accepted(
     program = "pagekeeper-engine" if server.spec.runtime == "pagekeeper" else "vllm"
     assert container["command"][:3] == [program, "serve", server.spec.model.source]
     assert container["image"] == (server.spec.image or images[server.spec.runtime])
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(server.spec.resources.gpus)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(server.spec.num_gpus)
 
 
 def _contains(have: Any, want: Any) -> bool:

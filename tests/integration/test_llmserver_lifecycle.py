@@ -234,3 +234,25 @@ def test_vllm_server_gets_only_the_alerts_vllm_can_feed(
         "message": "runtime vllm does not export pagekeeper_oom_events_total",
     }
     assert triggers["fragmentation"]["reason"] == "SeriesNotExported"
+
+
+def test_a_tensor_parallel_server_becomes_one_pod_of_four_gpus(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    spec = {"model": {"source": "/models/llama-3.1-70b"}, "parallelism": {"tensor": 4}}
+    apply_server(cluster, namespace, llmserver("big", spec))
+    wait_ready(cluster, namespace, "big", 1)
+    [pod] = (
+        client.CoreV1Api(cluster.api)
+        .list_namespaced_pod(namespace, label_selector="pagekeeper.dev/llmserver=big")
+        .items
+    )
+    [container] = pod.spec.containers
+    assert container.resources.limits == {"nvidia.com/gpu": "4"}
+    command = container.command
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    [shm] = [v for v in pod.spec.volumes if v.name == "dshm"]
+    assert (shm.empty_dir.medium, shm.empty_dir.size_limit) == ("Memory", "4Gi")
+    assert any(m.mount_path == "/dev/shm" for m in container.volume_mounts)
+    # KWOK's GPU nodes advertise 8 GPUs each: the scheduler placed the pod whole on one.
+    assert pod.spec.node_name

@@ -12,6 +12,7 @@ from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
+    GPU_RULE,
     ROLLOUT_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
@@ -87,6 +88,16 @@ CEL_CASES = [
         "spec.remediation.triggers.oomEvents.enabled",
         TRIGGER_RULES[1],
     ),
+    (
+        {"parallelism": {"tensor": 4}, "resources": {"gpus": 2}},
+        "spec.resources.gpus",
+        GPU_RULE,
+    ),
+    (
+        {"parallelism": {"tensor": 2}, "resources": {"gpus": 0}},
+        "spec.resources.gpus",
+        GPU_RULE,
+    ),
 ]
 SCHEMA_CASES = [
     ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
@@ -98,6 +109,7 @@ SCHEMA_CASES = [
     ),
     ({"memoryPolicy": {"fragmentationBuffer": "plenty"}}, "spec.memoryPolicy.fragmentationBuffer"),
     ({"runtime": "tgi"}, "spec.runtime"),
+    ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
 ]
 
 

@@ -13,6 +13,7 @@ from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
+    GPU_RULE,
     ROLLOUT_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
@@ -27,7 +28,7 @@ def test_defaults_of_a_minimal_server() -> None:
     spec = make_server().spec
     assert spec.runtime == "pagekeeper"
     assert spec.replicas == 1
-    assert spec.resources.gpus == 1
+    assert (spec.resources.gpus, spec.parallelism.tensor, spec.num_gpus) == (None, 1, 1)
     assert spec.shutdown_grace_period_seconds == 30
     assert (spec.rollout.max_surge, spec.rollout.max_unavailable) == (0, 1)
     assert spec.memory_policy.to_api() == {
@@ -86,6 +87,8 @@ def _error_messages(spec: dict[str, Any]) -> str:
             ADAPTIVE_FLOOR_RULE["message"],
         ),
         ({"shutdownGracePeriodSeconds": 20}, DRAIN_RULE["message"]),
+        ({"parallelism": {"tensor": 4}, "resources": {"gpus": 2}}, GPU_RULE["message"]),
+        ({"parallelism": {"tensor": 2}, "resources": {"gpus": 0}}, GPU_RULE["message"]),
         (
             {
                 "runtime": "vllm",
@@ -122,6 +125,7 @@ def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], mes
             "spec.memoryPolicy.allocator.maxSplitSizeMb",
         ),
         ({"runtime": "tgi"}, "spec.runtime"),
+        ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
         ({"resources": {"requests": {"memory": "lots"}}}, "spec.resources.requests.memory"),
     ],
 )
@@ -160,6 +164,11 @@ def test_rules_allow_what_they_should() -> None:
     make_server({"runtime": "vllm", "remediation": {"triggers": off}})
     on = {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}}
     make_server({"remediation": {"triggers": on}})
+    # The GPU count follows the tensor-parallel size, given or derived; 0 is the CPU.
+    assert make_server({"parallelism": {"tensor": 4}}).spec.num_gpus == 4
+    tp = make_server({"parallelism": {"tensor": 4}, "resources": {"gpus": 4}})
+    assert tp.spec.num_gpus == 4
+    assert make_server({"resources": {"gpus": 0}}).spec.num_gpus == 0
 
 
 def test_a_stored_object_is_read_even_if_a_newer_rule_refuses_it() -> None:

@@ -14,6 +14,7 @@ from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
+    GPU_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
 )
@@ -185,6 +186,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         BLOCK_SIZE_RULE,
         ADAPTIVE_FLOOR_RULE,
         DRAIN_RULE,
+        GPU_RULE,
         *TRIGGER_RULES,
     ]
     assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
@@ -196,7 +198,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 9 + len(TRIGGER_RULES)
+    assert len(rules) == 10 + len(TRIGGER_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

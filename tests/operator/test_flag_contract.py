@@ -45,6 +45,7 @@ SPECS: list[dict[str, Any]] = [
         },
         "remediation": {"adaptive": {"minGpuMemoryUtilization": 0.5}},
     },
+    {"parallelism": {"tensor": 4}},
 ]
 
 
@@ -65,7 +66,8 @@ def test_engine_parses_rendered_args_into_the_policy(spec: dict[str, Any]) -> No
     assert config.served_model_name == server.spec.model.served_model_name
     assert config.dtype == server.spec.model.dtype
     assert config.load_format == server.spec.model.load_format
-    assert config.device == ("cuda" if server.spec.resources.gpus else "cpu")
+    assert config.device == ("cuda" if server.spec.num_gpus else "cpu")
+    assert config.tensor_parallel_size == server.spec.parallelism.tensor
     assert (config.host, config.port) == ("0.0.0.0", 8000)
     assert config.gpu_memory_utilization == policy.gpu_memory_utilization
     assert config.block_size == policy.block_size
@@ -127,3 +129,15 @@ def test_vllm_args_are_the_shared_subset() -> None:
     # Same values for the shared flags: the engine's parser reads them identically.
     shared = parse_args(["/m", *list(vllm[3:])])
     assert shared.max_model_len == 4096 and shared.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])
+def test_tensor_parallel_size_reaches_either_runtime(runtime: str) -> None:
+    """vLLM spells it --tensor-parallel-size too; at 1 the flag is left out, so servers that
+    never asked for it keep their pods across an operator upgrade."""
+    spec = {"runtime": runtime, "parallelism": {"tensor": 4}, "memoryPolicy": {"maxModelLen": 4096}}
+    command = _command(spec)
+    index = command.index("--tensor-parallel-size")
+    assert command[index + 1] == "4"
+    assert parse_args(["/m", *command[3:]]).tensor_parallel_size == 4
+    assert "--tensor-parallel-size" not in _command({"runtime": runtime})

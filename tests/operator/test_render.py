@@ -35,6 +35,7 @@ OWNER = {
 META = {"name": "qwen", "namespace": "ml", "labels": LABELS, "ownerReferences": [OWNER]}
 SPEC = {
     "replicas": 2,
+    "parallelism": {"tensor": 2},
     "resources": {
         "gpus": 2,
         "gpuType": "NVIDIA-H100-80GB-HBM3",
@@ -120,6 +121,8 @@ def test_deployment_pod_spec_exactly() -> None:
         "auto",
         "--device",
         "cuda",
+        "--tensor-parallel-size",
+        "2",
         "--gpu-memory-utilization",
         "0.85",
         "--block-size",
@@ -243,6 +246,22 @@ def test_cpu_only_server_has_no_gpu_limit_toleration_or_selector() -> None:
     assert (container["image"], container["imagePullPolicy"]) == ("my/engine:2", "IfNotPresent")
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "1Gi"
+
+
+def test_a_tensor_parallel_server_is_one_pod_of_that_many_gpus() -> None:
+    deployment = render_deployment(make_server({"parallelism": {"tensor": 4}}), DEFAULT_IMAGES)
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "4"}}
+    command = container["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    sized = make_server({"parallelism": {"tensor": 8}, "resources": {"sharedMemory": "16Gi"}})
+    pod = render_deployment(sized, DEFAULT_IMAGES)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
 
 
 def test_surge_rollout_and_pod_overrides() -> None:

@@ -88,6 +88,13 @@ TRIGGER_RULES: tuple[dict[str, str], ...] = tuple(
     for trigger in TRIGGERS
     if missing_series(runtime, trigger)
 )
+GPU_RULE = cel(
+    "!has(self.resources.gpus) || self.resources.gpus == self.parallelism.tensor"
+    " || (self.resources.gpus == 0 && self.parallelism.tensor == 1)",
+    "spec.resources.gpus must equal spec.parallelism.tensor (one GPU per tensor-parallel rank), "
+    "or be 0 (the CPU) with tensor 1; leave it unset to derive it from spec.parallelism.tensor",
+    ".resources.gpus",
+)
 ROLLOUT_RULE = cel(
     "self.maxSurge > 0 || self.maxUnavailable > 0",
     "spec.rollout.maxUnavailable must be > 0 when maxSurge is 0 (a rollout must be able to "
@@ -130,13 +137,24 @@ class ComputeQuantities(ApiModel):
 
 
 class Resources(ApiModel):
-    """What one pod gets: GPUs and their type, CPU and host memory."""
+    """What one pod gets: GPUs and their type, CPU, host memory and shared memory."""
 
-    gpus: int = Field(
-        default=1,
+    gpus: int | None = Field(
+        default=None,
         ge=0,
         le=16,
-        description="nvidia.com/gpu per pod; 0 runs the pagekeeper engine on the CPU.",
+        description=(
+            "nvidia.com/gpu per pod; unset, spec.parallelism.tensor (one GPU per rank). 0 runs "
+            "the pagekeeper engine on the CPU (with spec.parallelism.tensor 1)."
+        ),
+    )
+    shared_memory: Quantity | None = Field(
+        default=None,
+        description=(
+            "Size of the pod's memory-backed /dev/shm (NCCL's buffers between the ranks of one "
+            "pod live there; it counts against the pod's memory). Unset: 1Gi per GPU, at "
+            "least 1Gi (4Gi for a tensor-parallel size of 4)."
+        ),
     )
     gpu_type: str | None = Field(
         default=None,
@@ -151,6 +169,19 @@ class Resources(ApiModel):
     )
     limits: ComputeQuantities = Field(
         default_factory=ComputeQuantities, description="CPU and memory limits."
+    )
+
+
+class ParallelismSpec(ApiModel):
+    """How one model is split over the GPUs of one pod."""
+
+    tensor: Literal[1, 2, 4, 8] = Field(
+        default=1,
+        description=(
+            "--tensor-parallel-size: GPUs one model is split over (its layers' weights and KV "
+            "heads), for either runtime. The pod asks for that many GPUs and gets a "
+            "memory-backed /dev/shm for the ranks' collectives; an eviction takes the whole pod."
+        ),
     )
 
 
@@ -207,7 +238,12 @@ class LLMServerSpec(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra=validations(
-            SWAP_RULE, BLOCK_SIZE_RULE, ADAPTIVE_FLOOR_RULE, DRAIN_RULE, *TRIGGER_RULES
+            SWAP_RULE,
+            BLOCK_SIZE_RULE,
+            ADAPTIVE_FLOOR_RULE,
+            DRAIN_RULE,
+            GPU_RULE,
+            *TRIGGER_RULES,
         )
     )
 
@@ -229,6 +265,10 @@ class LLMServerSpec(ApiModel):
     )
     replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine pods.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec,
+        description="How the model is split over the pod's GPUs (tensor parallelism).",
+    )
     memory_policy: MemoryPolicy = Field(
         default_factory=MemoryPolicy,
         description="GPU memory policy; each field becomes an engine flag.",
@@ -260,6 +300,12 @@ class LLMServerSpec(ApiModel):
         ),
     )
 
+    @property
+    def num_gpus(self) -> int:
+        """GPUs per pod: as given, else one per tensor-parallel rank."""
+        gpus = self.resources.gpus
+        return self.parallelism.tensor if gpus is None else gpus
+
     @model_validator(mode="after")
     def _check_cross_fields(self, info: ValidationInfo) -> LLMServerSpec:
         policy, remediation = self.memory_policy, self.remediation
@@ -277,6 +323,9 @@ class LLMServerSpec(ApiModel):
             raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
         if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
             raise ValueError(DRAIN_RULE["message"])
+        gpus, tensor = self.resources.gpus, self.parallelism.tensor
+        if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
+            raise ValueError(GPU_RULE["message"])
         for trigger in TRIGGERS:
             if missing_series(self.runtime, trigger) and (
                 remediation.triggers.by_key(trigger.key).enabled

@@ -78,7 +78,9 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
         spec.model.load_format,
     ]
     if is_pagekeeper:
-        command += ["--device", "cuda" if spec.resources.gpus > 0 else "cpu"]
+        command += ["--device", "cuda" if spec.num_gpus > 0 else "cpu"]
+    if spec.parallelism.tensor > 1:  # absent at 1, so servers without it keep their pods
+        command += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
     command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]

@@ -54,17 +54,20 @@ def _probes(runtime: Runtime) -> dict[str, Any]:
     }
 
 
-def _shm_size(num_gpus: int) -> str:
-    # Shared memory carries NCCL and data-loader buffers; it counts against the memory limit.
-    return f"{max(1, num_gpus)}Gi"
+def shm_size(server: LLMServer) -> str:
+    """/dev/shm's size: as given, else 1Gi per GPU (at least 1Gi). It carries NCCL's buffers
+    between the ranks and counts against the pod's memory limit."""
+    given = server.spec.resources.shared_memory
+    return given if given is not None else f"{max(1, server.spec.num_gpus)}Gi"
 
 
 def _resources(server: LLMServer) -> dict[str, Any]:
     spec = server.spec.resources
     requests = spec.requests.to_api()
     limits = spec.limits.to_api()
-    if spec.gpus > 0:
-        limits[GPU_RESOURCE] = str(spec.gpus)
+    num_gpus = server.spec.num_gpus
+    if num_gpus > 0:
+        limits[GPU_RESOURCE] = str(num_gpus)
     resources: dict[str, Any] = {}
     if requests:
         resources["requests"] = requests
@@ -115,7 +118,7 @@ def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
     if spec.resources.gpu_type is not None:
         node_selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_type
     tolerations = list(overrides.tolerations)
-    if spec.resources.gpus > 0:
+    if spec.num_gpus > 0:
         # GPU nodes are commonly tainted so that only GPU workloads land on them.
         tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     pod: dict[str, Any] = {
@@ -125,7 +128,7 @@ def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
             {"name": "cache", "emptyDir": {}},
             {
                 "name": "dshm",
-                "emptyDir": {"medium": "Memory", "sizeLimit": _shm_size(spec.resources.gpus)},
+                "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(server)},
             },
             *overrides.volumes,
         ],
