@@ -118,6 +118,7 @@ def build_engine(
         "enforce_eager": args.enforce_eager,
         "async_scheduling": args.async_scheduling,
         "fragmentation_buffer": "auto" if args.safety == "on" else 0,
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
     }
     config = EngineConfig(**{**w_nano, **settings})
     runner = ModelRunner(config, progress=False)
@@ -270,6 +271,50 @@ def mixed_step_cost(engine: LLMEngine, batch: int, prompt_len: int) -> dict[str,
     return costs
 
 
+def greedy_logprobs(
+    engine: LLMEngine, num_prompts: int, num_steps: int
+) -> dict[str, list[tuple[int, float]]]:
+    """(token, log-probability) of `num_steps` greedy tokens for each of `num_prompts` seeded
+    prompts of 512 random ids."""
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True, logprobs=True)
+    for i in range(num_prompts):
+        engine.add_request(f"acc-{i}", [rng.randrange(1000, 30000) for _ in range(512)], params)
+    picked: dict[str, list[tuple[int, float]]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            for token, logprob in zip(out.new_token_ids, out.logprobs, strict=True):
+                assert logprob is not None
+                picked.setdefault(out.request_id, []).append((token, logprob))
+    return picked
+
+
+def compare_greedy(
+    reference: dict[str, list[tuple[int, float]]], other: dict[str, list[tuple[int, float]]]
+) -> dict[str, float]:
+    """Share of identical greedy tokens over every position, and the absolute difference of the
+    chosen token's log-probability over the positions up to each prompt's first divergence
+    (after it the two runs continue different texts)."""
+    num_same = num_all = 0
+    diffs: list[float] = []
+    for request_id, ref in reference.items():
+        mine = other[request_id]
+        diverged = False
+        for (ref_token, ref_lp), (token, lp) in zip(ref, mine, strict=True):
+            num_all += 1
+            num_same += token == ref_token
+            if not diverged:
+                diffs.append(abs(lp - ref_lp))
+                diverged = token != ref_token
+    return {
+        "identical_token_share": num_same / num_all,
+        "logprob_abs_diff_mean": sum(diffs) / len(diffs),
+        "logprob_abs_diff_max": max(diffs),
+        "num_positions": num_all,
+        "num_compared_logprobs": len(diffs),
+    }
+
+
 def run_peer(shape: str, work: Workload, time_limit: float) -> dict[str, Any]:
     """HF transformers continuous batching, configured as BENCHMARKS.md prescribes."""
     cfg = AutoConfig.for_model(**SHAPES[shape])
@@ -353,6 +398,12 @@ def main() -> None:
         " --max-num-seqs / 2 decodes, against a decode-only step (kernels, host and wall time)",
     )
     parser.add_argument("--trace", default=None, help="write the profile's Chrome trace here")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="32 prompts x 128 greedy steps with this --kv-cache-dtype against auto (bf16)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -384,6 +435,15 @@ def main() -> None:
                 profile_decode(engine, args.max_num_seqs, args.trace)
             if args.mixed:
                 row["mixed_step"] = mixed_step_cost(engine, args.max_num_seqs // 2, args.mixed)
+            if args.accuracy:
+                mine = greedy_logprobs(engine, 32, 128)
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+                reference_args = argparse.Namespace(**{**vars(args), "kv_cache_dtype": "auto"})
+                engine, _ = build_engine(write_checkpoint(shape, Path(tmp)), reference_args)
+                row["accuracy"] = compare_greedy(greedy_logprobs(engine, 32, 128), mine)
+                print(f"  {args.kv_cache_dtype} against bf16 KV: {row['accuracy']}")
             report.append(row)
             del engine
             gc.collect()

@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 BLOCK_SIZES = (8, 16, 32)
+# --kv-cache-dtype: "auto" stores keys and values in the model's dtype; "fp8" (e4m3, also spelled
+# fp8_e4m3, as vLLM does) in one byte each.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
@@ -101,7 +104,12 @@ class EngineConfig:
     max_consecutive_ooms: int = 8
     termination_log_path: str = "/dev/termination-log"
     api_server_count: int = 1
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+
+    @property
+    def is_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def model_name(self) -> str:
@@ -236,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs one model is split over, one engine process each",
     )
     add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto: the model's dtype; fp8 (= fp8_e4m3): one byte per value, twice the tokens in "
+        "the same memory (CUDA GPUs of compute capability 8.9 or newer)",
+    )
+    add(
         "--api-server-count",
         type=_bounded(int, 1, 64),
         default=1,
@@ -247,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> EngineConfig:
     """Parse `serve` arguments; exits with status 2 and a message naming the flag on error."""
-    namespace = build_parser().parse_args(argv)
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    if namespace.kv_cache_dtype != "auto" and namespace.device == "cpu":
+        parser.error(
+            "argument --kv-cache-dtype: fp8 needs a CUDA GPU (the CPU has no FP8 path); "
+            "use --kv-cache-dtype auto with --device cpu"
+        )
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(namespace).items() if k in names})

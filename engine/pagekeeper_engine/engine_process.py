@@ -66,6 +66,9 @@ def _serve(
     except (MemoryBudgetError, DeviceOutOfMemoryError) as exc:
         report_oom_exit(config, "startup", str(exc))
         return 1
+    except ValueError as exc:  # a setting this model or device cannot run
+        logger.error("cannot serve %s: %s", config.model, exc)
+        return 1
     except Exception:
         logger.exception("could not load %s", config.model)
         return 1
@@ -79,7 +82,7 @@ def _serve(
                 block_size=runner.block_size,
                 num_gpu_blocks=runner.num_gpu_blocks,
                 num_cpu_blocks=runner.num_cpu_blocks,
-                kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
+                kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
                 memory_budget_bytes=runner.memory_budget_bytes,
                 has_allocator=engine.has_allocator,
                 is_async_scheduling=engine.is_async,

@@ -110,6 +110,7 @@ SCHEMA_CASES = [
     ({"memoryPolicy": {"fragmentationBuffer": "plenty"}}, "spec.memoryPolicy.fragmentationBuffer"),
     ({"runtime": "tgi"}, "spec.runtime"),
     ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
+    ({"memoryPolicy": {"kvCacheDtype": "fp16"}}, "spec.memoryPolicy.kvCacheDtype"),
 ]
 
 

@@ -41,6 +41,7 @@ def test_defaults_of_a_minimal_server() -> None:
         "enablePrefixCaching": True,
         "prefixCacheMaxFraction": 0.5,
         "fragmentationBuffer": "auto",
+        "kvCacheDtype": "auto",
         "allocator": {"expandableSegments": True},
     }
 
@@ -126,6 +127,7 @@ def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], mes
         ),
         ({"runtime": "tgi"}, "spec.runtime"),
         ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
+        ({"memoryPolicy": {"kvCacheDtype": "int8"}}, "spec.memoryPolicy.kvCacheDtype"),
         ({"resources": {"requests": {"memory": "lots"}}}, "spec.resources.requests.memory"),
     ],
 )

@@ -150,6 +150,7 @@ def test_policy_fields_carry_bounds_defaults_and_nullability(schema: dict[str, A
         "enablePrefixCaching": True,
         "prefixCacheMaxFraction": 0.5,
         "fragmentationBuffer": "auto",
+        "kvCacheDtype": "auto",
         "allocator": {"expandableSegments": True},
     }
     util = props["gpuMemoryUtilization"]

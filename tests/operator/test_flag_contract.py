@@ -46,6 +46,7 @@ SPECS: list[dict[str, Any]] = [
         "remediation": {"adaptive": {"minGpuMemoryUtilization": 0.5}},
     },
     {"parallelism": {"tensor": 4}},
+    {"memoryPolicy": {"kvCacheDtype": "fp8"}},
 ]
 
 
@@ -68,6 +69,7 @@ def test_engine_parses_rendered_args_into_the_policy(spec: dict[str, Any]) -> No
     assert config.load_format == server.spec.model.load_format
     assert config.device == ("cuda" if server.spec.num_gpus else "cpu")
     assert config.tensor_parallel_size == server.spec.parallelism.tensor
+    assert config.kv_cache_dtype == policy.kv_cache_dtype
     assert (config.host, config.port) == ("0.0.0.0", 8000)
     assert config.gpu_memory_utilization == policy.gpu_memory_utilization
     assert config.block_size == policy.block_size
@@ -129,6 +131,16 @@ def test_vllm_args_are_the_shared_subset() -> None:
     # Same values for the shared flags: the engine's parser reads them identically.
     shared = parse_args(["/m", *list(vllm[3:])])
     assert shared.max_model_len == 4096 and shared.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])
+def test_kv_cache_dtype_reaches_either_runtime(runtime: str) -> None:
+    """vLLM spells it --kv-cache-dtype fp8 too; at auto the flag is left out."""
+    spec = {"runtime": runtime, "memoryPolicy": {"kvCacheDtype": "fp8", "maxModelLen": 4096}}
+    command = _command(spec)
+    assert command[command.index("--kv-cache-dtype") + 1] == "fp8"
+    assert parse_args(["/m", *command[3:]]).is_fp8_kv_cache
+    assert "--kv-cache-dtype" not in _command({"runtime": runtime})
 
 
 @pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])

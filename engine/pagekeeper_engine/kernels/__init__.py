@@ -14,6 +14,10 @@ import torch
 
 BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The KV cache may also hold FP8 (e4m3) values of half-precision keys and values: kernels load
+# them and compute in the query's dtype.
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+CACHE_DTYPES = (*SUPPORTED_DTYPES, FP8_CACHE_DTYPE)
 
 
 # Triton compiles a variant of a kernel for each new combination of "pointer is 16-byte aligned"
@@ -68,7 +72,7 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
         f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
     )
     assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
-    assert k_cache.dtype in SUPPORTED_DTYPES, f"cache dtype {k_cache.dtype} is not supported"
+    assert k_cache.dtype in CACHE_DTYPES, f"cache dtype {k_cache.dtype} is not supported"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert k_cache.device == v_cache.device, "k_cache and v_cache are on different devices"
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -83,9 +87,15 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
 def check_heads(
     name: str, tensor: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Check a (tokens, heads, head_dim) tensor against the cache; returns its number of heads."""
+    """Check a (tokens, heads, head_dim) tensor against the cache; returns its number of heads.
+    An FP8 cache takes half-precision tensors; any other cache, tensors of its own dtype."""
     assert tensor.dim() == 3, f"{name} must be (tokens, heads, head_dim), got {tuple(tensor.shape)}"
-    assert tensor.dtype == dtype, f"{name} is {tensor.dtype} but the cache is {dtype}"
+    if dtype == FP8_CACHE_DTYPE:
+        assert tensor.dtype in (torch.float16, torch.bfloat16), (
+            f"{name} is {tensor.dtype}; an FP8 cache takes float16 or bfloat16"
+        )
+    else:
+        assert tensor.dtype == dtype, f"{name} is {tensor.dtype} but the cache is {dtype}"
     assert tensor.shape[2] == head_dim, f"{name} head_dim {tensor.shape[2]} != cache's {head_dim}"
     assert tensor.stride(2) == 1, f"{name} must be contiguous in head_dim"
     num_heads = int(tensor.shape[1])

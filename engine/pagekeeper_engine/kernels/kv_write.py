@@ -49,8 +49,10 @@ def _kv_write_kernel(
         k_src = k_ptr + token * k_token_stride + offs_h[:, None] * k_head_stride + offs_d[None, :]
         v_src = v_ptr + token * v_token_stride + offs_h[:, None] * v_head_stride + offs_d[None, :]
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, tl.load(k_src, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
+        # stores narrow to the cache's dtype (FP8: round to nearest, saturating at +-448)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, tl.load(k_src, mask=mask).to(cache_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
@@ -103,7 +105,7 @@ def _rotary_kv_write_kernel(
             v_ptr + token * v_token_stride + offs_h[:, None] * v_head_stride + offs_full[None, :]
         )
         v_dst = v_cache_ptr + dst + offs_h[:, None] * (2 * HALF) + offs_full[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotate_and_write_kv(

@@ -113,8 +113,9 @@ def _paged_decode_kernel(
         kv_offs = gather_kv_offsets(
             block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
         )
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(n_mask[None, :], scores, float("-inf"))  # (GROUP_PAD, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(scores, 1))

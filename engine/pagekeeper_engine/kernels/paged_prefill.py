@@ -97,8 +97,9 @@ def _paged_prefill_kernel(
         kv_offs = gather_kv_offsets(
             block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
         )
-        k = tl.load(k_cache_ptr + kv_offs)  # (BLOCK_N, HEAD_DIM)
-        v = tl.load(v_cache_ptr + kv_offs)
+        # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
+        k = tl.load(k_cache_ptr + kv_offs).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -112,8 +113,8 @@ def _paged_prefill_kernel(
         kv_offs = gather_kv_offsets(
             block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
         )
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         is_visible = (offs_n[None, :] <= pos_m[:, None]) & n_mask[None, :]
         scores = tl.where(is_visible, scores, float("-inf"))  # (BLOCK_M, BLOCK_N)

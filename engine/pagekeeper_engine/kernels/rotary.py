@@ -37,8 +37,10 @@ def rotate_heads(
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
-    tl.store(out_first, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(out_first + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    # rounded to the input's dtype, then to the output's (an FP8 cache: one more narrowing)
+    out_ty = out_first.dtype.element_ty
+    tl.store(out_first, (x1f * cos - x2f * sin).to(x1.dtype).to(out_ty), mask=mask)
+    tl.store(out_first + HALF, (x2f * cos + x1f * sin).to(x1.dtype).to(out_ty), mask=mask)
 
 
 @triton.jit

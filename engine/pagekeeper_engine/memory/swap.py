@@ -44,6 +44,8 @@ def copy_blocks(
 def _copy_gathered(
     src_pool: torch.Tensor, dst_pool: torch.Tensor, src_to_dst: Sequence[tuple[int, int]]
 ) -> None:
+    if src_pool.element_size() == 1:  # FP8 blocks move as their bytes (indexing needs no FP8)
+        src_pool, dst_pool = src_pool.view(torch.uint8), dst_pool.view(torch.uint8)
     src = torch.tensor([s for s, _ in src_to_dst], dtype=torch.int64, device=src_pool.device)
     dst = torch.tensor([d for _, d in src_to_dst], dtype=torch.int64, device=dst_pool.device)
     moved = src_pool[:, :, src]  # (L, 2, n, block_size, kv_heads, head_dim), on src's device

@@ -45,6 +45,25 @@ from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 logger = logging.getLogger(__name__)
 
 
+def resolve_kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype: the model's, or FP8 (e4m3) where asked and the GPU has it."""
+    if not config.is_fp8_kv_cache:
+        return dtype
+    if device.type != "cuda":
+        raise ValueError("--kv-cache-dtype fp8 needs a CUDA GPU; the CPU has no FP8 path")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs FP8 support (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--kv-cache-dtype fp8 stores bfloat16 or float16 values, not {dtype}")
+    return torch.float8_e4m3fn
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across every layer, keys and values."""
     per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
@@ -81,6 +100,7 @@ class ModelRunner:
         model_dir = Path(config.model)
         self.model_config = load_model_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, config.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device)
         self.limits = resolve_limits(config, self.model_config.max_position_embeddings)
         self.block_size = config.block_size
         self.eos_token_ids = load_eos_token_ids(model_dir)
@@ -110,7 +130,9 @@ class ModelRunner:
             config.max_num_seqs, self.model_config.vocab_size, self.dtype, self.device
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
-        self.bytes_per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        self.bytes_per_block = kv_bytes_per_block(
+            self.model_config, self.block_size, self.kv_cache_dtype
+        )
         self.inputs = StepInputBuilder(
             self.device,
             block_size=self.block_size,
@@ -130,7 +152,7 @@ class ModelRunner:
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
         # Zero-filled so a kernel that reads a whole block never meets NaN garbage.
         self.kv_pool = torch.zeros(
-            self._pool_shape(self.num_gpu_blocks), dtype=self.dtype, device=self.device
+            self._pool_shape(self.num_gpu_blocks), dtype=self.kv_cache_dtype, device=self.device
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self.kv_pool])
 
@@ -141,14 +163,15 @@ class ModelRunner:
         )
         self.cpu_pool = torch.zeros(
             self._pool_shape(self.num_cpu_blocks),
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             pin_memory=self.device.type == "cuda",
         )
         logger.info(
-            "KV cache: %d device blocks, %d swap blocks of %d tokens (%d bytes per block)",
+            "KV cache: %d device blocks, %d swap blocks of %d tokens, %s (%d bytes per block)",
             self.num_gpu_blocks,
             self.num_cpu_blocks,
             self.block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.bytes_per_block,
         )
         self.gemv_choices: list[GemvChoice] = []
@@ -192,7 +215,11 @@ class ModelRunner:
         """Measure, then size the KV cache with the budget arithmetic of `memory/budget.py`."""
         cfg = self.model_config
         layout = KVLayout(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size, self.dtype.itemsize
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.block_size,
+            self.kv_cache_dtype.itemsize,
         )
         shapes = ProfileShapes(
             self.max_num_batched_tokens,
@@ -223,7 +250,7 @@ class ModelRunner:
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         self._scratch = torch.zeros(
-            self._pool_shape(num_blocks), dtype=self.dtype, device=self.device
+            self._pool_shape(num_blocks), dtype=self.kv_cache_dtype, device=self.device
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self._scratch])
         return self._scratch.nbytes

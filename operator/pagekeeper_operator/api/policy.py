@@ -153,6 +153,15 @@ class MemoryPolicy(ApiModel):
             "Runtime pagekeeper only; not passed to vllm."
         ),
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description=(
+            "--kv-cache-dtype: auto keeps keys and values in the model's dtype; fp8 (e4m3) stores "
+            "each in one byte, so the same memory holds about twice the tokens, at a small cost "
+            "in accuracy (docs/memory-policy.md). fp8 needs GPUs of compute capability 8.9 or "
+            "newer (L4, L40S, H100, H200, B200); either runtime."
+        ),
+    )
     allocator: AllocatorPolicy = Field(
         default_factory=AllocatorPolicy,
         description="CUDA caching-allocator options (env PYTORCH_CUDA_ALLOC_CONF).",

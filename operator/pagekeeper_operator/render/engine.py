@@ -46,6 +46,8 @@ def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
         _switch("enable-chunked-prefill", policy.enable_chunked_prefill),
         _switch("enable-prefix-caching", policy.enable_prefix_caching),
     ]
+    if policy.kv_cache_dtype != "auto":  # absent at auto, so existing servers keep their pods
+        flags += ["--kv-cache-dtype", policy.kv_cache_dtype]
     if is_pagekeeper:
         # vLLM has no equivalent of these three (its V1 engine does not swap KV blocks).
         flags += [

@@ -33,7 +33,7 @@ class OutOfMemoryRunner(PagedFakeRunner):
         self.limits = resolve_limits(config, 128)
         self.block_size = config.block_size
         self.eos_token_ids = frozenset({EOS})
-        self.dtype = "torch.float32"
+        self.kv_cache_dtype = "torch.float32"
         self.memory_budget_bytes = {"weights": 100, "kv_cache": 200}
 
 

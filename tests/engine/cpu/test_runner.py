@@ -8,6 +8,7 @@ import torch
 from pagekeeper_engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     EngineConfig,
+    parse_args,
     resolve_max_num_batched_tokens,
 )
 from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
@@ -15,7 +16,11 @@ from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.model.hf_config import load_model_config
-from pagekeeper_engine.runner.runner import ModelRunner, kv_bytes_per_block
+from pagekeeper_engine.runner.runner import (
+    ModelRunner,
+    kv_bytes_per_block,
+    resolve_kv_cache_dtype,
+)
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 
@@ -187,3 +192,16 @@ def test_swap_out_and_in_round_trip(runner: ModelRunner) -> None:
         )
         generated.append(out.sampled_token_ids[0])
     assert generated == reference
+
+
+def test_an_fp8_kv_cache_is_refused_where_it_cannot_run() -> None:
+    """The CPU at parse time (exit 2 naming the flag); a GPU without FP8 at start-up."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["/m", "--device", "cpu", "--kv-cache-dtype", "fp8"])
+    assert info.value.code == 2
+    assert parse_args(["/m", "--kv-cache-dtype", "fp8_e4m3"]).is_fp8_kv_cache
+    config = EngineConfig(model="m", device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="fp8 needs a CUDA GPU"):
+        resolve_kv_cache_dtype(config, torch.bfloat16, torch.device("cpu"))
+    auto = EngineConfig(model="m", device="cpu")
+    assert resolve_kv_cache_dtype(auto, torch.float32, torch.device("cpu")) == torch.float32
