@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +46,23 @@ class FrontendOptions:
 async def serve_frontend(
     config: EngineConfig, options: FrontendOptions, stop: asyncio.Event, core_gone: asyncio.Event
 ) -> int:
-    """Serve until `stop` (exit code 0 after a drain) or `core_gone` (1)."""
+    """Serve until `stop` or SIGTERM / SIGINT (exit code 0 after a drain) or `core_gone` (1)."""
     app = create_app(
         config,
         allocator_settings=options.allocator_settings,
         metrics_multiprocess_dir=options.metrics_multiprocess_dir,
     )
     state = app[STATE]
+
+    def on_stop_signal() -> None:
+        # Readiness fails in this very callback, before any request queued behind the signal
+        # is answered; the drain itself follows from `stop`.
+        state.begin_drain()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop_signal)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # requests in the engine and frees their blocks.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import (
+    FP8_CACHE_DTYPE,
     check_device,
     check_heads,
     check_index_tensor,
@@ -81,6 +82,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (FP8 widens to it natively)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -102,6 +104,8 @@ def _paged_decode_kernel(
         mask=hd_mask,
         other=0.0,
     )
+    if KV_FP8:
+        q = q.to(tl.float16)
     block_table_ptr = block_tables_ptr + seq * block_table_stride
 
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
@@ -340,6 +344,7 @@ def paged_decode(
         NUM_SPLITS=num_splits,
         FUSED_REDUCE=fused_reduce,
         DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import (
+    FP8_CACHE_DTYPE,
     check_device,
     check_heads,
     check_index_tensor,
@@ -59,6 +60,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (FP8 widens to it natively)
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,6 +81,8 @@ def _paged_prefill_kernel(
         mask=m_mask[:, None],
         other=0.0,
     )
+    if KV_FP8:
+        q = q.to(tl.float16)
     pos_m = prefix_len + offs_m  # absolute positions of the query rows
     kv_head = head // GROUP
     block_table_ptr = block_tables_ptr + seq * block_table_stride
@@ -204,6 +208,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -32,13 +32,14 @@ def test_e4m3_rounds_to_nearest_and_saturates_in_torch() -> None:
 def test_kv_write_narrows_to_fp8_and_saturates(device: torch.device) -> None:
     from pagekeeper_engine.kernels.kv_write import write_kv  # noqa: PLC0415
 
-    k = torch.tensor([[[1.0625, 1000.0, -1000.0, 0.5]]], dtype=torch.bfloat16, device=device)
+    row = [1.0625, 1000.0, -1000.0, 0.5] * 4  # head_dim 16
+    k = torch.tensor([[row]], dtype=torch.bfloat16, device=device)
     v = -k
-    k_cache = torch.zeros((2, 16, 1, 4), dtype=FP8, device=device)
+    k_cache = torch.zeros((2, 16, 1, 16), dtype=FP8, device=device)
     v_cache = torch.zeros_like(k_cache)
     write_kv(k, v, k_cache, v_cache, torch.tensor([17], device=device))
-    assert k_cache[1, 1, 0].float().tolist() == [1.0, 448.0, -448.0, 0.5]
-    assert v_cache[1, 1, 0].float().tolist() == [-1.0, -448.0, 448.0, -0.5]
+    assert k_cache[1, 1, 0].float().tolist() == [1.0, 448.0, -448.0, 0.5] * 4
+    assert v_cache[1, 1, 0].float().tolist() == [-1.0, -448.0, 448.0, -0.5] * 4
     assert k_cache.float().abs().sum() == k_cache[1, 1, 0].float().abs().sum()
 
 
