@@ -19,12 +19,13 @@ from tests.support.tools import REPO
 llmserver_crd = operator_fixture.llmserver_crd
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-# What each example is for: a small model, an 8B model on one GPU, a 70B model over four GPUs,
-# upstream vLLM, and replicas behind an inference gateway. (name, runtime, GPUs per pod)
+# What each example is for: a small model, an 8B model on one GPU, a 70B model over four GPUs
+# (upstream vLLM, FP8 KV), upstream vLLM, and replicas behind an inference gateway.
+# (name, runtime, GPUs per pod)
 EXPECTED = {
     "llmserver-small.yaml": ("qwen3-0-6b", "pagekeeper", 1),
     "llmserver-8b.yaml": ("llama-3-1-8b", "pagekeeper", 1),
-    "llmserver-70b-tp4.yaml": ("llama-3-1-70b", "pagekeeper", 4),
+    "llmserver-70b-tp4.yaml": ("llama-3-1-70b", "vllm", 4),
     "llmserver-vllm.yaml": ("qwen3-8b-vllm", "vllm", 1),
     "llmserver-gateway.yaml": ("qwen3-8b-pool", "pagekeeper", 1),
 }
