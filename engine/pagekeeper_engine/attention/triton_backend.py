@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata, RotaryTables
-from pagekeeper_engine.kernels import is_interpreter
+from pagekeeper_engine.kernels import FP8_CACHE_DTYPE, is_interpreter
 from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
 from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
 from pagekeeper_engine.kernels.paged_prefill import paged_prefill
@@ -111,6 +111,8 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:num_decodes],
                 num_splits=num_splits,
                 split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
+                # an FP8 tile of the same token count is half the bytes: take twice the tokens
+                block_n=128 if k_cache.dtype == FP8_CACHE_DTYPE else 64,
             )
         if num_decodes < meta.num_seqs:
             paged_prefill(
