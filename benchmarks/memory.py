@@ -289,6 +289,8 @@ def run_server_workload(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     ]  # fmt: skip
     if args.max_waiting_requests is not None:
         argv += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    if args.kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     log = open(Path(args.out).with_suffix(".server.log"), "wb")  # noqa: SIM115
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     started = time.monotonic()
@@ -365,6 +367,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--swap-space", type=float, default=8.0)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--sample-every", type=float, default=2.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="memory-benchmark.json")
