@@ -119,7 +119,9 @@ def test_streamed_completion_equals_unstreamed(client: OpenAI) -> None:
     assert text == whole
     finish = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finish[-1] == "length"
-    assert set(finish[:-1]) == {None}
+    # Only the last chunk finishes. (A consumer that falls behind gets the tokens of several
+    # steps in one chunk, so on a busy machine the whole completion may be that one chunk.)
+    assert all(reason is None for reason in finish[:-1])
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (10, 10)
