@@ -12,7 +12,6 @@ step that the smaller budget cannot serve, newest first, and the loop schedules 
 from __future__ import annotations
 
 import logging
-import threading
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.scheduler import Scheduler
@@ -30,8 +29,8 @@ class OomRecovery:
     """The live step token budget of one scheduler and the out-of-memory events that move it.
 
     The scheduler reads its step budget in `check_request` too (without chunked prefill a prompt
-    must fit one step): other threads check requests through `check_request` here, under a lock
-    that the step loop also holds while it schedules within a reduced budget.
+    must fit one step); requests are checked on the step loop's own thread, outside `schedule`,
+    so they meet the configured budget, never a reduced one.
     """
 
     def __init__(self, scheduler: Scheduler, max_consecutive_ooms: int) -> None:
@@ -40,24 +39,21 @@ class OomRecovery:
         self.max_consecutive_ooms = max_consecutive_ooms
         self.num_events = dict.fromkeys(OOM_EVENT_KINDS, 0)
         self._num_swap_ooms_seen = 0
-        self._lock = threading.Lock()
 
     def check_request(self, num_prompt_tokens: int) -> None:
-        """`Scheduler.check_request`, safe beside a step that schedules within a reduced budget."""
-        with self._lock:
-            self.scheduler.check_request(num_prompt_tokens)
+        """`Scheduler.check_request` against the configured step budget."""
+        self.scheduler.check_request(num_prompt_tokens)
 
     def schedule(self) -> SchedulerOutput:
         """The scheduler's next step, within the budget as it stands now."""
         budget = self.budget
         if not budget.is_reduced:
             return self.scheduler.schedule()
-        with self._lock:
-            self.scheduler.max_num_batched_tokens = budget.current
-            try:
-                return self.scheduler.schedule()
-            finally:
-                self.scheduler.max_num_batched_tokens = budget.ceiling
+        self.scheduler.max_num_batched_tokens = budget.current
+        try:
+            return self.scheduler.schedule()
+        finally:
+            self.scheduler.max_num_batched_tokens = budget.ceiling
 
     def on_empty_step(self) -> None:
         """Nothing was scheduled: if work waits, nothing fits the reduced budget (a prompt
