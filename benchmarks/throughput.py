@@ -272,14 +272,15 @@ def mixed_step_cost(engine: LLMEngine, batch: int, prompt_len: int) -> dict[str,
 
 
 def greedy_logprobs(
-    engine: LLMEngine, num_prompts: int, num_steps: int
+    engine: LLMEngine, num_prompts: int, num_steps: int, prompt_len: int = 512
 ) -> dict[str, list[tuple[int, float]]]:
     """(token, log-probability) of `num_steps` greedy tokens for each of `num_prompts` seeded
-    prompts of 512 random ids."""
+    prompts of `prompt_len` random ids."""
     rng = random.Random(1)
     params = SamplingParams(max_tokens=num_steps, temperature=0.0, ignore_eos=True, logprobs=True)
     for i in range(num_prompts):
-        engine.add_request(f"acc-{i}", [rng.randrange(1000, 30000) for _ in range(512)], params)
+        prompt = [rng.randrange(1000, 30000) for _ in range(prompt_len)]
+        engine.add_request(f"acc-{i}", prompt, params)
     picked: dict[str, list[tuple[int, float]]] = {}
     while engine.has_work():
         for out in engine.step():

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import gc
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.shapes import SHAPES
+from benchmarks.throughput import compare_greedy, greedy_logprobs
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
-from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.runner.runner import ModelRunner
 
 pytestmark = [
@@ -45,16 +44,7 @@ def greedy(model_dir: Path, kv_cache_dtype: str) -> tuple[dict[str, list[tuple[i
     )
     runner = ModelRunner(config, progress=False)
     engine = LLMEngine(config, runner, runner.eos_token_ids)
-    rng = random.Random(1)
-    params = SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, ignore_eos=True, logprobs=True)
-    for i in range(NUM_PROMPTS):
-        engine.add_request(f"p{i}", [rng.randrange(1000, 30000) for _ in range(256)], params)
-    picked: dict[str, list[tuple[int, float]]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            for token, logprob in zip(out.new_token_ids, out.logprobs, strict=True):
-                assert logprob is not None
-                picked.setdefault(out.request_id, []).append((token, logprob))
+    picked = greedy_logprobs(engine, NUM_PROMPTS, NUM_STEPS, prompt_len=256)
     num_blocks = runner.num_gpu_blocks
     del engine, runner
     gc.collect()
@@ -67,10 +57,8 @@ def test_fp8_kv_keeps_the_greedy_tokens_and_doubles_the_blocks(tmp_path: Path) -
     bf16, bf16_blocks = greedy(tmp_path, "auto")
     fp8, fp8_blocks = greedy(tmp_path, "fp8")
     assert fp8_blocks >= 1.95 * bf16_blocks
-    pairs = [(a, b) for rid in bf16 for a, b in zip(bf16[rid], fp8[rid], strict=True)]
-    assert len(pairs) == NUM_PROMPTS * NUM_STEPS
-    identical = sum(a[0] == b[0] for a, b in pairs) / len(pairs)
-    diffs = [abs(a[1] - b[1]) for a, b in pairs if a[0] == b[0]]
-    assert identical >= 0.95
-    assert sum(diffs) / len(diffs) <= 0.002
-    assert max(diffs) <= 0.01
+    accuracy = compare_greedy(bf16, fp8)
+    assert accuracy["num_positions"] == NUM_PROMPTS * NUM_STEPS
+    assert accuracy["identical_token_share"] >= 0.95
+    assert accuracy["logprob_abs_diff_mean"] <= 0.002
+    assert accuracy["logprob_abs_diff_max"] <= 0.01
