@@ -205,13 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     config = parse_args(args[1:])  # exits 2 with a message naming the flag
-    if config.tensor_parallel_size > 1:
-        print(
-            "pagekeeper-engine serve: --tensor-parallel-size "
-            f"{config.tensor_parallel_size}: this engine runs a model on one GPU only",
-            file=sys.stderr,
-        )
-        return 2
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         allocator_settings = read_alloc_settings(os.environ)

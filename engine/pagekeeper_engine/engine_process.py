@@ -55,11 +55,16 @@ def _serve(
     from pagekeeper_engine.core.engine_core import EngineCore  # noqa: PLC0415
     from pagekeeper_engine.memory.budget import MemoryBudgetError  # noqa: PLC0415
     from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError  # noqa: PLC0415
+    from pagekeeper_engine.runner.parallel import WorkerRanks, start_tensor_parallel  # noqa: PLC0415
     from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415
 
+    workers: WorkerRanks | None = None
     try:
         try:
-            runner = ModelRunner(config)
+            if config.tensor_parallel_size > 1:
+                runner, workers = start_tensor_parallel(config, addresses.directory)
+            else:
+                runner = ModelRunner(config)
         except torch.OutOfMemoryError as exc:
             detail = f"out of memory while loading and profiling the model: {exc}"
             raise DeviceOutOfMemoryError("startup", detail) from None
@@ -98,6 +103,8 @@ def _serve(
         code = core.run()
     finally:
         core.close()
+        if workers is not None:
+            workers.stop(graceful=core.fatal_error is None)
     if core.fatal_error is not None:
         report_oom_exit(config, "runtime", core.fatal_error)
     return code

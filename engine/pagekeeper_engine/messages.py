@@ -27,7 +27,7 @@ from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 STATS_INTERVAL_S = 0.1  # the loop's stats ride on step outputs at most this often
 HEARTBEAT_INTERVAL_S = 0.5  # an idle core sends its stats this often
 
@@ -112,7 +112,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     num_gpu_blocks: int
     num_cpu_blocks: int
     kv_cache_dtype: str
-    memory_budget_bytes: dict[str, int] | None
+    memory_budget_bytes: list[dict[str, int]] | None  # each rank's start-up budget terms
     has_allocator: bool
     is_async_scheduling: bool
     stats: LoopStats  # the loop's state before its first step

@@ -49,7 +49,8 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
         "gauge",
         ("variable", "expandable_segments", "garbage_collection_threshold", "max_split_size_mb"),
     ),
-    "pagekeeper_memory_budget_bytes": ("gauge", ("term",)),
+    # one series per term and tensor-parallel rank (rank "0" alone on one GPU)
+    "pagekeeper_memory_budget_bytes": ("gauge", ("term", "rank")),
     # tokens per step now: --max-num-batched-tokens, or less while recovering from an OOM
     "pagekeeper_step_token_budget": ("gauge", ()),
 }

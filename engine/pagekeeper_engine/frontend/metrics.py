@@ -91,12 +91,13 @@ class EngineCollector(Collector):
         ready = self._read_ready() if self._read_ready is not None else None
         if ready is not None:
             yield self._cache_config_info(ready)
-        budget = ready.memory_budget_bytes if ready is not None else None
-        if budget:
+        budgets = ready.memory_budget_bytes if ready is not None else None
+        if budgets:
             name = "pagekeeper_memory_budget_bytes"
-            family = GaugeMetricFamily(name, _desc(name), labels=["model_name", "term"])
-            for term, num_bytes in sorted(budget.items()):
-                family.add_metric([self._model_name, term], num_bytes)
+            family = GaugeMetricFamily(name, _desc(name), labels=["model_name", "term", "rank"])
+            for rank, budget in enumerate(budgets):
+                for term, num_bytes in sorted(budget.items()):
+                    family.add_metric([self._model_name, term, str(rank)], num_bytes)
             yield family
 
     def _cache_config_info(self, ready: Ready) -> Metric:

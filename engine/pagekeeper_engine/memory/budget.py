@@ -150,6 +150,38 @@ def compute_budget(
     return budget
 
 
+@dataclass(frozen=True)
+class RankBudgets:
+    """The budgets of every tensor-parallel rank, and the block count they share: each rank
+    holds its own shard of every block, so the smallest rank's count is the engine's."""
+
+    per_rank: list[MemoryBudget]
+
+    @property
+    def num_blocks(self) -> int:
+        return min(b.num_blocks for b in self.per_rank)
+
+    @property
+    def limiting_rank(self) -> int:
+        return min(range(len(self.per_rank)), key=lambda r: self.per_rank[r].num_blocks)
+
+    @property
+    def terms(self) -> list[dict[str, int]]:
+        return [b.terms for b in self.per_rank]
+
+
+def combine_rank_budgets(outcomes: list[MemoryBudget | str]) -> RankBudgets:
+    """One outcome per rank, in rank order: its budget, or why it refused. Any refusal refuses
+    the engine, naming each failing rank with its message (every term); a single rank's
+    message is passed on as it is."""
+    failures = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, str)]
+    if failures:
+        if len(outcomes) == 1:
+            raise MemoryBudgetError(failures[0][1])
+        raise MemoryBudgetError("; ".join(f"rank {rank}: {message}" for rank, message in failures))
+    return RankBudgets([o for o in outcomes if isinstance(o, MemoryBudget)])
+
+
 def num_cpu_kv_blocks(
     *,
     max_num_seqs: int,

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import RopeScaling
 from pagekeeper_engine.model.workspace import Workspace
 
@@ -154,10 +155,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one (2I, H) matrix."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one (2I, H) matrix.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype):
+    Under tensor parallelism `intermediate_size` is this rank's columns and the down
+    projection's partial sums are all-reduced."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ):
         super().__init__()
+        self.tp = tp
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
@@ -176,6 +188,7 @@ class SwiGLU(nn.Module):
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)
                 torch.mul(functional.silu(gate), up, out=activated)
             self.down_proj(activated, out=out[start:end])
+        self.tp.all_reduce_(out)
 
 
 class PagedAttention(nn.Module):
@@ -183,6 +196,8 @@ class PagedAttention(nn.Module):
 
     The runner binds `k_cache`/`v_cache` (num_blocks, block_size, num_kv_heads, head_dim) once
     after allocating the pool; the backend writes this step's keys there and reads the rest.
+    Under tensor parallelism the heads are this rank's and the output projection's partial sums
+    are all-reduced.
     """
 
     def __init__(
@@ -197,8 +212,10 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
+        tp: TensorParallelGroup,
     ):
         super().__init__()
+        self.tp = tp
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -248,3 +265,4 @@ class PagedAttention(nn.Module):
             out=attn.view(num_tokens, self.num_heads, self.head_dim),
         )
         self.o_proj(attn, out=out)
+        self.tp.all_reduce_(out)

@@ -1,8 +1,10 @@
 """One decoder for the Llama family, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
 
 The forward pass takes the step's packed tokens and returns hidden states; logits are computed
-separately, only for the rows that will be sampled. Shapes depend only on the number of tokens,
-so a caller may pad to fixed sizes and capture the forward in a CUDA graph. Every per-token
+separately, only for the rows that will be sampled. Under tensor parallelism (`tp`) the model is
+one rank's shard (`model/shard.py`): its heads, MLP columns and vocabulary rows, with the
+partial sums all-reduced and the logits gathered to rank 0. Shapes depend only on the number of
+tokens, so a caller may pad to fixed sizes and capture the forward in a CUDA graph. Every per-token
 temporary lives in a `Workspace` (`model/workspace.py`): the one bound with `bind_workspace`,
 or, for a caller that bound none, one allocated for the call.
 """
@@ -14,6 +16,7 @@ from torch import nn
 from torch.nn import functional
 
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import (
     Linear,
@@ -22,6 +25,7 @@ from pagekeeper_engine.model.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
+from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 
 # Checkpoint tensor -> (our fused parameter, index of its row slice in pack order).
@@ -32,6 +36,8 @@ _PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Tensors with a row per vocabulary entry (sharded by rows under tensor parallelism).
+_VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -45,6 +51,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
+        tp: TensorParallelGroup,
     ):
         super().__init__()
         self.self_attn = PagedAttention(
@@ -57,8 +64,9 @@ class DecoderLayer(nn.Module):
             rotary=rotary,
             backend=backend,
             dtype=dtype,
+            tp=tp,
         )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
@@ -90,16 +98,23 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (the checkpoint's `model.` prefix)."""
 
     def __init__(
-        self, config: ModelConfig, max_position: int, backend: AttentionBackend, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        max_position: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
     ):
         super().__init__()
+        self.tp = tp
+        self.vocab_start = tp.rank * config.vocab_size  # this rank's first row of the vocabulary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, dtype) for _ in range(config.num_layers)
+            DecoderLayer(config, rotary, backend, dtype, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -113,23 +128,46 @@ class DecoderModel(nn.Module):
         """(T, H) hidden states: a view of the workspace's `hidden` rows."""
         num_tokens = input_ids.shape[0]
         residual = workspace.rows("residual", num_tokens)
-        torch.index_select(self.embed_tokens.weight, 0, input_ids, out=residual)
+        self._embed(input_ids, out=residual)
         for i, layer in enumerate(self.layers):
             layer(positions, meta, workspace, is_first=i == 0)
         hidden = workspace.rows("hidden", num_tokens)
         self.norm.forward_residual_(hidden, residual)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """(T,) ids -> (T, H) embeddings; a rank holding a shard of the vocabulary looks up its
+        own rows, zeroes the others, and the sum over ranks is the embedding."""
+        weight = self.embed_tokens.weight
+        if not self.tp.is_active:
+            torch.index_select(weight, 0, input_ids, out=out)
+            return
+        local = input_ids - self.vocab_start
+        is_mine = (local >= 0) & (local < weight.shape[0])
+        torch.index_select(weight, 0, local.clamp(0, weight.shape[0] - 1), out=out)
+        out.mul_(is_mine.unsqueeze(1).to(out.dtype))
+        self.tp.all_reduce_(out)
+
 
 class CausalLM(nn.Module):
-    """A decoder-only language model over a paged KV cache."""
+    """A decoder-only language model over a paged KV cache: the whole of it, or with `tp` of
+    size > 1, the shard of rank `tp.rank` (`config` is always the whole model's)."""
 
     def __init__(
-        self, config: ModelConfig, max_position: int, backend: AttentionBackend, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        max_position: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup | None = None,
     ):
         super().__init__()
-        self.config = config
-        self.model = DecoderModel(config, max_position, backend, dtype)
+        self.tp = tp if tp is not None else TensorParallelGroup()
+        self.shard = ShardPlan.for_rank(config, self.tp.rank, self.tp.size)
+        self.vocab_size = config.vocab_size
+        config = self.shard.local_config
+        self.config = config  # this rank's: its heads, MLP columns and vocabulary shard
+        self.model = DecoderModel(config, max_position, backend, dtype, self.tp)
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
@@ -165,16 +203,31 @@ class CausalLM(nn.Module):
 
     def compute_logits(
         self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """hidden: (N, hidden_size) -> fp32 logits (N, vocab_size). With `out` (a buffer in the
         model's dtype and an fp32 one, each with at least N rows), written into their leading
-        rows: no allocation of the step's size."""
+        rows: no allocation of the step's size. Under tensor parallelism every rank computes
+        its vocabulary shard and rank 0 gets them all; the other ranks get None."""
+        if self.tp.is_active:
+            return self._gather_logits(hidden, out)
         if out is None:
             return functional.linear(hidden, self.lm_head_weight).float()
         num_rows = hidden.shape[0]
         low, full = out[0][:num_rows], out[1][:num_rows]
         torch.mm(hidden, self.lm_head_weight.t(), out=low)
         return full.copy_(low)
+
+    def _gather_logits(
+        self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        gathered = self.tp.gather_rows(torch.mm(hidden, self.lm_head_weight.t()), None)
+        if gathered is None:
+            return None
+        low = gathered[:, : self.vocab_size]  # the last shard's padding rows cut off
+        if out is None:
+            return low.float()
+        num_rows = hidden.shape[0]
+        return out[1][:num_rows].copy_(out[0][:num_rows].copy_(low))
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -214,6 +267,10 @@ class CausalLM(nn.Module):
             target = param[start : start + self._packed_rows(proj)]
         else:
             target = self._parameter(name)
+        if name.endswith(_VOCAB_ROWS) and tensor.shape[0] < target.shape[0]:
+            # the last vocabulary shard: its rows past the vocabulary stay zero
+            target[tensor.shape[0] :].zero_()
+            target = target[: tensor.shape[0]]
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

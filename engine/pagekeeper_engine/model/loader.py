@@ -10,14 +10,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagekeeper_engine.attention.base import AttentionBackend
+from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import CheckpointError, ModelConfig, read_json
 from pagekeeper_engine.model.llama import CausalLM
+from pagekeeper_engine.model.shard import ShardPlan, TensorSlice
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -107,14 +109,35 @@ def _tensor_names(path: Path) -> list[str]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
 
 
-def iter_safetensors(path: Path, device: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of one file, read straight onto `device`."""
+def iter_safetensors(
+    path: Path, device: str, shard: ShardPlan | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one file, read straight onto `device`; with `shard`, only the
+    rank's slice of each split tensor is read (never the whole of it)."""
     try:
         with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, f.get_tensor(name)
+                part = None if shard is None else shard.slice_of(name)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, _read_slice(path, name, f.get_slice(name), part)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
+
+
+def _read_slice(path: Path, name: str, handle: Any, part: TensorSlice) -> torch.Tensor:
+    """Rows or columns [start, stop) of a checkpoint tensor, after checking its full length."""
+    shape = list(handle.get_shape())
+    if len(shape) <= part.dim or shape[part.dim] != part.full:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {part.full} along "
+            f"dimension {part.dim}"
+        )
+    tensor: torch.Tensor = (
+        handle[part.start : part.stop] if part.dim == 0 else handle[:, part.start : part.stop]
+    )
+    return tensor
 
 
 def load_safetensors(model: CausalLM, model_dir: Path, device: str, *, progress: bool) -> None:
@@ -125,7 +148,7 @@ def load_safetensors(model: CausalLM, model_dir: Path, device: str, *, progress:
     expected = set(model.checkpoint_shapes())
     loaded: set[str] = set()
     for path in files:
-        for name, tensor in iter_safetensors(path, device):
+        for name, tensor in iter_safetensors(path, device, model.shard):
             if progress:
                 bar.update()
             if model.is_ignored_weight(name):
@@ -151,15 +174,27 @@ def load_safetensors(model: CausalLM, model_dir: Path, device: str, *, progress:
 
 @torch.no_grad()
 def fill_dummy(model: CausalLM, seed: int) -> None:
-    """Random weights at the real shapes: norms at 1, everything else U(-r, r), seeded."""
+    """Random weights at the real shapes: norms at 1, everything else U(-r, r), seeded.
+
+    Drawn per checkpoint tensor at its whole size, then cut to this rank's slice, so every
+    tensor-parallel size gets the same model (one tensor at a time is whole on a rank)."""
     generator: torch.Generator | None = None
-    for name, param in model.named_parameters():
+    for name, shape in model.checkpoint_shapes().items():
+        part = model.shard.slice_of(name)
+        full_shape = list(shape)
+        if part is not None:
+            full_shape[part.dim] = part.full
+        device = model.lm_head_weight.device
         if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
+            generator = torch.Generator(device=device).manual_seed(seed)
+        full = torch.empty(full_shape, dtype=model.lm_head_weight.dtype, device=device)
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            full.fill_(1.0)
         else:
-            param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+            full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+        model.load_weight(
+            name, full if part is None else full.narrow(part.dim, part.start, part.length)
+        )
 
 
 def load_model(
@@ -173,12 +208,14 @@ def load_model(
     max_position: int,
     seed: int = 0,
     progress: bool = True,
+    tp: TensorParallelGroup | None = None,
 ) -> CausalLM:
-    """Build the model on `device` in `dtype` and fill its weights as `load_format` says."""
+    """Build the model (or rank `tp.rank`'s shard of it) on `device` in `dtype` and fill its
+    weights as `load_format` says."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"--load-format {load_format!r} is not one of auto, safetensors, dummy")
     with torch.device(device):
-        model = CausalLM(model_config, max_position, backend, dtype)
+        model = CausalLM(model_config, max_position, backend, dtype, tp)
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:

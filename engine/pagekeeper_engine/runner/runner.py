@@ -7,14 +7,20 @@ and returns plain token ids. It makes no scheduling decision of its own.
 `launch` enqueues a step and returns before the device has run it: the sampled ids stay on the
 device (the next step's placeholder inputs gather from them there) and travel to the host as
 `step_results.py` describes. `execute` is `launch(...).result()`.
+
+Under tensor parallelism there is one runner per rank, each over its shard of the model and of
+every KV block (`model/shard.py`). Rank 0's runner, in the engine core, hands each step to
+`followers` (the other ranks, `runner/parallel.py`) before it runs it; every rank then runs the
+same forward in lockstep, rank 0 samples, and the sampled ids are broadcast so every rank's next
+step reads the same placeholders.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -22,22 +28,20 @@ from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.memory.budget import (
-    KVLayout,
-    MemoryBudget,
-    check_num_blocks,
-    num_cpu_kv_blocks,
-)
-from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor, CudaMemoryReader
-from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
-from pagekeeper_engine.memory.profile import ProfileShapes, size_kv_cache
+from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.memory.budget import RankBudgets
+from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
+from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError, EngineOutOfMemoryError
 from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.gemv_choice import GemvChoice, choose_gemv
-from pagekeeper_engine.model.hf_config import ModelConfig, load_eos_token_ids, load_model_config
+from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
+from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
+from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
+from pagekeeper_engine.runner.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
@@ -45,33 +49,17 @@ from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 logger = logging.getLogger(__name__)
 
 
-def resolve_kv_cache_dtype(
-    config: EngineConfig, dtype: torch.dtype, device: torch.device
-) -> torch.dtype:
-    """The KV cache's dtype: the model's, or FP8 (e4m3) where asked and the GPU has it."""
-    if not config.is_fp8_kv_cache:
-        return dtype
-    if device.type != "cuda":
-        raise ValueError("--kv-cache-dtype fp8 needs a CUDA GPU; the CPU has no FP8 path")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ValueError(
-            f"--kv-cache-dtype fp8 needs FP8 support (compute capability 8.9 or newer); "
-            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
-        )
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"--kv-cache-dtype fp8 stores bfloat16 or float16 values, not {dtype}")
-    return torch.float8_e4m3fn
+class StepFollowers(Protocol):
+    """The other tensor-parallel ranks, as rank 0 drives them."""
 
-
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across every layer, keys and values."""
-    per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
-    return per_token * block_size
+    def send(self, out: SchedulerOutput) -> None:
+        """Hand them the step rank 0 is about to run."""
+        ...
 
 
 class ModelRunner:
-    """Runs scheduled steps of one model on one device over a preallocated paged KV cache."""
+    """Runs scheduled steps of one model (or one rank's shard of it) on one device over a
+    preallocated paged KV cache."""
 
     limits: EngineLimits
 
@@ -83,37 +71,53 @@ class ModelRunner:
     def max_num_batched_tokens(self) -> int:
         return self.limits.max_num_batched_tokens
 
-    def __init__(self, config: EngineConfig, *, progress: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        progress: bool = True,
+        tp: TensorParallelGroup | None = None,
+        followers: StepFollowers | None = None,
+    ):
         self.config = config
+        self.tp = tp if tp is not None else TensorParallelGroup()
+        self.followers = followers
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.tp.size > 1:
+            self.device = torch.device("cuda", self.tp.rank)  # one GPU per rank
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-            self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
-        self.memory_budget: MemoryBudget | None = None
+            self.free_at_start = torch.cuda.mem_get_info(self.device)[0]
+        self.memory_budget: RankBudgets | None = None
         self._scratch: torch.Tensor | None = None
         self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
         self.allocator_monitor = (
             CudaAllocatorMonitor(self.device) if self.device.type == "cuda" else None
         )
         model_dir = Path(config.model)
-        self.model_config = load_model_config(model_dir)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, config.device)
+        full_config = load_model_config(model_dir)
+        # This rank's part of the model (all of it at size 1): the KV pool, the workspace and
+        # the budget are sized from it.
+        shard = ShardPlan.for_rank(full_config, self.tp.rank, self.tp.size)
+        self.model_config = shard.local_config
+        self.dtype = resolve_dtype(config.dtype, full_config.torch_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device)
-        self.limits = resolve_limits(config, self.model_config.max_position_embeddings)
+        self.limits = resolve_limits(config, full_config.max_position_embeddings)
         self.block_size = config.block_size
         self.eos_token_ids = load_eos_token_ids(model_dir)
         self.model: CausalLM = load_model(
-            self.model_config,
+            full_config,
             model_dir,
             load_format=config.load_format,
             dtype=self.dtype,
-            device=config.device,
+            device=str(self.device),
             backend=get_backend(config.device),
             max_position=self.max_model_len,
             seed=config.seed,
             progress=progress,
+            tp=self.tp,
         )
         # The forward pass's static home, before the profile: it is part of the activations.
         self.workspace = Workspace(
@@ -126,8 +130,12 @@ class ModelRunner:
         )
         self.model.bind_workspace(self.workspace)
         # Sampling's rows, beside the workspace and before the profile: part of the activations.
+        # Only rank 0 samples; the other ranks' buffers are empty.
         self.sampler_buffers = SamplerBuffers(
-            config.max_num_seqs, self.model_config.vocab_size, self.dtype, self.device
+            config.max_num_seqs,
+            full_config.vocab_size if self.tp.is_first else 0,
+            self.dtype,
+            self.device,
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
         self.bytes_per_block = kv_bytes_per_block(
@@ -148,11 +156,11 @@ class ModelRunner:
         self._previous_rows: dict[str, int] = {}
         self._results = HostResultBuffers(self.device, config.max_num_seqs)
 
-        self.num_gpu_blocks = self._decide_num_gpu_blocks()
+        self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(self)
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
         # Zero-filled so a kernel that reads a whole block never meets NaN garbage.
         self.kv_pool = torch.zeros(
-            self._pool_shape(self.num_gpu_blocks), dtype=self.kv_cache_dtype, device=self.device
+            self.pool_shape(self.num_gpu_blocks), dtype=self.kv_cache_dtype, device=self.device
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self.kv_pool])
 
@@ -162,7 +170,7 @@ class ModelRunner:
             else int(config.swap_space * 2**30) // self.bytes_per_block
         )
         self.cpu_pool = torch.zeros(
-            self._pool_shape(self.num_cpu_blocks),
+            self.pool_shape(self.num_cpu_blocks),
             dtype=self.kv_cache_dtype,
             pin_memory=self.device.type == "cuda",
         )
@@ -176,9 +184,10 @@ class ModelRunner:
         )
         self.gemv_choices: list[GemvChoice] = []
         if self.device.type == "cuda":  # timed over the bound cache, before the graphs
-            self.gemv_choices = choose_gemv(
-                self.model, padding_forward(self.model, self.inputs, batch=1)
-            )
+            with self.tp.local_only():  # each rank times its own shard's compute
+                self.gemv_choices = choose_gemv(
+                    self.model, padding_forward(self.model, self.inputs, batch=1)
+                )
         if self.uses_graphs:
             self.capture_graphs()
 
@@ -188,58 +197,14 @@ class ModelRunner:
         the same cores)."""
         return self.device.type == "cuda"
 
-    def _pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         cfg = self.model_config
         return (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
 
-    def _decide_num_gpu_blocks(self) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            return check_num_blocks(
-                self.config.num_gpu_blocks_override,
-                self.block_size,
-                self.max_model_len,
-                "--num-gpu-blocks-override",
-            )
-        if self.device.type == "cpu":
-            host_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            return num_cpu_kv_blocks(
-                max_num_seqs=self.config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                block_size=self.block_size,
-                bytes_per_block=self.bytes_per_block,
-                host_memory_bytes=host_memory,
-            )
-        return self._budget_num_gpu_blocks()
-
-    def _budget_num_gpu_blocks(self) -> int:
-        """Measure, then size the KV cache with the budget arithmetic of `memory/budget.py`."""
-        cfg = self.model_config
-        layout = KVLayout(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.block_size,
-            self.kv_cache_dtype.itemsize,
-        )
-        shapes = ProfileShapes(
-            self.max_num_batched_tokens,
-            self.config.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
-        )
-        self.memory_budget = size_kv_cache(
-            self,
-            CudaMemoryReader(self.device),
-            shapes,
-            layout,
-            self.config,
-            self._free_at_start,
-        )
-        return self.memory_budget.num_blocks
-
     @property
-    def memory_budget_bytes(self) -> dict[str, int] | None:
-        """The start-up budget's terms (None when the block count was given or on the CPU)."""
+    def memory_budget_bytes(self) -> list[dict[str, int]] | None:
+        """The start-up budget's terms, one dict per rank (None when the block count was given
+        or on the CPU)."""
         return None if self.memory_budget is None else self.memory_budget.terms
 
     # -- the start-up profile (driven by memory.profile) ------------------------------------
@@ -250,7 +215,7 @@ class ModelRunner:
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         self._scratch = torch.zeros(
-            self._pool_shape(num_blocks), dtype=self.kv_cache_dtype, device=self.device
+            self.pool_shape(num_blocks), dtype=self.kv_cache_dtype, device=self.device
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self._scratch])
         return self._scratch.nbytes
@@ -277,11 +242,12 @@ class ModelRunner:
         step = self.prepare_inputs(seqs)
         hidden = self.model(step.input_ids, step.positions, step.meta)  # (T, H)
         rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(  # (num_sampled_rows, V)
-            hidden[rows], self.sampler_buffers.logits_out
+        logits = self.model.compute_logits(  # (num_sampled_rows, V); None on ranks > 0
+            hidden[rows], self.sampler_buffers.logits_out if self.tp.is_first else None
         )
-        params = [seqs[0].sampling] * num_sampled_rows
-        self.sampler(logits, params, [0] * num_sampled_rows)
+        if logits is not None:
+            params = [seqs[0].sampling] * num_sampled_rows
+            self.sampler(logits, params, [0] * num_sampled_rows)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -300,11 +266,21 @@ class ModelRunner:
         return self.launch(out).result()
 
     def launch(self, out: SchedulerOutput) -> PendingStep:
-        """`execute` without the wait: the step is enqueued on the device."""
+        """`execute` without the wait: the step is enqueued on the device (and handed to the
+        other ranks first). Under tensor parallelism a step that runs out of memory cannot be
+        retried (the other ranks are inside its collectives): EngineOutOfMemoryError ends the
+        engine, naming the rank."""
+        if self.followers is not None:
+            self.followers.send(out)
         try:
             return self._launch(out)
         except torch.OutOfMemoryError as exc:
             detail = str(exc)
+        if self.tp.size > 1:
+            raise EngineOutOfMemoryError(
+                f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "
+                f"which the other ranks cannot retry with it: {detail}"
+            )
         # Leaving the except block dropped the traceback, and with it the frames that held the
         # step's tensors; only now can their memory go back to the allocator and the device.
         self.release_step_memory()
@@ -337,13 +313,21 @@ class ModelRunner:
         )
         if not step.sampled_seqs:
             return PendingStep(len(out.seqs), [], None, None)
-        logits = self.model.compute_logits(  # (N, V)
-            hidden[step.sample_indices], self.sampler_buffers.logits_out
+        logits = self.model.compute_logits(  # (N, V); None on ranks > 0
+            hidden[step.sample_indices],
+            self.sampler_buffers.logits_out if self.tp.is_first else None,
         )
         picked = [out.seqs[i] for i in step.sampled_seqs]
+        if logits is None:  # rank > 0: rank 0 samples, and its ids come back here
+            token_ids = torch.empty(len(picked), dtype=torch.int64, device=self.device)
+            self.tp.broadcast_(token_ids)
+            self._previous_sampled = token_ids
+            self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
+            return PendingStep(len(out.seqs), [], None, None)
         token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
             logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
         )
+        self.tp.broadcast_(token_ids)
         self._previous_sampled = token_ids
         self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
         return self._results.send(len(out.seqs), step.sampled_seqs, packed)

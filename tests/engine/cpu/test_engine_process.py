@@ -34,7 +34,7 @@ class OutOfMemoryRunner(PagedFakeRunner):
         self.block_size = config.block_size
         self.eos_token_ids = frozenset({EOS})
         self.kv_cache_dtype = "torch.float32"
-        self.memory_budget_bytes = {"weights": 100, "kv_cache": 200}
+        self.memory_budget_bytes = [{"weights": 100, "kv_cache": 200}]
 
 
 def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
@@ -73,7 +73,7 @@ def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
         ready = asyncio.run(main(directory))
     assert codes == [1]
     assert (ready.limits.max_model_len, ready.block_size, ready.num_gpu_blocks) == (128, 4, 64)
-    assert ready.memory_budget_bytes == {"weights": 100, "kv_cache": 200}
+    assert ready.memory_budget_bytes == [{"weights": 100, "kv_cache": 200}]
     assert ready.kv_cache_dtype == "float32"
     assert log.read_text().startswith(
         "pagekeeper-oom kind=host phase=runtime detail=2 out-of-memory errors in a row"

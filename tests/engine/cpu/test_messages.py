@@ -50,7 +50,7 @@ def stats() -> LoopStats:
 def ready(version: int = PROTOCOL_VERSION) -> Ready:
     return Ready(
         version, EngineLimits(4096, 8192, 256, 2304), 16, 1000, 50, "float8_e4m3fn",
-        {"weights": 1, "kv_cache": 2}, True, True, stats(),
+        [{"weights": 1, "kv_cache": 2}, {"weights": 1, "kv_cache": 3}], True, True, stats(),
     )  # fmt: skip
 
 

@@ -16,11 +16,8 @@ from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.model.hf_config import load_model_config
-from pagekeeper_engine.runner.runner import (
-    ModelRunner,
-    kv_bytes_per_block,
-    resolve_kv_cache_dtype,
-)
+from pagekeeper_engine.runner.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
+from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 

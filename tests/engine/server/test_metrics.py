@@ -31,7 +31,7 @@ def make_stats(**overrides: Any) -> LoopStats:
     return LoopStats(**values)
 
 
-def make_ready(budget: dict[str, int] | None) -> Ready:
+def make_ready(budget: list[dict[str, int]] | None) -> Ready:
     return Ready(
         protocol_version=PROTOCOL_VERSION,
         limits=EngineLimits(4096, 8192, 256, 2304),
@@ -119,7 +119,7 @@ def test_allocator_reading_budget_and_allocator_settings() -> None:
         "m",
         lambda: stats,
         lambda: False,
-        lambda: make_ready({"weights": 10, "kv_cache": 20}),
+        lambda: make_ready([{"weights": 10, "kv_cache": 20}, {"weights": 10, "kv_cache": 18}]),
         settings,
     )
     types, samples = parse(ServerMetrics("m", collector).render().decode())
@@ -144,8 +144,10 @@ def test_allocator_reading_budget_and_allocator_settings() -> None:
                 max_split_size_mb="",
             ),
         ): 1.0,
-        ("pagekeeper_memory_budget_bytes", label("m", term="kv_cache")): 20.0,
-        ("pagekeeper_memory_budget_bytes", label("m", term="weights")): 10.0,
+        ("pagekeeper_memory_budget_bytes", label("m", term="kv_cache", rank="0")): 20.0,
+        ("pagekeeper_memory_budget_bytes", label("m", term="weights", rank="0")): 10.0,
+        ("pagekeeper_memory_budget_bytes", label("m", term="kv_cache", rank="1")): 18.0,
+        ("pagekeeper_memory_budget_bytes", label("m", term="weights", rank="1")): 10.0,
         (
             "vllm:cache_config_info",
             label(

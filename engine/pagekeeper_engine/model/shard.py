@@ -1,0 +1,158 @@
+"""How one checkpoint splits over `size` tensor-parallel ranks. Pure arithmetic, no torch.
+
+Column-parallel projections (q/k/v, gate/up) keep a slice of their output rows on each rank;
+row-parallel ones (o, down) a slice of their input columns, and their partial sums are
+all-reduced. Attention heads split evenly; with fewer KV heads than ranks each KV head is
+replicated on `size // num_kv_heads` consecutive ranks (rank r holds KV head
+r // (size // num_kv_heads)), so every rank keeps the query heads that read it. The embedding and
+the LM head split the vocabulary into equal shards of `ceil(vocab / size)` rows; the last shard's
+rows past the vocabulary are zero padding, and gathered logits are cut back to the vocabulary.
+Norms are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pagekeeper_engine.model.hf_config import ModelConfig
+
+# Checkpoint projection -> (the dimension it is split on, what its slice counts).
+_SPLITS: dict[str, tuple[int, Literal["q", "kv", "mlp", "vocab"]]] = {
+    "q_proj": (0, "q"),
+    "k_proj": (0, "kv"),
+    "v_proj": (0, "kv"),
+    "o_proj": (1, "q"),
+    "gate_proj": (0, "mlp"),
+    "up_proj": (0, "mlp"),
+    "down_proj": (1, "mlp"),
+    "embed_tokens": (0, "vocab"),
+    "lm_head": (0, "vocab"),
+}
+
+
+class ShardError(ValueError):
+    """The model's shapes do not split over this many ranks; the message says which."""
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a checkpoint tensor, and the length
+    that dimension has in the checkpoint."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `size` holds of one model."""
+
+    config: ModelConfig  # the whole model's
+    rank: int
+    size: int
+
+    @staticmethod
+    def for_rank(config: ModelConfig, rank: int, size: int) -> ShardPlan:
+        check_divisible(config, size)
+        assert 0 <= rank < size, f"rank {rank} of {size}"
+        return ShardPlan(config, rank, size)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(self.config.num_kv_heads // self.size, 1)
+
+    @property
+    def kv_head_start(self) -> int:
+        """The first KV head (in the checkpoint's order) this rank holds."""
+        total = self.config.num_kv_heads
+        if total >= self.size:
+            return self.rank * self.num_kv_heads
+        return self.rank // (self.size // total)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    @property
+    def vocab_shard(self) -> int:
+        """Rows of the embedding and LM head on every rank (the last one padded)."""
+        return math.ceil(self.config.vocab_size / self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The model as this rank builds it: its heads, MLP columns and vocabulary shard."""
+        return replace(
+            self.config,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_shard,
+        )
+
+    def slice_of(self, name: str) -> TensorSlice | None:
+        """This rank's part of checkpoint tensor `name` (Hugging Face naming); None when every
+        rank holds all of it. A vocabulary slice may be shorter than `vocab_shard` (the last
+        rank's padding) or empty."""
+        if self.size == 1:
+            return None
+        parts = name.split(".")
+        owner = parts[-2] if len(parts) >= 2 else ""
+        if owner not in _SPLITS:
+            return None
+        dim, unit = _SPLITS[owner]
+        if dim == 1 and parts[-1] == "bias":
+            return None  # a row-parallel bias is the whole output's: kept on every rank
+        cfg = self.config
+        if unit == "q":
+            width = self.num_heads * cfg.head_dim
+            return TensorSlice(dim, self.rank * width, (self.rank + 1) * width, cfg.q_size)
+        if unit == "kv":
+            start = self.kv_head_start * cfg.head_dim
+            return TensorSlice(dim, start, start + self.num_kv_heads * cfg.head_dim, cfg.kv_size)
+        if unit == "mlp":
+            width = self.intermediate_size
+            return TensorSlice(
+                dim, self.rank * width, (self.rank + 1) * width, cfg.intermediate_size
+            )
+        start = min(self.vocab_start, cfg.vocab_size)
+        stop = min(self.vocab_start + self.vocab_shard, cfg.vocab_size)
+        return TensorSlice(dim, start, stop, cfg.vocab_size)
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """Raise ShardError naming the shape that `--tensor-parallel-size size` cannot split."""
+    flag = f"--tensor-parallel-size {size}"
+    if config.num_heads % size:
+        raise ShardError(
+            f"{flag}: the model's {config.num_heads} attention heads do not split evenly "
+            f"over {size} ranks"
+        )
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise ShardError(
+            f"{flag}: the model's {kv} KV heads neither split evenly over {size} ranks nor "
+            f"replicate evenly onto them"
+        )
+    if config.intermediate_size % size:
+        raise ShardError(
+            f"{flag}: the MLP's {config.intermediate_size} columns do not split evenly over "
+            f"{size} ranks"
+        )
+    if config.vocab_size < size:
+        raise ShardError(f"{flag}: a vocabulary of {config.vocab_size} is smaller than {size}")

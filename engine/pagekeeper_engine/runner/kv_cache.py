@@ -1,0 +1,33 @@
+"""The KV cache's element type and the bytes of one block, as the runner allocates them."""
+
+from __future__ import annotations
+
+import torch
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.model.hf_config import ModelConfig
+
+
+def resolve_kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype: the model's, or FP8 (e4m3) where asked and the GPU has it."""
+    if not config.is_fp8_kv_cache:
+        return dtype
+    if device.type != "cuda":
+        raise ValueError("--kv-cache-dtype fp8 needs a CUDA GPU; the CPU has no FP8 path")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs FP8 support (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--kv-cache-dtype fp8 stores bfloat16 or float16 values, not {dtype}")
+    return torch.float8_e4m3fn
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across every layer, keys and values."""
+    per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
+    return per_token * block_size

@@ -1,0 +1,111 @@
+"""A tensor-parallel worker: rank r > 0 of one engine (`runner/parallel.py` starts it).
+
+It joins rank 0's rendezvous, builds its shard of the model and KV cache in lockstep with the
+other ranks, then runs every step rank 0 sends, until told to stop. It ends with its parent: a
+thread waits on the parent's sentinel and exits the process when the engine core is gone, even
+from inside a collective. Out of memory, it writes the classified reason, naming its rank, to
+the termination log before it exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+import zmq
+
+from pagekeeper_engine.memory.budget import MemoryBudgetError
+from pagekeeper_engine.memory.oom import (
+    EngineOutOfMemoryError,
+    OOMKind,
+    OOMPhase,
+    write_termination_log,
+)
+from pagekeeper_engine.runner.parallel import EXIT_SHARED_REFUSAL, WorkerSpec, step_decoder
+
+logger = logging.getLogger("pagekeeper_engine.worker")
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """The process's target: exit 0 when told to stop, non-zero when it cannot go on."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's front end coordinates shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it; a worker may be stopped
+    _exit_with_parent()
+    sys.exit(_serve(spec))
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    assert parent is not None, "a worker is started by the engine core"
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        logger.error("the engine core is gone; exiting")
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _report_oom(spec: WorkerSpec, phase: OOMPhase, reason: str) -> None:
+    logger.critical("exiting: out of memory at %s: %s", phase, reason)
+    kind: OOMKind = "gpu" if spec.config.device == "cuda" else "host"
+    write_termination_log(kind, phase, reason, Path(spec.config.termination_log_path))
+
+
+def _serve(spec: WorkerSpec) -> int:
+    from pagekeeper_engine.distributed.group import (  # noqa: PLC0415
+        TensorParallelGroup,
+        join_rendezvous,
+    )
+    from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415
+
+    config = spec.config
+    size = config.tensor_parallel_size
+    device = torch.device("cpu")
+    if config.device == "cuda":
+        device = torch.device("cuda", spec.rank)
+        torch.cuda.set_device(device)
+    try:
+        store = join_rendezvous(spec.store_port, size)
+        group = TensorParallelGroup.initialize(spec.rank, size, store, device)
+        runner = ModelRunner(config, progress=False, tp=group)
+    except MemoryBudgetError:
+        return EXIT_SHARED_REFUSAL
+    except torch.OutOfMemoryError as exc:
+        detail = f"out of memory while loading and profiling the model: {exc}"
+        _report_oom(spec, "startup", f"tensor-parallel rank {spec.rank}: {detail}")
+        return 1
+    except Exception:
+        logger.exception("could not load the shard of %s", config.model)
+        return 1
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.connect(spec.step_address)
+    decode = step_decoder().decode
+    logger.info("ready (pid %d): %d KV blocks", os.getpid(), runner.num_gpu_blocks)
+    try:
+        while True:
+            out = decode(inbox.recv())
+            if out is None:
+                return 0
+            runner.launch(out)
+    except EngineOutOfMemoryError as exc:
+        _report_oom(spec, "runtime", str(exc))
+        return 1
+    finally:
+        inbox.close(linger=0)
+        context.term()
+        group.destroy()

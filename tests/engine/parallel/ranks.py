@@ -1,0 +1,106 @@
+"""One tensor-parallel rank of a CPU test, in its own spawned process (gloo).
+
+Each rank joins the parent's rendezvous, loads its shard of every checkpoint it is given, and
+runs the same steps: a packed step of two prefills, a mixed decode-and-chunk step, then greedy
+generation through `execute` (rank 0) and `launch` (the others), as the engine core and the
+workers do. Rank 0 puts the gathered logits and the generated ids on the queue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.outputs import ScheduledSeq, SchedulerOutput
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
+from pagekeeper_engine.runner.runner import ModelRunner
+from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
+
+NUM_GENERATED = 6
+
+
+def runner_config(path: Path, size: int, load_format: str = "safetensors") -> EngineConfig:
+    return EngineConfig(
+        model=str(path),
+        load_format=load_format,
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=64,
+        max_num_seqs=4,
+        num_gpu_blocks_override=24,
+        num_cpu_blocks_override=4,
+        tensor_parallel_size=size,
+    )
+
+
+def packed_steps() -> list[list[ScheduledSeq]]:
+    """Two prefills in one step, then a decode beside the next chunk of another prompt."""
+    first = [
+        seq("a", tokens(10), 0, [1, 2]),
+        seq("b", tokens(5, offset=11), 0, [3], needs_sample=False),
+    ]
+    second = [
+        seq("a", [42], 10, [1, 2]),
+        seq("b", tokens(9, offset=11)[5:], 5, [3, 4]),
+    ]
+    return [first, second]
+
+
+def step_logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+    """Logits of every row of the step (None on ranks > 0)."""
+    with torch.inference_mode():
+        inputs = runner.prepare_inputs(seqs)
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return runner.model.compute_logits(hidden)
+
+
+def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
+    """Greedy tokens of two requests, stepped together; every rank runs every step. Decode
+    inputs are placeholders, as under asynchronous scheduling: each rank takes the token rank 0
+    sampled and broadcast."""
+    prompts = {"x": tokens(7, offset=5), "y": tokens(12, offset=29)}
+    generated: dict[str, list[int]] = {rid: [] for rid in prompts}
+    blocks = {"x": [5, 6], "y": [7, 8, 9]}
+    lengths = dict.fromkeys(prompts, 0)
+    for _ in range(NUM_GENERATED):
+        seqs = []
+        for rid, prompt in prompts.items():
+            new = prompt if lengths[rid] == 0 else [PLACEHOLDER_TOKEN_ID]
+            seqs.append(seq(rid, new, lengths[rid], blocks[rid]))
+            lengths[rid] += len(new)
+        out = SchedulerOutput(seqs, sum(s.num_tokens for s in seqs))
+        if is_first:
+            sampled = runner.execute(out).sampled_token_ids
+            for rid, token in zip(prompts, sampled, strict=True):
+                assert token is not None
+                generated[rid].append(token)
+        else:
+            runner.launch(out)
+    return list(generated.values())
+
+
+def run_rank(rank: int, size: int, port: int, paths: list[Path], results: Any) -> None:
+    torch.set_num_threads(1)
+    group = TensorParallelGroup.initialize(
+        rank, size, join_rendezvous(port, size), torch.device("cpu")
+    )
+    try:
+        found: dict[str, Any] = {}
+        for path in paths:
+            runner = ModelRunner(runner_config(path, size), progress=False, tp=group)
+            logits = [step_logits(runner, steps) for steps in packed_steps()]
+            runner = ModelRunner(runner_config(path, size), progress=False, tp=group)
+            tokens_out = generate(runner, group.is_first)
+            found[path.name] = (logits, tokens_out, runner.num_gpu_blocks)
+        # random weights drawn whole and cut per rank: the same model at every size
+        runner = ModelRunner(runner_config(paths[0], size, "dummy"), progress=False, tp=group)
+        found["dummy"] = step_logits(runner, packed_steps()[0])
+        if group.is_first:
+            results.put(found)
+    finally:
+        group.destroy()

@@ -1,0 +1,88 @@
+"""Tensor parallelism on the CPU (gloo): 2 and 4 ranks compute what one process computes.
+
+For Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm, tied embeddings), each rank loads only its
+shard from the checkpoint; the gathered logits of a packed prefill step and of a mixed
+decode-and-chunk step equal the single-process runner's to 1e-4 in fp32, and greedy generation
+through the step path (rank 0 samples, the ids are broadcast) gives the same tokens. The tiny
+models have 2 KV heads, so 4 ranks replicate each one twice, and a vocabulary of 97, so the
+last vocabulary shard carries padding.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagekeeper_engine.distributed.group import serve_rendezvous
+from pagekeeper_engine.runner.runner import ModelRunner
+from tests.engine.checkpoints import TOLERANCE, write_checkpoint
+from tests.engine.parallel.ranks import generate, packed_steps, run_rank, runner_config, step_logits
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm-tied": ("qwen3", {"tie_word_embeddings": True}),
+}
+RESULT_TIMEOUT_S = 300.0  # spawning torch in 4 processes on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    paths = []
+    for name, (arch, overrides) in sorted(CASES.items()):
+        path = tmp_path_factory.mktemp("tp") / name
+        write_checkpoint(path, arch, **overrides)
+        paths.append(path)
+    return paths
+
+
+def run_ranks(size: int, paths: list[Path]) -> dict[str, Any]:
+    """Run `size` rank processes over the checkpoints; rank 0's findings."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = serve_rendezvous(size)
+    processes = [
+        context.Process(target=run_rank, args=(rank, size, store.port, paths, results))
+        for rank in range(size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        found: dict[str, Any] = results.get(timeout=RESULT_TIMEOUT_S)
+        for process in processes:
+            process.join(RESULT_TIMEOUT_S)
+            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    return found
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_compute_what_one_process_computes(size: int, checkpoints: list[Path]) -> None:
+    found = run_ranks(size, checkpoints)
+    for path in checkpoints:
+        single = ModelRunner(runner_config(path, 1), progress=False)
+        logits, generated, num_blocks = found[path.name]
+        for step, seqs in enumerate(packed_steps()):
+            expected = step_logits(single, seqs)
+            assert expected is not None and logits[step] is not None
+            assert logits[step].shape == expected.shape == (expected.shape[0], 97)
+            diff = (logits[step] - expected).abs().max().item()
+            assert diff < TOLERANCE, f"{path.name} step {step}: max |diff| {diff}"
+        single = ModelRunner(runner_config(path, 1), progress=False)
+        assert generated == generate(single, is_first=True), path.name
+        assert num_blocks == single.num_gpu_blocks
+        assert torch.isfinite(logits[0]).all()
+    dummy = ModelRunner(runner_config(checkpoints[0], 1, "dummy"), progress=False)
+    expected = step_logits(dummy, packed_steps()[0])
+    assert expected is not None
+    # dummy weights are tiny (U(-1e-3, 1e-3)), so compare relative to the logits' own scale
+    scale = expected.abs().max().item()
+    assert scale > 0
+    assert (found["dummy"] - expected).abs().max().item() < 1e-4 * scale

@@ -1,0 +1,104 @@
+"""The server with `--tensor-parallel-size 2` on the CPU: the same greedy text as one process,
+through the openai client; a rank's death ends it with a clear message and exit 1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+from openai import APIError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.server.conftest import (
+    LONG_CONTEXT,
+    MODEL_NAME,
+    Checkpoint,
+    Server,
+    start_server,
+)
+
+PROMPTS = ["hello there", "the quick brown fox", "a, b, c", "1 2 3 4"]
+RANK_READY = re.compile(r"rank (\d+) \S+: ready \(pid (\d+)\)")
+EXIT_TIMEOUT_S = 10.0  # the issue's bound for a dead rank to end the engine
+
+
+def greedy(server: Server, prompt: str, max_tokens: int = 12) -> tuple[str, list[float]]:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0
+    )
+    choice = response.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    return choice.text, [float(lp) for lp in choice.logprobs.token_logprobs if lp is not None]
+
+
+def worker_pids(server: Server) -> dict[int, int]:
+    log = server.log.read_text(errors="replace")
+    return {int(rank): int(pid) for rank, pid in RANK_READY.findall(log)}
+
+
+@pytest.fixture(scope="module")
+def tp_server(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    server = start_server(
+        checkpoint.path, tmp_path_factory.mktemp("tp2"), "--tensor-parallel-size", "2"
+    )
+    yield server  # type: ignore[misc]
+    assert server.stop() == 0, server.log_tail()
+
+
+def test_greedy_text_equals_one_process(server: Server, tp_server: Server) -> None:
+    assert set(worker_pids(tp_server)) == {1}
+    for prompt in PROMPTS:
+        single_text, single_lp = greedy(server, prompt)
+        tp_text, tp_lp = greedy(tp_server, prompt)
+        assert tp_text == single_text, prompt
+        assert tp_lp == pytest.approx(single_lp, abs=1e-4), prompt
+
+
+def test_metrics_carry_each_ranks_blocks(tp_server: Server) -> None:
+    text = requests.get(f"{tp_server.url}/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels["num_gpu_blocks"] == "64"
+
+
+def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_path: Path) -> None:
+    server = start_server(
+        long_checkpoint, tmp_path, "--tensor-parallel-size", "2",
+        "--max-model-len", str(LONG_CONTEXT), "--num-gpu-blocks-override", "1024",
+    )  # fmt: skip
+    try:
+        (pid,) = worker_pids(server).values()
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        streaming = threading.Event()
+        failure: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                for _ in client.completions.create(
+                    model=MODEL_NAME,
+                    prompt="tell me",
+                    max_tokens=1500,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
+                    streaming.set()
+            except (APIError, requests.RequestException, OSError) as exc:
+                failure.append(exc)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert streaming.wait(60), (failure, server.log_tail())
+        os.kill(pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 1
+        reader.join(30)
+    finally:
+        server.stop()
+    log = server.log.read_text(errors="replace")
+    assert f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9" in log, log[-3000:]
