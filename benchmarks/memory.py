@@ -78,8 +78,8 @@ def run_capacity(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     )
     started = time.monotonic()
     runner = ModelRunner(config, progress=False)
-    budget = runner.memory_budget
-    assert budget is not None
+    assert runner.memory_budget is not None
+    (budget,) = runner.memory_budget.per_rank  # this benchmark runs one GPU
     ideal_kv = budget.allowed - budget.weights - budget.peak_activations - budget.non_torch
     kv_bytes = runner.num_gpu_blocks * runner.bytes_per_block
     shapes = ProfileShapes(

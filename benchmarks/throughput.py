@@ -35,6 +35,7 @@ from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.runner.parallel import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.runner.runner import ModelRunner
 
 
@@ -119,9 +120,15 @@ def build_engine(
         "async_scheduling": args.async_scheduling,
         "fragmentation_buffer": "auto" if args.safety == "on" else 0,
         "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
     }
     config = EngineConfig(**{**w_nano, **settings})
-    runner = ModelRunner(config, progress=False)
+    stop_ranks()
+    if config.tensor_parallel_size > 1:
+        runner, workers = start_tensor_parallel(config, tempfile.mkdtemp(prefix="tp-bench-"))
+        _RANKS.append(workers)
+    else:
+        runner = ModelRunner(config, progress=False)
     if args.safety == "off":
         # The memory-safety features a bare engine lacks: the allocator statistics the step
         # loop reads, and the static workspace (eager steps allocate their temporaries per call
@@ -151,6 +158,17 @@ def build_engine(
     for line in start["batch1_projections"]:
         print(f"  batch-1 {line}")
     return LLMEngine(config, runner, runner.eos_token_ids), start
+
+
+_RANKS: list[WorkerRanks] = []  # the other ranks of the engine built last
+
+
+def stop_ranks() -> None:
+    """Stop the previous engine's worker ranks, so the next engine has their GPUs."""
+    while _RANKS:
+        _RANKS.pop().stop()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str, Any]:
@@ -400,10 +418,13 @@ def main() -> None:
     )
     parser.add_argument("--trace", default=None, help="write the profile's Chrome trace here")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, choices=[1, 2, 4, 8], default=1)
     parser.add_argument(
         "--accuracy",
         action="store_true",
-        help="32 prompts x 128 greedy steps with this --kv-cache-dtype against auto (bf16)",
+        help="greedy steps against the reference engine: 32 prompts x 128 steps with this "
+        "--kv-cache-dtype against auto (bf16), or 32 x 64 with this --tensor-parallel-size "
+        "against 1",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -437,18 +458,21 @@ def main() -> None:
             if args.mixed:
                 row["mixed_step"] = mixed_step_cost(engine, args.max_num_seqs // 2, args.mixed)
             if args.accuracy:
-                mine = greedy_logprobs(engine, 32, 128)
+                num_steps = 64 if args.tensor_parallel_size > 1 else 128
+                mine = greedy_logprobs(engine, 32, num_steps)
                 del engine
-                gc.collect()
-                torch.cuda.empty_cache()
-                reference_args = argparse.Namespace(**{**vars(args), "kv_cache_dtype": "auto"})
+                stop_ranks()
+                reference = {"kv_cache_dtype": "auto", "tensor_parallel_size": 1}
+                reference_args = argparse.Namespace(**{**vars(args), **reference})
                 engine, _ = build_engine(write_checkpoint(shape, Path(tmp)), reference_args)
-                row["accuracy"] = compare_greedy(greedy_logprobs(engine, 32, 128), mine)
-                print(f"  {args.kv_cache_dtype} against bf16 KV: {row['accuracy']}")
+                row["accuracy"] = compare_greedy(greedy_logprobs(engine, 32, num_steps), mine)
+                print(
+                    f"  {args.kv_cache_dtype} KV, TP {args.tensor_parallel_size} against bf16 "
+                    f"KV, TP 1: {row['accuracy']}"
+                )
             report.append(row)
             del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            stop_ranks()
     # The peer runs last, so a slow peer cannot cost the engine's own results.
     for row in report:
         if row["shape"] in args.peer:

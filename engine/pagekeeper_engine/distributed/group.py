@@ -124,5 +124,8 @@ class TensorParallelGroup:
         return values
 
     def destroy(self) -> None:
-        if self.size > 1 and dist.is_initialized():
+        """Leave the groups. Over gloo only: an NCCL communicator that captured CUDA graphs
+        still reference can wait forever in its destruction, and the process's exit releases
+        it anyway."""
+        if self.size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()

@@ -44,8 +44,9 @@ def test_budget_on_the_gpu_names_every_term(tmp_path: Path) -> None:
         gpu_memory_utilization=0.5,
         max_num_batched_tokens=256,
     )
-    budget = runner.memory_budget
-    assert budget is not None and runner.memory_budget_bytes == budget.terms
+    assert runner.memory_budget is not None
+    (budget,) = runner.memory_budget.per_rank  # one GPU, one rank
+    assert runner.memory_budget_bytes == [budget.terms]
     assert runner.num_gpu_blocks == budget.num_blocks > 0
     assert budget.kv_cache == (
         budget.allowed

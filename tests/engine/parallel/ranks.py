@@ -3,7 +3,8 @@
 Each rank joins the parent's rendezvous, loads its shard of every checkpoint it is given, and
 runs the same steps: a packed step of two prefills, a mixed decode-and-chunk step, then greedy
 generation through `execute` (rank 0) and `launch` (the others), as the engine core and the
-workers do. Rank 0 puts the gathered logits and the generated ids on the queue.
+workers do. Rank 0 puts the gathered logits (numpy arrays: a tensor on a queue travels as a
+handle that dies with its process) and the generated ids on the queue.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
 NUM_GENERATED = 6
 
 
-def runner_config(path: Path, size: int, load_format: str = "safetensors") -> EngineConfig:
+def runner_config(
+    path: Path, size: int, load_format: str = "safetensors", device: str = "cpu"
+) -> EngineConfig:
     return EngineConfig(
         model=str(path),
         load_format=load_format,
-        device="cpu",
+        device=device,
         dtype="float32",
         block_size=BLOCK_SIZE,
         max_model_len=64,
@@ -84,22 +87,30 @@ def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
     return list(generated.values())
 
 
-def run_rank(rank: int, size: int, port: int, paths: list[Path], results: Any) -> None:
+def run_rank(
+    rank: int, size: int, port: int, paths: list[Path], results: Any, device: str = "cpu"
+) -> None:
     torch.set_num_threads(1)
-    group = TensorParallelGroup.initialize(
-        rank, size, join_rendezvous(port, size), torch.device("cpu")
-    )
+    where = torch.device("cpu")
+    if device == "cuda":
+        where = torch.device("cuda", rank)
+        torch.cuda.set_device(where)
+    group = TensorParallelGroup.initialize(rank, size, join_rendezvous(port, size), where)
     try:
         found: dict[str, Any] = {}
         for path in paths:
-            runner = ModelRunner(runner_config(path, size), progress=False, tp=group)
+            config = runner_config(path, size, device=device)
+            runner = ModelRunner(config, progress=False, tp=group)
             logits = [step_logits(runner, steps) for steps in packed_steps()]
-            runner = ModelRunner(runner_config(path, size), progress=False, tp=group)
+            runner = ModelRunner(config, progress=False, tp=group)
             tokens_out = generate(runner, group.is_first)
+            logits = [None if x is None else x.cpu().numpy() for x in logits]
             found[path.name] = (logits, tokens_out, runner.num_gpu_blocks)
         # random weights drawn whole and cut per rank: the same model at every size
-        runner = ModelRunner(runner_config(paths[0], size, "dummy"), progress=False, tp=group)
-        found["dummy"] = step_logits(runner, packed_steps()[0])
+        config = runner_config(paths[0], size, "dummy", device)
+        runner = ModelRunner(config, progress=False, tp=group)
+        dummy = step_logits(runner, packed_steps()[0])
+        found["dummy"] = None if dummy is None else dummy.cpu().numpy()
         if group.is_first:
             results.put(found)
     finally:

@@ -40,13 +40,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return paths
 
 
-def run_ranks(size: int, paths: list[Path]) -> dict[str, Any]:
+def run_ranks(size: int, paths: list[Path], device: str = "cpu") -> dict[str, Any]:
     """Run `size` rank processes over the checkpoints; rank 0's findings."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store = serve_rendezvous(size)
     processes = [
-        context.Process(target=run_rank, args=(rank, size, store.port, paths, results))
+        context.Process(target=run_rank, args=(rank, size, store.port, paths, results, device))
         for rank in range(size)
     ]
     for process in processes:
@@ -65,24 +65,39 @@ def run_ranks(size: int, paths: list[Path]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ranks_compute_what_one_process_computes(size: int, checkpoints: list[Path]) -> None:
-    found = run_ranks(size, checkpoints)
+    check_against_one_process(run_ranks(size, checkpoints), checkpoints, "cpu", TOLERANCE)
+
+
+def check_against_one_process(
+    found: dict[str, Any], checkpoints: list[Path], device: str, tolerance: float
+) -> None:
     for path in checkpoints:
-        single = ModelRunner(runner_config(path, 1), progress=False)
-        logits, generated, num_blocks = found[path.name]
+        single = ModelRunner(runner_config(path, 1, device=device), progress=False)
+        arrays, generated, num_blocks = found[path.name]
+        logits = [torch.from_numpy(a) for a in arrays]
         for step, seqs in enumerate(packed_steps()):
             expected = step_logits(single, seqs)
             assert expected is not None and logits[step] is not None
+            expected = expected.cpu()
             assert logits[step].shape == expected.shape == (expected.shape[0], 97)
             diff = (logits[step] - expected).abs().max().item()
-            assert diff < TOLERANCE, f"{path.name} step {step}: max |diff| {diff}"
-        single = ModelRunner(runner_config(path, 1), progress=False)
+            assert diff < tolerance, f"{path.name} step {step}: max |diff| {diff}"
+        single = ModelRunner(runner_config(path, 1, device=device), progress=False)
         assert generated == generate(single, is_first=True), path.name
         assert num_blocks == single.num_gpu_blocks
         assert torch.isfinite(logits[0]).all()
-    dummy = ModelRunner(runner_config(checkpoints[0], 1, "dummy"), progress=False)
+    dummy = ModelRunner(runner_config(checkpoints[0], 1, "dummy", device), progress=False)
     expected = step_logits(dummy, packed_steps()[0])
     assert expected is not None
+    expected = expected.cpu()
     # dummy weights are tiny (U(-1e-3, 1e-3)), so compare relative to the logits' own scale
     scale = expected.abs().max().item()
     assert scale > 0
-    assert (found["dummy"] - expected).abs().max().item() < 1e-4 * scale
+    assert (torch.from_numpy(found["dummy"]) - expected).abs().max().item() < 1e-4 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_compute_what_one_computes(checkpoints: list[Path]) -> None:
+    """NCCL, the Triton kernels and the decode graphs (each capturing its all-reduces), fp32."""
+    check_against_one_process(run_ranks(2, checkpoints, "cuda"), checkpoints, "cuda", 1e-3)
