@@ -37,3 +37,24 @@ def test_server_refuses_a_budget_that_cannot_hold_one_request(
     )
     assert f"exiting: out of memory at startup: {reason}" in result.stderr
     assert "CUDA caching allocator: PYTORCH_ALLOC_CONF=expandable_segments:True" in result.stderr
+
+
+def test_server_refuses_a_model_that_does_not_split_over_the_ranks(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The tiny model has 4 attention heads: 8 ranks cannot share them."""
+    argv = [
+        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(checkpoint.path),
+        "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+        "--port", str(free_port()), "--tensor-parallel-size", "8",
+        "--termination-log-path", str(tmp_path / "termination-log"),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (
+        "--tensor-parallel-size 8: the model's 4 attention heads do not split evenly over 8 ranks"
+        in result.stderr
+    ), result.stderr[-3000:]
+    assert not (tmp_path / "termination-log").exists()  # not a memory failure
