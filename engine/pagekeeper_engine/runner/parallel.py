@@ -121,6 +121,7 @@ class WorkerRanks:
                 process = self.processes[rank - 1]
                 if self._stopping.is_set():
                     continue
+                process.join(1.0)  # reap it: its exit code is unknown until then
                 code = process.exitcode
                 if code == EXIT_SHARED_REFUSAL:
                     continue  # rank 0 refuses the same budget and says why
