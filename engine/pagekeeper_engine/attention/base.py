@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -50,6 +50,17 @@ class RotaryTables(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class KVScales(NamedTuple):
+    """The KV cache holds key / k and value / v: an FP8 cache's per-layer scales from the
+    checkpoint (vLLM's `k_scale` / `v_scale`), 1.0 otherwise."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNSCALED = KVScales()
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys and values into the cache, then attends over it."""
 
@@ -66,6 +77,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # (T, num_heads, head_dim): where the result goes
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """Store k and v at `meta.slot_mapping`, then return causal attention of q (in `out`
         when given, e.g. a view of the step's workspace)."""
@@ -82,8 +94,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v. A backend that can rotate inside its KV write
         overrides this to save the separate rotation."""
         q, k = rotary.forward_qk(positions, q, k)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale, out)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.attention.base import UNSCALED, AttentionBackend, AttentionMetadata, KVScales
 
 
 def write_kv_cache(
@@ -89,6 +89,11 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
+        if kv_scales == UNSCALED:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
+        write_kv_cache(k / kv_scales.k, v / kv_scales.v, k_cache, v_cache, meta.slot_mapping)
+        result = paged_attention_ref(q, k_cache, v_cache, meta, scale * kv_scales.k, out)
+        return result.mul_(kv_scales.v)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata, RotaryTables
+from pagekeeper_engine.attention.base import (
+    UNSCALED,
+    AttentionBackend,
+    AttentionMetadata,
+    KVScales,
+    RotaryTables,
+)
 from pagekeeper_engine.kernels import FP8_CACHE_DTYPE, is_interpreter
 from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
 from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
@@ -62,12 +68,14 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v, with the rotation fused into the KV write."""
         rotate_and_write_kv(
-            q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping
-        )
-        return self._attend(q, k_cache, v_cache, meta, scale, out)
+            q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+            kv_scales.k, kv_scales.v,
+        )  # fmt: skip
+        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales)
 
     def forward(
         self,
@@ -79,9 +87,10 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale, out)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales.k, kv_scales.v)
+        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales)
 
     def _attend(
         self,
@@ -91,6 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None,
+        kv_scales: KVScales,
     ) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(q)
@@ -113,6 +123,8 @@ class TritonAttentionBackend(AttentionBackend):
                 split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
                 # an FP8 tile of the same token count is half the bytes: take twice the tokens
                 block_n=128 if k_cache.dtype == FP8_CACHE_DTYPE else 64,
+                k_scale=kv_scales.k,
+                v_scale=kv_scales.v,
             )
         if num_decodes < meta.num_seqs:
             paged_prefill(
@@ -125,5 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_query_len,
                 scale,
                 out=out,
+                k_scale=kv_scales.k,
+                v_scale=kv_scales.v,
             )
         return out

@@ -32,6 +32,8 @@ def _kv_write_kernel(
     k_head_stride,
     v_token_stride,
     v_head_stride,
+    k_inv_scale,  # 1 / the cache's key scale (1.0 unless an FP8 cache has checkpoint scales)
+    v_inv_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -49,10 +51,13 @@ def _kv_write_kernel(
         k_src = k_ptr + token * k_token_stride + offs_h[:, None] * k_head_stride + offs_d[None, :]
         v_src = v_ptr + token * v_token_stride + offs_h[:, None] * v_head_stride + offs_d[None, :]
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-        # stores narrow to the cache's dtype (FP8: round to nearest, saturating at +-448)
+        # stores narrow to the cache's dtype (FP8: value / scale, round to nearest, saturating
+        # at +-448; a scale of 1 leaves other dtypes exact)
         cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, tl.load(k_src, mask=mask).to(cache_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_ty), mask=mask)
+        k_row = tl.load(k_src, mask=mask).to(tl.float32) * k_inv_scale
+        v_row = tl.load(v_src, mask=mask).to(tl.float32) * v_inv_scale
+        tl.store(k_cache_ptr + dst, k_row.to(cache_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v_row.to(cache_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
@@ -72,6 +77,8 @@ def _rotary_kv_write_kernel(
     k_head_stride,
     v_token_stride,
     v_head_stride,
+    k_inv_scale,
+    v_inv_scale,
     NUM_Q_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -86,8 +93,9 @@ def _rotary_kv_write_kernel(
     sin = tl.load(sin_ptr + position * HALF + offs_d)[None, :]
     q_token = q_ptr + token * q_token_stride
     rotate_heads(
-        q_token, q_token, q_head_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
-    )
+        q_token, q_token, q_head_stride, q_head_stride, cos, sin, 1.0, NUM_Q_HEADS, Q_HEADS_PAD,
+        HALF,
+    )  # fmt: skip
     slot = tl.load(slot_mapping_ptr + token)
     # A negative slot marks a padding row (e.g. of a CUDA-graph batch): nothing to store.
     if slot >= 0:
@@ -95,8 +103,8 @@ def _rotary_kv_write_kernel(
         dst = slot * (NUM_KV_HEADS * 2 * HALF)
         k_token = k_ptr + token * k_token_stride
         rotate_heads(
-            k_token, k_cache_ptr + dst, k_head_stride, 2 * HALF, cos, sin, NUM_KV_HEADS,
-            HEADS_PAD, HALF,
+            k_token, k_cache_ptr + dst, k_head_stride, 2 * HALF, cos, sin, k_inv_scale,
+            NUM_KV_HEADS, HEADS_PAD, HALF,
         )  # fmt: skip
         offs_h = tl.arange(0, HEADS_PAD)
         offs_full = tl.arange(0, 2 * HALF)
@@ -105,7 +113,8 @@ def _rotary_kv_write_kernel(
             v_ptr + token * v_token_stride + offs_h[:, None] * v_head_stride + offs_full[None, :]
         )
         v_dst = v_cache_ptr + dst + offs_h[:, None] * (2 * HALF) + offs_full[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        v_row = tl.load(v_src, mask=mask).to(tl.float32) * v_inv_scale
+        tl.store(v_dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotate_and_write_kv(
@@ -118,8 +127,12 @@ def rotate_and_write_kv(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row's store (q is still rotated)
+    k_scale: float = 1.0,  # the cache holds value / scale (an FP8 cache's checkpoint scales)
+    v_scale: float = 1.0,
 ) -> None:
-    """Rotate q in place and store rotary(k[t]), v[t] at slot `slot_mapping[t]`, one launch."""
+    """Rotate q in place and store rotary(k[t]) / k_scale, v[t] / v_scale at slot
+    `slot_mapping[t]`, one launch."""
+    assert k_scale > 0 and v_scale > 0, f"KV scales must be positive: {k_scale}, {v_scale}"
     _check_kv(k, v, k_cache, v_cache, slot_mapping)
     check_heads("q", q, int(k_cache.shape[2]), int(k_cache.shape[3]), k_cache.dtype)
     check_rotary_inputs(q, k, positions, cos, sin)
@@ -146,6 +159,8 @@ def rotate_and_write_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_Q_HEADS=q.shape[1],
         Q_HEADS_PAD=_pow2(q.shape[1]),
         NUM_KV_HEADS=num_kv_heads,
@@ -184,8 +199,12 @@ def write_kv(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row
+    k_scale: float = 1.0,  # the cache holds value / scale (an FP8 cache's checkpoint scales)
+    v_scale: float = 1.0,
 ) -> None:
-    """Store `k[t]`, `v[t]` at flat slot `slot_mapping[t]` of the caches, in place."""
+    """Store `k[t] / k_scale`, `v[t] / v_scale` at flat slot `slot_mapping[t]` of the caches,
+    in place."""
+    assert k_scale > 0 and v_scale > 0, f"KV scales must be positive: {k_scale}, {v_scale}"
     _check_kv(k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = int(k_cache.shape[2]), int(k_cache.shape[3])
     num_tokens = int(k.shape[0])
@@ -201,6 +220,8 @@ def write_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=_pow2(num_kv_heads),

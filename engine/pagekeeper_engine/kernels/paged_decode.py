@@ -72,7 +72,8 @@ def _paged_decode_kernel(
     out_token_stride,
     out_head_stride,
     block_table_stride,
-    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
+    v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -131,13 +132,13 @@ def _paged_decode_kernel(
 
     if NUM_SPLITS == 1:
         # seq_len >= 1, so every real row saw at least one key and l_i > 0.
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
         is_empty = l_i == 0.0
         safe_l = tl.where(is_empty, 1.0, l_i)
-        out = acc / safe_l[:, None]
+        out = acc * (v_scale / safe_l)[:, None]
         lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(safe_l))
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
@@ -271,6 +272,8 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int = 3,
     split_counters: torch.Tensor | None = None,  # (>= B * num_kv_heads,) int32, all zero
+    k_scale: float = 1.0,  # the cache holds value / scale: keys and values are that times it
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its `seq_lens[b]` cached tokens.
 
@@ -334,7 +337,8 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        scale * LOG2_E,
+        scale * LOG2_E * k_scale,
+        v_scale,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),

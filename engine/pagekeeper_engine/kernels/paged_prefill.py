@@ -52,7 +52,8 @@ def _paged_prefill_kernel(
     out_token_stride,
     out_head_stride,
     block_table_stride,
-    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
+    v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -131,7 +132,7 @@ def _paged_prefill_kernel(
         m_i = m_new
 
     # Every live row sees at least the key at its own position; dead rows are not stored.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * out_token_stride + head * out_head_stride + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -153,6 +154,8 @@ def paged_prefill(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,  # the cache holds value / scale: keys and values are that times it
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of S sequences' new rows over their paged prefix and themselves."""
     _, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
@@ -200,7 +203,8 @@ def paged_prefill(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        scale * LOG2_E,
+        scale * LOG2_E * k_scale,
+        v_scale,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,

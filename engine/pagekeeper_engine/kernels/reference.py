@@ -101,3 +101,15 @@ def rotary_ref(
     sin_t = sin[positions].unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos_t - x2 * sin_t, x2 * cos_t + x1 * sin_t), dim=-1).to(x.dtype)
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 KV cache stores for `x` at `scale`: x / scale in e4m3 (round to nearest,
+    saturating at +-448 as the kernels' conversion does; torch's own cast gives NaN there)."""
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return (x.float() / scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8_ref(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """The value an FP8 cache entry stands for: stored x scale, in fp32."""
+    return stored.float() * scale

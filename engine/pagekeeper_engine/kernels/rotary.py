@@ -23,6 +23,7 @@ def rotate_heads(
     dst_head_stride,
     cos,  # (1, HALF) fp32
     sin,
+    out_scale,  # fp32 multiplier after rounding to the input's dtype (an FP8 cache's 1 / scale)
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
@@ -39,8 +40,10 @@ def rotate_heads(
     out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
     # rounded to the input's dtype, then to the output's (an FP8 cache: one more narrowing)
     out_ty = out_first.dtype.element_ty
-    tl.store(out_first, (x1f * cos - x2f * sin).to(x1.dtype).to(out_ty), mask=mask)
-    tl.store(out_first + HALF, (x2f * cos + x1f * sin).to(x1.dtype).to(out_ty), mask=mask)
+    first_half = (x1f * cos - x2f * sin).to(x1.dtype).to(tl.float32) * out_scale
+    second_half = (x2f * cos + x1f * sin).to(x1.dtype).to(tl.float32) * out_scale
+    tl.store(out_first, first_half.to(out_ty), mask=mask)
+    tl.store(out_first + HALF, second_half.to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -68,11 +71,13 @@ def _rotary_kernel(
     q_token = q_ptr + token * q_token_stride
     k_token = k_ptr + token * k_token_stride
     rotate_heads(
-        q_token, q_token, q_head_stride, q_head_stride, cos, sin, NUM_Q_HEADS, Q_HEADS_PAD, HALF
-    )
+        q_token, q_token, q_head_stride, q_head_stride, cos, sin, 1.0, NUM_Q_HEADS, Q_HEADS_PAD,
+        HALF,
+    )  # fmt: skip
     rotate_heads(
-        k_token, k_token, k_head_stride, k_head_stride, cos, sin, NUM_K_HEADS, K_HEADS_PAD, HALF
-    )
+        k_token, k_token, k_head_stride, k_head_stride, cos, sin, 1.0, NUM_K_HEADS, K_HEADS_PAD,
+        HALF,
+    )  # fmt: skip
 
 
 def check_rotary_inputs(

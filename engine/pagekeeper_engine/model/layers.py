@@ -22,7 +22,11 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.attention.base import (
+    UNSCALED,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import RopeScaling
 from pagekeeper_engine.model.workspace import Workspace
@@ -230,6 +234,10 @@ class PagedAttention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # The checkpoint's scales, when it has them (`CausalLM.load_weight`); used by an FP8
+        # cache only (`CausalLM.bind_kv_cache`).
+        self.checkpoint_kv_scales = UNSCALED
+        self.kv_scales = UNSCALED
 
     def forward(
         self,
@@ -263,6 +271,7 @@ class PagedAttention(nn.Module):
             meta,
             self.scale,
             out=attn.view(num_tokens, self.num_heads, self.head_dim),
+            kv_scales=self.kv_scales,
         )
         self.o_proj(attn, out=out)
         self.tp.all_reduce_(out)

@@ -15,7 +15,12 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
+from pagekeeper_engine.attention.base import (
+    UNSCALED,
+    AttentionBackend,
+    AttentionMetadata,
+    KVScales,
+)
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import (
@@ -36,6 +41,8 @@ _PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# A layer's KV-cache scales in FP8 checkpoints (under `self_attn.`; kv_scale sets both).
+_KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
 # Tensors with a row per vocabulary entry (sharded by rows under tensor parallelism).
 _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 # Buffers some checkpoints carry that the engine recomputes.
@@ -178,12 +185,25 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give each layer its (k_cache, v_cache) views of the preallocated pool."""
+        """Give each layer its (k_cache, v_cache) views of the preallocated pool. An FP8 pool
+        stores values over the checkpoint's scales where it has them; other dtypes unscaled."""
         assert len(kv_caches) == len(self.model.layers), "one (k, v) cache pair per layer"
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.k_cache = k_cache
-            layer.self_attn.v_cache = v_cache
+            attn = layer.self_attn
+            attn.k_cache = k_cache
+            attn.v_cache = v_cache
+            is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+            attn.kv_scales = attn.checkpoint_kv_scales if is_fp8 else UNSCALED
+
+    @property
+    def checkpoint_kv_scales(self) -> list[KVScales]:
+        """Each layer's KV scales as the checkpoint gave them (1.0 where it gave none)."""
+        return [
+            layer.self_attn.checkpoint_kv_scales
+            for layer in self.model.layers
+            if isinstance(layer, DecoderLayer)
+        ]
 
     def bind_workspace(self, workspace: Workspace | None) -> None:
         """Run every later forward pass in `workspace` (None: one allocated per call)."""
@@ -252,11 +272,17 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (Hugging Face name) into its parameter or packed slice.
+        """Copy one checkpoint tensor (Hugging Face name) into its parameter or packed slice,
+        or take a layer's KV-cache scale (`self_attn.k_scale`, `v_scale`, or `kv_scale` for
+        both, as vLLM's FP8 checkpoints name them).
 
-        Raises KeyError for a name the model does not have, ValueError for a wrong shape.
+        Raises KeyError for a name the model does not have, ValueError for a wrong shape or a
+        scale that is not one positive number.
         """
         parent, _, leaf = name.rpartition(".")
+        if leaf in _KV_SCALE_NAMES:
+            self._load_kv_scale(parent, leaf, tensor)
+            return
         module_path, _, proj = parent.rpartition(".")
         if proj in _PACKED:
             fused, index = _PACKED[proj]
@@ -276,6 +302,26 @@ class CausalLM(nn.Module):
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
         target.copy_(tensor)
+
+    def _load_kv_scale(self, attention: str, leaf: str, tensor: torch.Tensor) -> None:
+        try:
+            module = self.get_submodule(attention) if attention else None
+        except AttributeError:
+            module = None
+        if not isinstance(module, PagedAttention):
+            raise KeyError(f"{attention}.{leaf}")
+        if tensor.numel() != 1 or not float(tensor.float().item()) > 0:
+            raise ValueError(
+                f"{attention}.{leaf} must be one positive number, got shape "
+                f"{tuple(tensor.shape)}"
+                + (f" value {tensor.float().item()}" if tensor.numel() == 1 else "")
+            )
+        value = float(tensor.float().item())
+        k, v = module.checkpoint_kv_scales
+        module.checkpoint_kv_scales = KVScales(
+            value if leaf in ("k_scale", "kv_scale") else k,
+            value if leaf in ("v_scale", "kv_scale") else v,
+        )
 
     def _parameter(self, name: str) -> torch.Tensor:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagekeeper_engine.attention.base import UNSCALED, KVScales
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.model.hf_config import ModelConfig
 
@@ -31,3 +32,18 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
     """Bytes of one block across every layer, keys and values."""
     per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
     return per_token * block_size
+
+
+def describe_kv_scales(scales: list[KVScales], cache_dtype: torch.dtype) -> str:
+    """One log line on the checkpoint's KV scales and whether the cache uses them."""
+    given = [s for s in scales if s != UNSCALED]
+    if not given:
+        if cache_dtype == torch.float8_e4m3fn:
+            return "FP8 KV cache without checkpoint scales: values stored as they are (scale 1.0)"
+        return "KV cache unscaled"
+    k = [s.k for s in scales]
+    v = [s.v for s in scales]
+    where = f"k_scale {min(k):.4g}..{max(k):.4g}, v_scale {min(v):.4g}..{max(v):.4g}"
+    if cache_dtype != torch.float8_e4m3fn:
+        return f"the checkpoint's KV scales ({where}) are unused: the cache is {cache_dtype}"
+    return f"FP8 KV cache with the checkpoint's scales of {len(given)} layers: {where}"

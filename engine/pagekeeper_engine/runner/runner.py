@@ -41,7 +41,11 @@ from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
-from pagekeeper_engine.runner.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
+from pagekeeper_engine.runner.kv_cache import (
+    describe_kv_scales,
+    kv_bytes_per_block,
+    resolve_kv_cache_dtype,
+)
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
@@ -163,6 +167,7 @@ class ModelRunner:
             self.pool_shape(self.num_gpu_blocks), dtype=self.kv_cache_dtype, device=self.device
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self.kv_pool])
+        logger.info(describe_kv_scales(self.model.checkpoint_kv_scales, self.kv_cache_dtype))
 
         self.num_cpu_blocks = (
             config.num_cpu_blocks_override

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagekeeper_engine.attention.base import AttentionMetadata, KVScales
 from pagekeeper_engine.attention.torch_ref import TorchRefBackend
 from pagekeeper_engine.model.hf_config import (
     CheckpointError,
@@ -203,6 +204,53 @@ def test_tied_checkpoint_may_still_carry_lm_head(tmp_path: Path) -> None:
     model = load(tmp_path)
     assert model.lm_head is None
     assert torch.equal(model.lm_head_weight, tensors["model.embed_tokens.weight"])
+
+
+def test_kv_scales_of_an_fp8_checkpoint_are_read_per_layer(tmp_path: Path) -> None:
+    """vLLM's names: `self_attn.k_scale` and `v_scale`, or one `kv_scale` for both."""
+    write_checkpoint(tmp_path, "llama")
+    path = tmp_path / "model.safetensors"
+    good = load_file(path)
+    scales = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
+        "model.layers.1.self_attn.kv_scale": torch.tensor(3.0),
+    }
+    save_file({**good, **scales}, path)
+    assert load(tmp_path).checkpoint_kv_scales == [(0.5, 2.0), (3.0, 3.0)]
+    save_file(good, path)
+    assert load(tmp_path).checkpoint_kv_scales == [(1.0, 1.0), (1.0, 1.0)]
+    save_file({**good, "model.layers.1.self_attn.k_scale": torch.tensor(-1.0)}, path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: model\.layers\.1\.self_attn\.k_scale must be one positive "
+        r"number, got shape \(\) value -1\.0",
+    ):
+        load(tmp_path)
+    save_file({**good, "model.layers.7.self_attn.k_scale": torch.tensor(1.0)}, path)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.7\.self_attn\.k_scale' is not"):
+        load(tmp_path)
+
+
+def test_the_reference_backend_stores_over_the_scales_and_attends_alike() -> None:
+    """Scaled writes hold value / scale; attention over them equals the unscaled result."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, 16, generator=gen) for h in (4, 2, 2))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(5, dtype=torch.int64),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        max_query_len=5,
+        max_seq_len=5,
+        num_decode_seqs=0,
+    )
+    caches = [torch.zeros(1, 8, 2, 16) for _ in range(4)]
+    backend = TorchRefBackend()
+    plain = backend.forward(q, k, v, caches[0], caches[1], meta, 0.25)
+    scaled = backend.forward(q, k, v, caches[2], caches[3], meta, 0.25, None, KVScales(4.0, 0.5))
+    assert torch.allclose(caches[2][0, :5], k / 4.0) and torch.allclose(caches[3][0, :5], v / 0.5)
+    assert torch.allclose(scaled, plain, atol=1e-5)
 
 
 class _Terminal(io.StringIO):
