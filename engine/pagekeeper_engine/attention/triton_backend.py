@@ -121,8 +121,9 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:num_decodes],
                 num_splits=num_splits,
                 split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
-                # an FP8 tile of the same token count is half the bytes: take twice the tokens
-                block_n=128 if k_cache.dtype == FP8_CACHE_DTYPE else 64,
+                # FP8 tiles spend their time widening to fp16, not loading: two warps per
+                # program keep more programs resident (docs/benchmarks.md, FP8 decode tiles)
+                num_warps=2 if k_cache.dtype == FP8_CACHE_DTYPE else 4,
                 k_scale=kv_scales.k,
                 v_scale=kv_scales.v,
             )
