@@ -19,6 +19,7 @@ forever). A worker that refused the same start-up budget as rank 0 exits with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -102,7 +103,10 @@ class WorkerRanks:
         self._stopping.set()
         data = self._encode(None)
         for socket in self._sockets:
-            socket.send(data)
+            # A worker that never got to connect (it stopped at start-up) cannot take it, and
+            # a PUSH socket without a peer would wait for one forever.
+            with contextlib.suppress(zmq.Again):
+                socket.send(data, zmq.NOBLOCK)
         for process in self.processes:
             process.join(STOP_TIMEOUT_S if graceful else 0)
             if process.is_alive():

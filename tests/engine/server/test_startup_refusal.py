@@ -58,3 +58,25 @@ def test_server_refuses_a_model_that_does_not_split_over_the_ranks(
         in result.stderr
     ), result.stderr[-3000:]
     assert not (tmp_path / "termination-log").exists()  # not a memory failure
+
+
+def test_every_rank_refuses_the_same_budget_and_the_server_exits_1(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Under tensor parallelism each rank sizes its own shard; a budget that cannot hold one
+    request refuses on every rank, and the engine still exits at once with the reason."""
+    termination_log = tmp_path / "termination-log"
+    argv = [
+        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(checkpoint.path),
+        "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+        "--port", str(free_port()), "--block-size", "8", "--max-model-len", "64",
+        "--num-gpu-blocks-override", "8", "--num-cpu-blocks-override", "0",
+        "--tensor-parallel-size", "2", "--termination-log-path", str(termination_log),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert termination_log.read_text().startswith(
+        "pagekeeper-oom kind=host phase=startup detail=--num-gpu-blocks-override 8 leaves 7"
+    )
