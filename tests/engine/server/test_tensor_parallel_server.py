@@ -21,6 +21,7 @@ from tests.engine.server.conftest import (
     Server,
     start_server,
 )
+from tests.engine.server.test_processes import core_pid, is_running, wait_gone
 
 PROMPTS = ["hello there", "the quick brown fox", "a, b, c", "1 2 3 4"]
 RANK_READY = re.compile(r"rank (\d+) \S+: ready \(pid (\d+)\)")
@@ -102,3 +103,16 @@ def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_pat
         server.stop()
     log = server.log.read_text(errors="replace")
     assert f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9" in log, log[-3000:]
+
+
+def test_the_core_killed_takes_its_ranks_with_it(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    server = start_server(checkpoint.path, tmp_path, "--tensor-parallel-size", "2")
+    (worker,) = worker_pids(server).values()
+    try:
+        os.kill(core_pid(server), signal.SIGKILL)
+        assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 1
+        wait_gone(worker)  # it waits on its parent's sentinel, even inside a collective
+    finally:
+        if is_running(worker):
+            os.kill(worker, signal.SIGKILL)
+        server.stop()
