@@ -39,6 +39,7 @@ OWNED_FIELDS = (
     "specMemoryPolicyHash",
     "policyHash",
     "triggers",
+    "canary",
 )
 
 
@@ -50,8 +51,13 @@ def _deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[
 def _judge(
     server: LLMServer, deployment: Mapping[str, Any] | None, apply_error: str | None
 ) -> list[tuple[str, bool, str, str]]:
-    """(type, is_true, reason, message) for Ready, Progressing and Degraded."""
+    """(type, is_true, reason, message) for Ready, Progressing and Degraded. While a canary is
+    analyzed, the Deployment's own replicas are the desired ones (the canary pods are counted
+    by the CanaryFailed condition and status.canary)."""
     num_desired = server.spec.replicas
+    canary = server.status.canary
+    if canary is not None and canary.phase == "Analyzing" and deployment is not None:
+        num_desired = int((deployment.get("spec") or {}).get("replicas", num_desired))
     if deployment is None:
         reason = "ApplyFailed" if apply_error else "DeploymentMissing"
         message = apply_error or "the Deployment does not exist yet"
@@ -177,6 +183,22 @@ def memory_condition(server: LLMServer, now: str) -> Condition:
     )
 
 
+def canary_condition(server: LLMServer, now: str) -> list[Condition]:
+    """CanaryFailed, while canaries are enabled: True from a failed canary until the template
+    changes again (a new analysis), False otherwise."""
+    if not server.spec.rollout.canary.enabled:
+        return []
+    record = server.status.canary
+    previous = server.status.condition("CanaryFailed")
+    generation = server.metadata.generation
+    if record is not None and record.phase == "Failed":
+        return [_condition(previous, "CanaryFailed", True, "CanaryFailed", record.message,
+                           generation, now)]  # fmt: skip
+    reason = "Analyzing" if record is not None and record.phase == "Analyzing" else "NoFailure"
+    message = record.message if record is not None else "no canary has failed"
+    return [_condition(previous, "CanaryFailed", False, reason, message, generation, now)]
+
+
 def compute_status(
     server: LLMServer,
     deployment: Mapping[str, Any] | None,
@@ -191,12 +213,13 @@ def compute_status(
         for type_, is_true, reason, message in _judge(server, deployment, apply_error)
     ]
     memory = memory_condition(server, now)
+    canary = canary_condition(server, now)
     dep_status = (deployment or {}).get("status", {})
     policy = effective_memory_policy(server)
     return old.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": [*conditions, memory],
+            "conditions": [*conditions, memory, *canary],
             "replicas": int(dep_status.get("replicas") or 0),
             "ready_replicas": int(dep_status.get("readyReplicas") or 0),
             "updated_replicas": int(dep_status.get("updatedReplicas") or 0),

@@ -128,6 +128,8 @@ def deployment_changed(
     kube = _kube(memo)
     namespace = str(body.metadata.namespace)
     name = str(body.metadata.labels[SERVER_LABEL])
+    if body.metadata.name != name:
+        return  # a canary Deployment: the reconcile reads its pods, status reads the main one
     obj = kube.get(API_VERSION, KIND, namespace, name)
     if obj is None:
         return  # the server is gone; the garbage collector takes the Deployment too

@@ -16,10 +16,22 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.canary import (
+    CANARY_LABEL,
+    CanaryEvent,
+    canary_name,
+    canary_pod,
+    decide_canary,
+    parse_time,
+    shape_deployments,
+    template_identity,
+)
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
+from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import render_all, unwanted_objects
+from pagekeeper_operator.render.meta import SERVER_LABEL
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +66,10 @@ def reconcile(
     """Bring the server's children to the rendered state; return the status to write."""
     namespace = server.metadata.namespace
     features = kube.features()
+    now = now or utc_now()
     desired = render_all(server, default_images, features)
+    stored = server  # the status patch is the difference from what the API server holds
+    desired, server, canary_event = _with_canary(kube, server, desired, now)
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
     error_text: str | None = None
@@ -77,11 +92,59 @@ def reconcile(
             action.reason,
         )
     if result.error is None:
-        error_text = _prune(kube, server, unwanted_objects(server, features), result)
-    deployment = next((obj for key, obj in observed.items() if key[1] == "Deployment"), None)
-    status = compute_status(server, deployment, now or utc_now(), error_text)
-    result.status_patch = status_patch(server, status)
+        unwanted = unwanted_objects(server, features)
+        if not any(key_of(m)[2] == canary_name(server.metadata.name) for m in desired):
+            unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
+        error_text = _prune(kube, server, unwanted, result)
+    if result.error is None and canary_event is not None:
+        _post_event(kube, server, canary_event)
+    deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
+    status = compute_status(server, deployment, now, error_text)
+    result.status_patch = status_patch(stored, status)
     return result
+
+
+def _with_canary(
+    kube: Kube, server: LLMServer, desired: list[dict[str, Any]], now: str
+) -> tuple[list[dict[str, Any]], LLMServer, CanaryEvent | None]:
+    """The objects to apply under spec.rollout.canary, the server with its new canary status,
+    and the Event to post (see `canary`)."""
+    namespace, name = server.metadata.namespace, server.metadata.name
+    rendered = next(m for m in desired if m["kind"] == "Deployment")
+    running = kube.get("apps/v1", "Deployment", namespace, name)
+    stable_template = None if running is None else running["spec"]["template"]
+    spec = server.spec
+    pods = []
+    if spec.rollout.canary.enabled or server.status.canary is not None:
+        selector = f"{SERVER_LABEL}={name},{CANARY_LABEL}=true"
+        pods = [canary_pod(p) for p in kube.list("v1", "Pod", namespace, selector)]
+    plan = decide_canary(
+        spec.rollout.canary,
+        replicas=spec.replicas,
+        max_surge=spec.rollout.max_surge,
+        candidate=template_identity(rendered["spec"]["template"]),
+        stable=None if stable_template is None else template_identity(stable_template),
+        previous=server.status.canary,
+        pods=pods,
+        history=server.status.remediation_history,
+        server_name=name,
+        now=parse_time(now) or datetime.now(UTC),
+    )
+    status = server.status.model_copy(update={"canary": plan.status})
+    server = server.model_copy(update={"status": status})
+    return shape_deployments(desired, plan, stable_template), server, plan.event
+
+
+def _post_event(kube: Kube, server: LLMServer, canary_event: CanaryEvent) -> None:
+    """An Event on the LLMServer; best effort (status holds the record)."""
+    try:
+        meta = server.metadata
+        kube.create_event(
+            event(meta.namespace, meta.name, meta.uid, canary_event.type, canary_event.reason,
+                  canary_event.message)
+        )  # fmt: skip
+    except ApiException as exc:
+        logger.warning("could not post %s: %s %s", canary_event.reason, exc.status, exc.reason)
 
 
 def _prune(

@@ -99,7 +99,7 @@ RBAC rules for the objects the operator reconciles in a namespace, shared by the
   verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch"]

@@ -14,6 +14,7 @@ from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
+from pagekeeper_operator.api.rollout import RolloutSpec
 from pagekeeper_operator.api.runtime import (
     RUNTIMES,
     TRIGGERS,
@@ -95,11 +96,11 @@ GPU_RULE = cel(
     "or be 0 (the CPU) with tensor 1; leave it unset to derive it from spec.parallelism.tensor",
     ".resources.gpus",
 )
-ROLLOUT_RULE = cel(
-    "self.maxSurge > 0 || self.maxUnavailable > 0",
-    "spec.rollout.maxUnavailable must be > 0 when maxSurge is 0 (a rollout must be able to "
-    "replace a pod)",
-    ".maxUnavailable",
+CANARY_RULE = cel(
+    "!self.rollout.canary.enabled || self.rollout.canary.replicas < self.replicas",
+    "spec.rollout.canary.replicas must be below spec.replicas (the canary tests a change on "
+    "some of the pods, not all)",
+    ".rollout.canary.replicas",
 )
 
 
@@ -197,28 +198,6 @@ class ServiceSpec(ApiModel):
     )
 
 
-class RolloutSpec(ApiModel):
-    """How pods are replaced when the policy or image changes."""
-
-    model_config = ConfigDict(json_schema_extra=validations(ROLLOUT_RULE))
-
-    max_surge: int = Field(
-        default=0,
-        ge=0,
-        le=100,
-        description="Extra pods during a rollout; 0 needs no spare GPUs (the default).",
-    )
-    max_unavailable: int = Field(
-        default=1, ge=0, le=100, description="Pods that may be down during a rollout."
-    )
-
-    @model_validator(mode="after")
-    def _check_progress(self) -> RolloutSpec:
-        if self.max_surge == 0 and self.max_unavailable == 0:
-            raise ValueError(ROLLOUT_RULE["message"])
-        return self
-
-
 class DisruptionBudgetSpec(ApiModel):
     """Who provides the PodDisruptionBudget that every eviction of the pods must respect."""
 
@@ -243,6 +222,7 @@ class LLMServerSpec(ApiModel):
             ADAPTIVE_FLOOR_RULE,
             DRAIN_RULE,
             GPU_RULE,
+            CANARY_RULE,
             *TRIGGER_RULES,
         )
     )
@@ -323,6 +303,9 @@ class LLMServerSpec(ApiModel):
             raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
         if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
             raise ValueError(DRAIN_RULE["message"])
+        canary = self.rollout.canary
+        if canary.enabled and canary.replicas >= self.replicas:
+            raise ValueError(CANARY_RULE["message"])
         gpus, tensor = self.resources.gpus, self.parallelism.tensor
         if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
             raise ValueError(GPU_RULE["message"])

@@ -8,17 +8,27 @@ from pydantic import Field
 
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.api.types import ApiModel
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "MemoryHealthy"]
-CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "MemoryHealthy")
+ConditionType = Literal["Ready", "Progressing", "Degraded", "MemoryHealthy", "CanaryFailed"]
+CONDITION_TYPES: tuple[ConditionType, ...] = (
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "MemoryHealthy",
+    "CanaryFailed",
+)
 MAX_HISTORY = 100
 
 
 class Condition(ApiModel):
     """One observation about the server, in the Kubernetes conditions convention."""
 
-    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or MemoryHealthy.")
+    type: str = Field(
+        max_length=64,
+        description="Ready, Progressing, Degraded, MemoryHealthy or CanaryFailed.",
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(
         default="", max_length=128, description="CamelCase reason for the last transition."
@@ -60,7 +70,10 @@ class LLMServerStatus(ApiModel):
         default_factory=list,
         max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Ready, Progressing, Degraded and MemoryHealthy.",
+        description=(
+            "Ready, Progressing, Degraded, MemoryHealthy, and CanaryFailed while "
+            "spec.rollout.canary is enabled."
+        ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")
     ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
@@ -97,6 +110,13 @@ class LLMServerStatus(ApiModel):
         description=(
             "The alert triggers of spec.remediation: which are active for this server's runtime "
             "and spec, and why the others are not."
+        ),
+    )
+    canary: CanaryStatus | None = Field(
+        default=None,
+        description=(
+            "The canary of the latest pod-template change under spec.rollout.canary: analyzing, "
+            "promoted or failed, with the failing signal and its value."
         ),
     )
     last_remediation: str | None = Field(
