@@ -40,7 +40,7 @@ NAMESPACED_RULES = [
     {"apiGroups": ["pagekeeper.dev"], "resources": ["llmservers/status"], "verbs": ["patch"]},
     {"apiGroups": ["pagekeeper.dev"], "resources": ["llmservers/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["apps"], "resources": ["deployments"],
-     "verbs": ["get", "list", "watch", "create", "patch"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
      "verbs": ["get", "create", "patch", "delete"]},
@@ -356,10 +356,11 @@ def test_install_upgrade_uninstall(
     for verb, resource in [
         ("create", "pods/eviction"), ("patch", "llmservers.pagekeeper.dev/status"),
         ("create", "deployments.apps"), ("watch", "pods"), ("create", "events"),
+        ("delete", "deployments.apps"),
     ]:  # fmt: skip
         assert _can(cluster, user, verb, resource, elsewhere), f"{verb} {resource}"
     for verb, resource in [
-        ("delete", "pods"), ("create", "pods"), ("get", "secrets"), ("delete", "deployments.apps"),
+        ("delete", "pods"), ("create", "pods"), ("get", "secrets"), ("delete", "services"),
         ("update", "llmservers.pagekeeper.dev"), ("patch", "nodes"), ("list", "configmaps"),
     ]:  # fmt: skip
         assert not _can(cluster, user, verb, resource, elsewhere), f"{verb} {resource}"

@@ -1,0 +1,181 @@
+"""A memory alert on a canary pod takes the canary back, with real parts only.
+
+The operator runs as a subprocess on the local control plane (KWOK GPU nodes); a policy change
+of a two-replica server starts one canary pod. Allocator series that say 87.5% of the reserved
+memory is unused (what a fragmented caching allocator reports) are served by a plain HTTP
+exporter and scraped by a real Prometheus as that canary pod's, with the operator's rendered
+rules loaded; a real Alertmanager posts the fragmentation alert to the operator's webhook. The
+remediation records it for the canary pod, the canary fails on `fragmentation`, its Deployment
+is deleted and the stable replicas, never replaced, run the old template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tests.support.cluster import Cluster, wait_for
+from tests.support.loop import (
+    OperatorProcess,
+    Prometheus,
+    get_server,
+    install_crd,
+    llmserver,
+    restrict_namespace,
+    rules_file,
+    server_events,
+    server_pods,
+    wait_ready_pods,
+)
+from tests.support.processes import start_alertmanager
+
+GiB = 1 << 30
+# What the engine exports on a GPU whose allocator holds 8 GiB, 1 GiB of it in use.
+FRAGMENTED = (
+    "# TYPE pagekeeper_allocator_reserved_bytes gauge\n"
+    f'pagekeeper_allocator_reserved_bytes{{model_name="m"}} {8 * GiB}\n'
+    "# TYPE pagekeeper_allocator_allocated_bytes gauge\n"
+    f'pagekeeper_allocator_allocated_bytes{{model_name="m"}} {1 * GiB}\n'
+)
+SPEC: dict[str, Any] = {
+    "model": {"source": "/models/tiny-llama", "servedModelName": "tiny", "loadFormat": "dummy"},
+    "replicas": 2,
+    "resources": {"gpus": 1},
+    "memoryPolicy": {"gpuMemoryUtilization": 0.9},
+    "rollout": {"canary": {"enabled": True, "replicas": 1, "analysisSeconds": 3600}},
+    "remediation": {
+        "hysteresisSeconds": 2,
+        "triggers": {
+            "fragmentation": {"threshold": 0.5, "minBytes": "1Gi", "for": "2s"},
+            "kvCacheSaturation": {"enabled": False},
+            "queueBacklog": {"enabled": False},
+            "engineStalled": {"enabled": False},
+        },
+    },
+}
+
+
+@contextlib.contextmanager
+def allocator_exporter() -> Iterator[int]:
+    """An HTTP server answering /metrics with the fragmented allocator's series; its port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = FRAGMENTED.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_fragmentation_alert_on_the_canary_pod_fails_the_canary(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    install_crd(cluster)
+    restrict_namespace(cluster, namespace)
+    apps = client.AppsV1Api(cluster.api)
+    with contextlib.ExitStack() as stack:
+        operator = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "operator")
+        stack.callback(operator.stop)
+        operator.wait_ready()
+        cluster.apply_yaml([llmserver("frag", SPEC)], "-n", namespace)
+        stable = set(wait_ready_pods(cluster, namespace, "frag", 2))
+        old_template = apps.read_namespaced_deployment("frag", namespace).spec.template
+
+        changed = copy.deepcopy(SPEC)
+        changed["memoryPolicy"]["gpuMemoryUtilization"] = 0.85
+        cluster.apply_yaml([llmserver("frag", changed)], "-n", namespace)
+
+        def canary_pod() -> str | None:
+            pods = server_pods(cluster, namespace, "frag")
+            ready = [
+                p.metadata.name
+                for p in pods
+                if (p.metadata.labels or {}).get("pagekeeper.dev/canary") == "true"
+                and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            ]
+            return ready[0] if ready else None
+
+        canary = wait_for(canary_pod, timeout=120, what="a ready canary pod")
+        survivors = {p.metadata.name for p in server_pods(cluster, namespace, "frag")} - {canary}
+
+        exporter = stack.enter_context(allocator_exporter())
+        rules = rules_file(cluster, namespace, "frag", tmp_path / "rules.yml")
+        alertmanager = start_alertmanager(
+            tmp_path / "alertmanager", operator.webhook_url, operator.token
+        )
+        stack.callback(alertmanager.stop)
+        prometheus = Prometheus(tmp_path / "prometheus", [rules], alertmanager)
+        stack.callback(prometheus.stop)
+        prometheus.start(
+            [
+                {
+                    "job_name": "allocator",
+                    "scrape_interval": "1s",
+                    "static_configs": [
+                        {
+                            "targets": [f"127.0.0.1:{exporter}"],
+                            "labels": {"namespace": namespace, "pod": canary, "llmserver": "frag"},
+                        }
+                    ],
+                }
+            ]
+        )
+
+        def failed() -> dict[str, Any] | None:
+            status = get_server(cluster, namespace, "frag").get("status", {})
+            record = status.get("canary") or {}
+            return status if record.get("phase") == "Failed" else None
+
+        try:
+            status = wait_for(failed, timeout=120, what="the canary failed")
+        except AssertionError:
+            print(operator.log_tail(8000))
+            print(alertmanager.log.read_text(errors="replace")[-3000:])
+            raise
+
+    record = status["canary"]
+    assert record["failedSignal"] == "fragmentation"
+    assert record["message"] == (
+        f"fragmentation: PagekeeperFragmentationHigh fired for canary pod {canary}"
+    )
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["CanaryFailed"]["status"] == "True"
+    assert any(
+        e.reason == "CanaryFailed" and e.message == record["message"]
+        for e in server_events(cluster, namespace, "frag")
+    )
+    wait_for(
+        lambda: (
+            not any(
+                d.metadata.name == "frag-canary"
+                for d in apps.list_namespaced_deployment(namespace).items
+            )
+        ),
+        what="the canary Deployment deleted",
+    )
+    main = apps.read_namespaced_deployment("frag", namespace)
+    assert main.spec.template.metadata.annotations == old_template.metadata.annotations
+    assert main.spec.replicas == 2
+    remaining = {p.metadata.name for p in server_pods(cluster, namespace, "frag")}
+    assert survivors <= remaining and survivors <= stable  # the stable replicas never changed
