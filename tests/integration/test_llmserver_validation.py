@@ -13,12 +13,12 @@ from pagekeeper_operator.api.llmserver import (
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
     GPU_RULE,
-    ROLLOUT_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
 )
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from pagekeeper_operator.api.rollout import ROLLOUT_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     get_server,
