@@ -41,18 +41,31 @@ STEP_VARYING = ("block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table
 @triton.jit
 def gather_kv_offsets(
     block_table_ptr,  # this sequence's row of the block table
-    offs_n,  # (BLOCK_N,) token positions
+    tile_start,  # first token position of the tile, a multiple of BLOCK_N
     n_mask,  # (BLOCK_N,) positions inside the sequence
     offs_d,  # (HEAD_DIM,)
     kv_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Element offsets (BLOCK_N, HEAD_DIM) of tokens `offs_n` of one KV head in the cache."""
-    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-    # int64: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 on large GPUs.
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    """Element offsets (BLOCK_N, HEAD_DIM) of one KV head's tokens tile_start..+BLOCK_N.
+
+    Both are powers of two, so a tile holds whole blocks or lies inside one: which block a
+    lane reads and where in it are then constants of the lane, and no per-token division is
+    left in the loop.
+    """
+    lane = tl.arange(0, BLOCK_N)
+    if BLOCK_N >= BLOCK_SIZE:
+        block_ids = tl.load(
+            block_table_ptr + tile_start // BLOCK_SIZE + lane // BLOCK_SIZE, mask=n_mask, other=0
+        )
+        # int64: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 on large GPUs.
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + lane % BLOCK_SIZE
+    else:
+        block_id = tl.load(block_table_ptr + tile_start // BLOCK_SIZE)  # tile_start < seq_len
+        slots = block_id.to(tl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE + lane
     return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
 
 
@@ -116,7 +129,7 @@ def _paged_decode_kernel(
         offs_n = n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         kv_offs = gather_kv_offsets(
-            block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
         )
         # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
         k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)

@@ -100,7 +100,7 @@ def _paged_prefill_kernel(
         offs_n = n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < full_end  # always true; keeps the block-table load in bounds
         kv_offs = gather_kv_offsets(
-            block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
         )
         # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
         k = tl.load(k_cache_ptr + kv_offs).to(q.dtype)
@@ -116,7 +116,7 @@ def _paged_prefill_kernel(
         offs_n = n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < causal_end
         kv_offs = gather_kv_offsets(
-            block_table_ptr, offs_n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
+            block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
         )
         k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
