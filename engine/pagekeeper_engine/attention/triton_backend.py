@@ -106,6 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty_like(q)
         assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
         num_decodes = meta.num_decode_seqs
+        is_fp8 = k_cache.dtype == FP8_CACHE_DTYPE
         if num_decodes > 0:
             num_splits = choose_num_splits(
                 num_decodes, int(k_cache.shape[2]), meta.max_seq_len, self.num_sms
@@ -122,8 +123,11 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits=num_splits,
                 split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
                 # FP8 tiles spend their time widening to fp16, not loading: two warps per
-                # program keep more programs resident (docs/benchmarks.md, FP8 decode tiles)
-                num_warps=2 if k_cache.dtype == FP8_CACHE_DTYPE else 4,
+                # program keep more programs resident, and five stages double-buffer the
+                # tiles so the next one loads while this one widens (docs/benchmarks.md, FP8
+                # decode tiles)
+                num_warps=2 if is_fp8 else 4,
+                num_stages=5 if is_fp8 else 3,
                 k_scale=kv_scales.k,
                 v_scale=kv_scales.v,
             )
