@@ -72,9 +72,17 @@ def weight_bytes_per_step(cfg: dict[str, Any]) -> int:
     return 2 * int(cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden)
 
 
-def physical_floor(cfg: dict[str, Any], work: Workload, bandwidth: float, rate: float) -> float:
+def physical_floor(
+    cfg: dict[str, Any],
+    work: Workload,
+    bandwidth: float,
+    rate: float,
+    kv_element_bytes: int = 2,  # 1 for an FP8 cache
+) -> float:
     """Seconds: every request runs concurrently, so there are max(output_lens) decode steps."""
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    kv_per_token = (
+        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+    ) * kv_element_bytes
     kv_reads = sum(  # decode step i of a request reads its prompt + i cached tokens
         n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
     )
@@ -440,7 +448,9 @@ def main() -> None:
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
-            floor = physical_floor(SHAPES[shape], work, bandwidth, rate)
+            floor = physical_floor(
+                SHAPES[shape], work, bandwidth, rate, 1 if args.kv_cache_dtype == "fp8" else 2
+            )
             engine, start = build_engine(write_checkpoint(shape, Path(tmp)), args)
             row = {
                 "shape": shape,

@@ -125,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
                 # FP8 tiles spend their time widening to fp16, not loading: two warps per
                 # program keep more programs resident, and five stages double-buffer the
                 # tiles so the next one loads while this one widens (docs/benchmarks.md, FP8
-                # decode tiles)
+                # KV cache, run 15)
                 num_warps=2 if is_fp8 else 4,
                 num_stages=5 if is_fp8 else 3,
                 k_scale=kv_scales.k,
