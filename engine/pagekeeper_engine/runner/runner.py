@@ -123,6 +123,10 @@ class ModelRunner:
             progress=progress,
             tp=self.tp,
         )
+        # Loading leaves its transient tensors cached (dummy weights are drawn whole and cut to
+        # this rank's slice); the workspace, the sampler's rows and the KV pool must not carve
+        # the rest of those segments, which would stay reserved and never be used.
+        self.release_cached_memory()
         # The forward pass's static home, before the profile: it is part of the activations.
         self.workspace = Workspace(
             WorkspaceShape.for_model(
@@ -288,10 +292,11 @@ class ModelRunner:
             )
         # Leaving the except block dropped the traceback, and with it the frames that held the
         # step's tensors; only now can their memory go back to the allocator and the device.
-        self.release_step_memory()
+        self.release_cached_memory()
         raise DeviceOutOfMemoryError("step", detail)
 
-    def release_step_memory(self) -> None:
+    def release_cached_memory(self) -> None:
+        """Hands the caching allocator's wholly free segments back to the device."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
