@@ -77,7 +77,7 @@ def physical_floor(
     work: Workload,
     bandwidth: float,
     rate: float,
-    kv_element_bytes: int = 2,  # 1 for an FP8 cache
+    kv_element_bytes: int = 2,  # the KV cache dtype's itemsize (1 for FP8)
 ) -> float:
     """Seconds: every request runs concurrently, so there are max(output_lens) decode steps."""
     kv_per_token = (
@@ -150,6 +150,7 @@ def build_engine(
         "graph_capture_s": 0.0 if runner.graphs is None else runner.graphs.capture_seconds,
         "graph_pool_mib": 0.0 if runner.graphs is None else runner.graphs.pool_bytes / 2**20,
         "num_gpu_blocks": runner.num_gpu_blocks,
+        "kv_cache_element_bytes": runner.kv_cache_dtype.itemsize,
         "async_scheduling": args.async_scheduling,
         "safety": args.safety,
         "batch1_projections": [choice.describe() for choice in runner.gemv_choices],
@@ -448,10 +449,10 @@ def main() -> None:
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
-            floor = physical_floor(
-                SHAPES[shape], work, bandwidth, rate, 1 if args.kv_cache_dtype == "fp8" else 2
-            )
             engine, start = build_engine(write_checkpoint(shape, Path(tmp)), args)
+            floor = physical_floor(
+                SHAPES[shape], work, bandwidth, rate, start["kv_cache_element_bytes"]
+            )
             row = {
                 "shape": shape,
                 "floor_s": floor,
