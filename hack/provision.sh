@@ -2,9 +2,10 @@
 # Provision the local test environment into $PAGEKEEPER_CACHE (default ~/.cache/pagekeeper):
 # Kubernetes control-plane binaries, etcd, kwok/kwokctl and helm built from their Go modules,
 # the Prometheus Operator CRDs and the Gateway API Inference Extension's InferencePool CRD from
-# their Go modules, prometheus/promtool/alertmanager from Debian's packages, and the image tools
-# (buildah, podman, mmdebstrap, runc) from Debian's packages too. Every step is skipped when its
-# output is already there.
+# their Go modules, prometheus/promtool/alertmanager from Debian's packages, the image tools
+# (buildah, podman, mmdebstrap, runc) from Debian's packages too, and one environment per tested
+# vLLM version (vllm from PyPI, no GPU needed) for the plugin and flag-contract tests. Every
+# step is skipped when its output is already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -16,6 +17,8 @@ HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.85.0}"
 # v1.0.0 introduced inference.networking.k8s.io/v1; later versions add fields we do not set.
 INFERENCE_EXTENSION_VERSION="${INFERENCE_EXTENSION_VERSION:-v1.4.0}"
+# The oldest vLLM the operator's default image runs, and the newest tested (hack/vllm/*.txt).
+VLLM_VERSIONS="${VLLM_VERSIONS:-0.11.0 0.33.0}"
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOPATH="$CACHE/go/path"
@@ -134,6 +137,26 @@ container_tools() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 }
 
+# $CACHE/vllm/<version>: a virtual environment with vllm (--no-deps) and the pure-Python
+# packages its parser and plugin loader import; the project's environment (torch, transformers,
+# ...) is on its path through a .pth file, and its own packages come first.
+vllm_envs() {
+  local main_py="$CACHE/venv/bin/python" version dir site
+  [[ -x "$main_py" ]] || { echo "vllm environments need $CACHE/venv (make venv)" >&2; exit 1; }
+  for version in $VLLM_VERSIONS; do
+    dir="$CACHE/vllm/$version"
+    [[ -f "$dir/.done" ]] && { log "vllm $version: cached"; continue; }
+    log "vllm $version: installing into $dir"
+    rm -rf "$dir"
+    "$main_py" -m venv --without-pip "$dir"
+    site=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$main_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$site/pagekeeper-main.pth"
+    "$main_py" -m pip install -q --disable-pip-version-check --target "$site" --no-deps \
+      "vllm==$version" -r "$(dirname "$0")/vllm/$version.txt"
+    touch "$dir/.done"
+  done
+}
+
 main() {
   local what=("${@:-all}")
   local start=$SECONDS
@@ -143,7 +166,8 @@ main() {
            go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-           build_kubernetes ;;
+           build_kubernetes; vllm_envs ;;
+      vllm) vllm_envs ;;
       debian) debian_tools ;;
       containers) container_tools ;;
       crds) prometheus_operator_crds; inference_pool_crd ;;

@@ -29,9 +29,13 @@ class CudaAllocatorMonitor:
     the thread that runs the model: a snapshot from another thread would stall its allocations.
     """
 
-    def __init__(self, device: torch.device, max_overhead: float = 0.01) -> None:
+    def __init__(
+        self, device: torch.device, max_overhead: float = 0.01, min_interval_s: float = 5.0
+    ) -> None:
         self.device = device
-        self.sampler = SnapshotSampler(lambda: _snapshot_largest_free(device), max_overhead)
+        self.sampler = SnapshotSampler(
+            lambda: _snapshot_largest_free(device), max_overhead, min_interval_s
+        )
 
     def read(self) -> AllocatorStats:
         stats = torch.cuda.memory_stats(self.device)

@@ -1,0 +1,268 @@
+"""`pagekeeper-vllm-launch -- vllm serve ...`: runs vLLM as a child and speaks for it.
+
+- Output: the child's stdout and stderr pass through byte for byte, as they come; each line is
+  also read (`output.OutputWatcher`) for readiness and memory errors.
+- Signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 are forwarded to the child, which
+  runs in its own process group (so a terminal's Ctrl-C reaches it once); as PID 1 the launcher
+  also reaps orphans.
+- Exit: the child's code (128 + N when signal N killed it), except that a memory error ends it
+  non-zero: vLLM exits 0 after its engine core died of a CUDA OOM. A memory error counts when the
+  child ended on its own, or when it was printed after a forwarded stop signal (a drain that ran
+  out of memory); one printed before a stop that vLLM survived is no cause of the exit.
+- Termination message: for such an exit, the paged engine's line (`pagekeeper-oom kind=gpu
+  phase=<startup|runtime> detail=...`, `memory.oom`), which the operator reads from the pod.
+- Metrics: `--metrics-port` serves `/metrics` with the allocator series the plugin reports from
+  each GPU process (`series`); the child gets `PAGEKEEPER_VLLM_METRICS_DIR` for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from pagekeeper_engine.memory.oom import TERMINATION_LOG, write_termination_log
+from pagekeeper_vllm.output import LineSplitter, OOMEvent, OOMPhase, OutputWatcher
+from pagekeeper_vllm.reports import METRICS_DIR_ENV, read_reports
+from pagekeeper_vllm.series import OOMTally, render_metrics
+
+logger = logging.getLogger("pagekeeper_vllm.launch")
+
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+DEFAULT_METRICS_PORT = 8001
+# How long the output pumps may run on after the child exited (an orphan can hold the pipes).
+PUMP_JOIN_S = 5.0
+EXEC_FAILED = 127
+
+
+def served_model_name(argv: Sequence[str]) -> str:
+    """The `model_name` label vLLM gives its own series: the first --served-model-name, else the
+    model (`vllm serve MODEL` or --model)."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--served-model-name" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--served-model-name="):
+            return arg.split("=", 1)[1].split()[0]
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    if "serve" in args:
+        rest = args[args.index("serve") + 1 :]
+        if rest and not rest[0].startswith("-"):
+            return rest[0]
+    return ""
+
+
+def exit_code(returncode: int, oom: OOMEvent | None) -> int:
+    """The launcher's exit code for the child's `returncode` (negative: killed by a signal)."""
+    if returncode < 0:
+        return 128 - returncode
+    if oom is not None and returncode == 0:
+        return 1
+    return returncode
+
+
+class Launcher:
+    """One run of the child: output pumps, signal forwarding, the metrics endpoint."""
+
+    def __init__(self, argv: Sequence[str], metrics_dir: Path | None, model_name: str) -> None:
+        self.argv = list(argv)
+        self.metrics_dir = metrics_dir
+        self.model_name = model_name
+        self.watcher = OutputWatcher()
+        self.tally = OOMTally()
+        self.lock = threading.RLock()  # the signal handler takes it on the main thread
+        self.stop_line: int | None = None
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def scrape(self) -> str:
+        if self.metrics_dir is None:
+            return ""
+        reports = read_reports(self.metrics_dir)
+        with self.lock:
+            self.tally.update(reports)
+            return render_metrics(reports, self.tally, self.model_name)
+
+    def _on_line(self, line: str) -> None:
+        with self.lock:
+            was_ready = self.watcher.is_ready
+            self.watcher.feed_line(line)
+            became_ready = self.watcher.is_ready and not was_ready
+        if became_ready and self.metrics_dir is not None:
+            reports = read_reports(self.metrics_dir)
+            with self.lock:
+                self.tally.update(reports)
+                self.tally.mark_ready()
+
+    def _pump(self, source: IO[bytes], sink: IO[bytes]) -> None:
+        splitter = LineSplitter()
+        fd = source.fileno()
+        while chunk := os.read(fd, 65536):
+            sink.write(chunk)
+            sink.flush()
+            for line in splitter.feed(chunk.decode(errors="replace")):
+                self._on_line(line)
+        for line in splitter.flush():
+            self._on_line(line)
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        if self.child is None:
+            return
+        with self.lock:
+            if signum in STOP_SIGNALS and self.stop_line is None:
+                self.stop_line = self.watcher.num_lines
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child.pid, signum)
+
+    def cause(self) -> tuple[OOMEvent, OOMPhase] | None:
+        """The memory error that ended the child, if one did (see the module docstring), and
+        its phase."""
+        with self.lock:
+            event = self.watcher.first_after(self.stop_line or 0)
+            return None if event is None else (event, self.watcher.phase_of(event))
+
+    def run(self) -> int:
+        env = dict(os.environ)
+        if self.metrics_dir is not None:
+            env[METRICS_DIR_ENV] = str(self.metrics_dir)
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, self._forward)
+        try:
+            self.child = subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                process_group=0,
+            )
+        except OSError as exc:
+            print(f"pagekeeper-vllm-launch: cannot run {self.argv[0]}: {exc}", file=sys.stderr)
+            return EXEC_FAILED
+        assert self.child.stdout is not None and self.child.stderr is not None
+        pumps = [
+            threading.Thread(target=self._pump, args=(pipe, sink), daemon=True)
+            for pipe, sink in (
+                (self.child.stdout, sys.stdout.buffer),
+                (self.child.stderr, sys.stderr.buffer),
+            )
+        ]
+        for pump in pumps:
+            pump.start()
+        returncode = self._wait_child(self.child.pid)
+        self.child.returncode = returncode
+        for pump in pumps:
+            pump.join(PUMP_JOIN_S)
+        return returncode
+
+    @staticmethod
+    def _wait_child(pid: int) -> int:
+        """Wait for `pid`, reaping any orphan handed to this process meanwhile."""
+        while True:
+            try:
+                reaped, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                return 0
+            if reaped == pid:
+                return os.waitstatus_to_exitcode(status)
+
+
+def serve_metrics(launcher: Launcher, host: str, port: int) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            body = launcher.scrape().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="pagekeeper-metrics", daemon=True).start()
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagekeeper-vllm-launch",
+        description="Run vLLM as a child: pass its output through, forward signals, export its "
+        "GPU allocators, and report an out-of-memory death as one.",
+        usage="%(prog)s [options] -- vllm serve MODEL [vLLM options]",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="port of the /metrics endpoint with the allocator series (0: none)",
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address it listens on")
+    parser.add_argument(
+        "--termination-log",
+        type=Path,
+        default=TERMINATION_LOG,
+        help="where an out-of-memory exit is reported (the kubelet's terminationMessagePath)",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then vLLM's command line")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        build_parser().error("give vLLM's command after --, e.g. -- vllm serve MODEL")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s pagekeeper: %(message)s")
+    metrics_dir = None
+    server = None
+    if args.metrics_port:
+        metrics_dir = Path(tempfile.mkdtemp(prefix="pagekeeper-vllm-"))
+    launcher = Launcher(command, metrics_dir, served_model_name(command))
+    if metrics_dir is not None:
+        server = serve_metrics(launcher, args.metrics_host, args.metrics_port)
+    returncode = launcher.run()
+    cause = launcher.cause()
+    if cause is not None:
+        oom, phase = cause
+        write_termination_log("gpu", phase, oom.detail, args.termination_log)
+        logger.error(
+            "vLLM ended by running out of GPU memory (%s, exit %d): %s",
+            phase,
+            returncode,
+            oom.detail,
+        )
+    if server is not None:
+        server.shutdown()
+    return exit_code(returncode, None if cause is None else cause[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Stands in for `vllm serve` in the launcher tests: prints what vLLM prints, then ends as told.
+
+As in vLLM, uvicorn's readiness goes to stderr and vLLM's own log lines (an engine core's
+traceback among them) to stdout.
+
+Usage: fake_vllm.py SCENARIO [vLLM flags, ignored]. Lines are vLLM's own (its child processes'
+lines carry their prefix), and the OOM text is torch's; `main` says what each scenario does.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pagekeeper_engine.memory.allocator import AllocatorStats
+from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, write_report
+
+PREFIX = "(EngineCore_DP0 pid=4242) "
+READY = "INFO:     Application startup complete."
+OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a "
+    "total capacity of 19.53 GiB of which 329.87 MiB is free. Including non-PyTorch memory, "
+    "this process has 19.19 GiB memory in use. Of the allocated memory 18.40 GiB is allocated "
+    "by PyTorch, and 402.27 MiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+    "to avoid fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+NO_CACHE = (
+    "ValueError: No available memory for the cache blocks. Try increasing "
+    "`gpu_memory_utilization` when initializing the engine."
+)
+
+
+def say(text: str, stream=sys.stdout) -> None:
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def wait_for_term(on_term) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: on_term())
+    marker = os.environ.get("FAKE_VLLM_WAITING")
+    if marker:
+        Path(marker).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+def drain(code: int = 0, then: str | None = None) -> None:
+    say("INFO:     Shutting down")
+    if then:
+        say(PREFIX + then)
+    sys.exit(code)
+
+
+def main(scenario: str) -> None:
+    say("INFO 11-24 19:00:00 [api_server.py:1] vLLM API server version 0.11.0")
+    say("Loading safetensors checkpoint shards:  50% Completed | 1/2\r", sys.stderr)
+    if scenario == "runtime-oom":  # the engine core dies of an OOM; vLLM exits 0
+        say(READY, sys.stderr)
+        say(PREFIX + "ERROR 11-24 19:00:05 [core.py:710] EngineCore encountered a fatal error.")
+        say(PREFIX + "Traceback (most recent call last):")
+        say(PREFIX + OOM)
+        say("INFO:     Shutting down")
+        sys.exit(0)
+    elif scenario == "startup-no-cache":
+        say(PREFIX + NO_CACHE, sys.stderr)
+        sys.exit(1)
+    elif scenario == "clean":
+        say(READY, sys.stderr)
+        sys.exit(0)
+    elif scenario == "killed":
+        say(READY, sys.stderr)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif scenario == "drain":
+        say(READY, sys.stderr)
+        wait_for_term(drain)
+    elif scenario == "oom-while-draining":
+        say(READY, sys.stderr)
+        wait_for_term(lambda: drain(0, then=OOM))
+    elif scenario == "report":  # a GPU process's report, as the plugin writes it
+        stats = AllocatorStats(8 << 30, 1 << 30, 6 << 30, 3, 0)
+        write_report(Path(os.environ[METRICS_DIR_ENV]), ProcessReport(os.getpid(), 0, "0", stats))
+        say(READY, sys.stderr)
+        wait_for_term(drain)
+    elif scenario == "survived-oom-then-drain":
+        say(READY, sys.stderr)
+        say(PREFIX + OOM)
+        wait_for_term(drain)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

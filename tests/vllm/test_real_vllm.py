@@ -1,0 +1,161 @@
+"""pagekeeper's plugin and rendered pods against real vLLM (0.11.0 and the newest tested).
+
+Each vLLM runs in its own environment from PyPI (`hack/provision.sh vllm`), with the bundle on
+PYTHONPATH exactly as the init container leaves it in the pod; no GPU is needed to load plugins
+or parse flags, so the exporter must stay silent here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagekeeper_operator.api.runtime import vllm_loads_plugin
+from pagekeeper_operator.render import render_deployment
+from pagekeeper_vllm.plugin import PLUGIN_NAME
+from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.vllm.conftest import HERE, clean_env, run_probe, vllm_python
+
+
+def _plugins(version: str, bundle: Path, tmp_path: Path, **env: str) -> dict[str, Any]:
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    result = run_probe(
+        version,
+        "probe_plugins.py",
+        [],
+        clean_env(PYTHONPATH=str(bundle), PAGEKEEPER_VLLM_METRICS_DIR=str(metrics), **env),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_vllms_own_loader_finds_and_runs_the_plugin(
+    vllm_version: str, bundle: Path, tmp_path: Path
+) -> None:
+    report = _plugins(vllm_version, bundle, tmp_path)
+    assert PLUGIN_NAME in report["discovered"]
+    assert report["loaded"] is True
+    # A CPU-only machine: CUDA never initializes, so the exporter never starts or writes.
+    assert report["cuda_initialized"] is False and report["cuda_error"]
+    assert report["exporting"] is False
+    assert report["written"] == []
+    assert report["engine_args"] == "EngineArgs"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "pagekeeper",
+        "lora_filesystem_resolver,pagekeeper",
+        "lora_filesystem_resolver",
+        "",
+        " pagekeeper",
+    ],
+)
+def test_vllm_plugins_filters_as_the_operator_predicts(
+    vllm_version: str, bundle: Path, tmp_path: Path, value: str
+) -> None:
+    """VLLM_PLUGINS as vLLM reads it, and `vllm_loads_plugin` (PluginLoaded) agreeing."""
+    report = _plugins(vllm_version, bundle, tmp_path, VLLM_PLUGINS=value)
+    assert report["loaded"] is vllm_loads_plugin(value)
+    assert report["loaded"] is (value in {"pagekeeper", "lora_filesystem_resolver,pagekeeper"})
+
+
+SPECS: list[dict[str, Any]] = [
+    {"runtime": "vllm"},
+    {
+        "runtime": "vllm",
+        "model": {"servedModelName": "qwen3", "dtype": "bfloat16", "loadFormat": "dummy"},
+        "parallelism": {"tensor": 2},
+        "memoryPolicy": {
+            "gpuMemoryUtilization": 0.85,
+            "blockSize": 32,
+            "maxNumBatchedTokens": 16384,
+            "maxNumSeqs": 64,
+            "maxModelLen": 8192,
+            "enableChunkedPrefill": False,
+            "enablePrefixCaching": False,
+            "kvCacheDtype": "fp8",
+        },
+        "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/srv/extra"}]},
+    },
+]
+
+
+def _pod(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    server = make_server(spec)
+    pod: dict[str, Any] = render_deployment(server, DEFAULT_IMAGES)["spec"]["template"]["spec"]
+    return server, pod
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
+    vllm_version: str, tmp_path: Path, spec: dict[str, Any]
+) -> None:
+    """The pod as rendered: the init container's command writes the bundle into the volume; the
+    vLLM container's command, env and mount run the launcher, whose child parses the rendered
+    `vllm serve` flags with vLLM's own parser (a probe in place of the `vllm` program)."""
+    server, pod = _pod(spec)
+    [init] = pod["initContainers"]
+    [container] = pod["containers"]
+    volume = tmp_path / "pagekeeper-vllm"
+    mount_path = init["volumeMounts"][0]["mountPath"]
+    # The init container runs the engine image's Python; this checkout's is the same code.
+    init_command = [sys.executable, *init["command"][1:-1], str(volume)]
+    assert init["command"][-1] == mount_path
+    subprocess.run(init_command, check=True, capture_output=True, env={**os.environ})
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    python_path = env["PYTHONPATH"].replace(mount_path, str(volume))
+    command = container["command"]
+    separator = command.index("--")
+    launcher = [str(vllm_python(vllm_version)), *command[1:separator]]
+    vllm_args = command[separator + 1 :]
+    assert vllm_args[:2] == ["vllm", "serve"]
+    child = [str(vllm_python(vllm_version)), str(HERE / "probe_parser.py"), *vllm_args[2:]]
+    result = subprocess.run(
+        [
+            *launcher,
+            "--metrics-port",
+            "0",
+            "--termination-log",
+            str(tmp_path / "log"),
+            "--",
+            *child,
+        ],
+        env=clean_env(PYTHONPATH=python_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    policy = server.spec.memory_policy
+    assert parsed == {
+        "model_tag": server.spec.model.source,
+        "served_model_name": (
+            [server.spec.model.served_model_name] if server.spec.model.served_model_name else None
+        ),
+        "host": "0.0.0.0",
+        "port": 8000,
+        "dtype": server.spec.model.dtype,
+        "load_format": server.spec.model.load_format,
+        "gpu_memory_utilization": policy.gpu_memory_utilization,
+        "block_size": policy.block_size,
+        "max_num_batched_tokens": policy.max_num_batched_tokens,
+        "max_num_seqs": policy.max_num_seqs,
+        "max_model_len": policy.max_model_len,
+        "enable_chunked_prefill": policy.enable_chunked_prefill,
+        "enable_prefix_caching": policy.enable_prefix_caching,
+        "kv_cache_dtype": policy.kv_cache_dtype,
+        "tensor_parallel_size": server.spec.parallelism.tensor,
+    }
+    assert not (tmp_path / "log").exists()  # a clean exit writes no termination message
