@@ -1,9 +1,10 @@
 """The memory alerts shipped with each LLMServer, rendered from `spec.remediation` (pure).
 
 Each alert reads only the series its trigger lists (`api.runtime.TRIGGERS`), and is rendered
-only where the server's runtime exports them (`triggers.is_active`): under runtime vllm, whose
-image exports no `pagekeeper_` series, the fragmentation and OOM alerts are left out rather
-than rendered to never fire. Expressions select a server's series by the `namespace` and
+only where the server's runtime exports them (`triggers.is_active`): under runtime vllm with
+VLLM_PLUGINS leaving out pagekeeper's plugin, which exports the allocator and OOM series from
+vLLM's processes, the fragmentation and OOM alerts are left out rather than rendered to never
+fire. Expressions select a server's series by the `namespace` and
 `llmserver` labels. Scrapes must carry `namespace`, `pod`
 and `llmserver` (the ServiceMonitor relabels the pod label `pagekeeper.dev/llmserver` to
 `llmserver`); each expression aggregates `by (namespace, pod, llmserver)`, so every alert names
@@ -114,6 +115,8 @@ def render_alert_rules(
     remediation: RemediationSpec,
     runtime: Runtime,
     runbook_base: str = RUNBOOK_BASE,
+    *,
+    has_plugin: bool = True,
 ) -> list[dict[str, Any]]:
     """The alerting rules for one LLMServer: one per active trigger (`triggers.is_active`: on
     in spec, and fed by the runtime's series), in `ALERT_NAMES` order."""
@@ -121,7 +124,7 @@ def render_alert_rules(
     triggers = remediation.triggers
 
     def active(key: str) -> bool:
-        return is_active(runtime, remediation, TRIGGER_BY_KEY[key])
+        return is_active(runtime, remediation, TRIGGER_BY_KEY[key], has_plugin=has_plugin)
 
     pod = "{{ $labels.namespace }}/{{ $labels.pod }}"
     rules: list[dict[str, Any]] = []
@@ -237,9 +240,16 @@ def rule_group_name(name: str, namespace: str) -> str:
 
 
 def _groups(
-    name: str, namespace: str, remediation: RemediationSpec, runtime: Runtime, runbook_base: str
+    name: str,
+    namespace: str,
+    remediation: RemediationSpec,
+    runtime: Runtime,
+    runbook_base: str,
+    has_plugin: bool,
 ) -> list[dict[str, Any]]:
-    rules = render_alert_rules(name, namespace, remediation, runtime, runbook_base)
+    rules = render_alert_rules(
+        name, namespace, remediation, runtime, runbook_base, has_plugin=has_plugin
+    )
     return [{"name": rule_group_name(name, namespace), "rules": rules}] if rules else []
 
 
@@ -254,6 +264,8 @@ def render_prometheus_rule(
     runtime: Runtime,
     owner_ref: dict[str, Any] | None,
     runbook_base: str = RUNBOOK_BASE,
+    *,
+    has_plugin: bool = True,
 ) -> dict[str, Any]:
     """A `monitoring.coreos.com/v1` PrometheusRule holding this server's alerts."""
     metadata: dict[str, Any] = {
@@ -271,7 +283,9 @@ def render_prometheus_rule(
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": metadata,
-        "spec": {"groups": _groups(name, namespace, remediation, runtime, runbook_base)},
+        "spec": {
+            "groups": _groups(name, namespace, remediation, runtime, runbook_base, has_plugin)
+        },
     }
 
 
@@ -281,9 +295,11 @@ def render_rules_file(
     remediation: RemediationSpec,
     runtime: Runtime,
     runbook_base: str = RUNBOOK_BASE,
+    *,
+    has_plugin: bool = True,
 ) -> str:
     """The same alerts as a plain Prometheus rules file, for clusters without the Operator."""
-    groups = _groups(name, namespace, remediation, runtime, runbook_base)
+    groups = _groups(name, namespace, remediation, runtime, runbook_base, has_plugin)
     return yaml.dump({"groups": groups}, Dumper=_RulesDumper, sort_keys=False, width=1000)
 
 

@@ -22,8 +22,9 @@ from typing import Any, Literal
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
-from pagekeeper_operator.render.meta import selector_string
+from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
+from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
 
 MEMORY_HEALTHY = "MemoryHealthy"
 NO_EVENTS_MESSAGE = "no out-of-memory events recorded"
@@ -199,6 +200,40 @@ def canary_condition(server: LLMServer, now: str) -> list[Condition]:
     return [_condition(previous, "CanaryFailed", False, reason, message, generation, now)]
 
 
+def running_image(server: LLMServer, deployment: Mapping[str, Any] | None) -> str:
+    """The engine container's image as the Deployment runs it, else spec.image ("" unknown)."""
+    template = ((deployment or {}).get("spec") or {}).get("template") or {}
+    for container in (template.get("spec") or {}).get("containers") or []:
+        if container.get("name") == CONTAINER_NAME:
+            return str(container.get("image") or "")
+    return server.spec.image or ""
+
+
+def runtime_conditions(
+    server: LLMServer, deployment: Mapping[str, Any] | None, now: str
+) -> list[Condition]:
+    """PolicyHonored and PluginLoaded under runtime vllm (`vllm_compat`); none otherwise."""
+    if server.spec.runtime != "vllm":
+        return []
+    policy = effective_memory_policy(server)
+    verdicts = [policy_verdict(policy, running_image(server, deployment)), plugin_verdict(server)]
+    conditions = []
+    for type_, status, reason, message in verdicts:
+        previous = server.status.condition(type_)
+        since = previous.last_transition_time if previous and previous.status == status else None
+        conditions.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=since or now,
+                observed_generation=server.metadata.generation,
+            )
+        )
+    return conditions
+
+
 def compute_status(
     server: LLMServer,
     deployment: Mapping[str, Any] | None,
@@ -219,7 +254,12 @@ def compute_status(
     return old.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": [*conditions, memory, *canary],
+            "conditions": [
+                *conditions,
+                memory,
+                *canary,
+                *runtime_conditions(server, deployment, now),
+            ],
             "replicas": int(dep_status.get("replicas") or 0),
             "ready_replicas": int(dep_status.get("readyReplicas") or 0),
             "updated_replicas": int(dep_status.get("updatedReplicas") or 0),
@@ -227,7 +267,11 @@ def compute_status(
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
             "policy_hash": memory_policy_hash(policy),
-            "triggers": trigger_status(server.spec.runtime, server.spec.remediation),
+            "triggers": trigger_status(
+                server.spec.runtime,
+                server.spec.remediation,
+                has_plugin=server.spec.has_vllm_plugin,
+            ),
         }
     )
 

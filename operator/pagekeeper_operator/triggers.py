@@ -22,19 +22,25 @@ REASON_DISABLED = "DisabledInSpec"
 REASON_UNFED = "SeriesNotExported"
 
 
-def is_active(runtime: Runtime, remediation: RemediationSpec, trigger: Trigger) -> bool:
-    """Whether `trigger`'s alert is rendered for a server of `runtime`."""
-    can_feed = not missing_series(runtime, trigger)
+def is_active(
+    runtime: Runtime, remediation: RemediationSpec, trigger: Trigger, *, has_plugin: bool = True
+) -> bool:
+    """Whether `trigger`'s alert is rendered for a server of `runtime` (`has_plugin`: under
+    vllm, whether VLLM_PLUGINS lets pagekeeper's plugin load)."""
+    can_feed = not missing_series(runtime, trigger, has_plugin=has_plugin)
     return remediation.triggers.by_key(trigger.key).is_on_for(can_feed)
 
 
-def trigger_status(runtime: Runtime, remediation: RemediationSpec) -> list[TriggerStatus]:
+def trigger_status(
+    runtime: Runtime, remediation: RemediationSpec, *, has_plugin: bool = True
+) -> list[TriggerStatus]:
     """One entry per trigger, in alert order: active or not, and the reason."""
     entries = []
     for trigger in TRIGGERS:
-        if missing_series(runtime, trigger):
-            reason, message = REASON_UNFED, unfed_message(runtime, trigger)
-        elif not is_active(runtime, remediation, trigger):
+        if missing_series(runtime, trigger, has_plugin=has_plugin):
+            reason = REASON_UNFED
+            message = unfed_message(runtime, trigger, has_plugin=has_plugin)
+        elif not is_active(runtime, remediation, trigger, has_plugin=has_plugin):
             reason = REASON_DISABLED
             message = f"spec.remediation.triggers.{trigger.key}.enabled is false"
         else:

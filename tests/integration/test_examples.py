@@ -110,8 +110,12 @@ def test_what_an_example_renders_to_is_accepted(
     assert "PodSecurity" not in stderr, stderr
     deployment = children[2]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    if server.spec.runtime == "vllm":
+        assert command[:3] == ["python3", "-m", "pagekeeper_vllm.launch"]
+        command = command[command.index("--") + 1 :]
     program = "pagekeeper-engine" if server.spec.runtime == "pagekeeper" else "vllm"
-    assert container["command"][:3] == [program, "serve", server.spec.model.source]
+    assert command[:3] == [program, "serve", server.spec.model.source]
     assert container["image"] == (server.spec.image or images[server.spec.runtime])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(server.spec.num_gpus)
 

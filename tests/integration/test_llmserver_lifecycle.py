@@ -6,6 +6,7 @@ from typing import Any
 
 from kubernetes import client
 
+from pagekeeper_operator.alerts import ALERT_NAMES
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.network import render_service_monitor
@@ -204,36 +205,63 @@ def test_service_monitor_and_rules_are_created_and_owned(
     )
 
 
-def test_vllm_server_gets_only_the_alerts_vllm_can_feed(
+def test_vllm_server_gets_every_alert_and_says_what_its_vllm_ignores(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    spec = {"model": {"source": "Qwen/Qwen3-0.6B"}, "runtime": "vllm", "resources": {"gpus": 1}}
+    spec = {
+        "model": {"source": "Qwen/Qwen3-0.6B"},
+        "runtime": "vllm",
+        "resources": {"gpus": 1},
+        "memoryPolicy": {"enableChunkedPrefill": False, "maxModelLen": 4096},
+    }
     apply_server(cluster, namespace, llmserver("upstream", spec))
     obj = wait_ready(cluster, namespace, "upstream", 1)
     rule = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
         "monitoring.coreos.com", "v1", namespace, "prometheusrules", "upstream-memory-alerts"
     )
     [group] = rule["spec"]["groups"]
-    assert [r["alert"] for r in group["rules"]] == [
-        "PagekeeperKVCacheSaturated",
-        "PagekeeperQueueBacklog",
-        "PagekeeperEngineStalled",
-    ]
-    assert "pagekeeper_" not in " ".join(r["expr"] for r in group["rules"])
-    triggers = {t["name"]: t for t in obj["status"]["triggers"]}
-    assert {name for name, t in triggers.items() if t["active"]} == {
-        "kvCacheSaturation",
-        "queueBacklog",
-        "engineStalled",
-    }
-    assert triggers["oomEvents"] == {
-        "name": "oomEvents",
-        "alert": "PagekeeperOOMEvents",
-        "active": False,
-        "reason": "SeriesNotExported",
-        "message": "runtime vllm does not export pagekeeper_oom_events_total",
-    }
+    assert [r["alert"] for r in group["rules"]] == list(ALERT_NAMES)
+    assert all(t["active"] for t in obj["status"]["triggers"])
+    [pod] = (
+        client.CoreV1Api(cluster.api)
+        .list_namespaced_pod(namespace, label_selector="pagekeeper.dev/llmserver=upstream")
+        .items
+    )
+    assert [c.name for c in pod.spec.init_containers] == ["pagekeeper-vllm-plugin"]
+    # The operator's default vLLM image is 0.11.0, which turns chunked prefill back on.
+    conditions = {c["type"]: c for c in obj["status"]["conditions"]}
+    assert conditions["PolicyHonored"]["status"] == "False"
+    assert conditions["PolicyHonored"]["reason"] == "IgnoredByRuntime"
+    assert conditions["PolicyHonored"]["message"].startswith(
+        "vLLM 0.11.0 ignores spec.memoryPolicy.enableChunkedPrefill: false"
+    )
+    assert conditions["PluginLoaded"]["status"] == "True"
+
+    # VLLM_PLUGINS without pagekeeper: the allocator alerts go, and the status says why.
+    spec["podTemplate"] = {"env": [{"name": "VLLM_PLUGINS", "value": "lora_filesystem_resolver"}]}
+    apply_server(cluster, namespace, llmserver("upstream", spec))
+
+    def unplugged() -> dict[str, Any] | None:
+        status = get_server(cluster, namespace, "upstream").get("status", {})
+        loaded = {c["type"]: c for c in status.get("conditions", [])}.get("PluginLoaded", {})
+        return status if loaded.get("status") == "False" else None
+
+    status = wait_for(unplugged, what="PluginLoaded False")
+    loaded = {c["type"]: c for c in status["conditions"]}["PluginLoaded"]
+    assert loaded["reason"] == "ExcludedByVLLMPlugins"
+    triggers = {t["name"]: t for t in status["triggers"]}
     assert triggers["fragmentation"]["reason"] == "SeriesNotExported"
+    assert triggers["oomEvents"]["active"] is False
+
+    def three_rules() -> list[dict[str, Any]] | None:
+        rule = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", namespace, "prometheusrules", "upstream-memory-alerts"
+        )
+        rules: list[dict[str, Any]] = rule["spec"]["groups"][0]["rules"]
+        return rules if len(rules) == 3 else None
+
+    rules = wait_for(three_rules, what="the allocator alerts removed")
+    assert "pagekeeper_" not in " ".join(r["expr"] for r in rules)
 
 
 def test_a_tensor_parallel_server_becomes_one_pod_of_four_gpus(

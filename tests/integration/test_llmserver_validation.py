@@ -13,8 +13,8 @@ from pagekeeper_operator.api.llmserver import (
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
     GPU_RULE,
+    PYTHONPATH_RULE,
     SWAP_RULE,
-    TRIGGER_RULES,
 )
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
@@ -79,14 +79,19 @@ CEL_CASES = [
         DRAIN_RULE,
     ),
     (
-        {"runtime": "vllm", "remediation": {"triggers": {"fragmentation": {"enabled": True}}}},
-        "spec.remediation.triggers.fragmentation.enabled",
-        TRIGGER_RULES[0],
-    ),
-    (
-        {"runtime": "vllm", "remediation": {"triggers": {"oomEvents": {"enabled": True}}}},
-        "spec.remediation.triggers.oomEvents.enabled",
-        TRIGGER_RULES[1],
+        {
+            "runtime": "vllm",
+            "podTemplate": {
+                "env": [
+                    {
+                        "name": "PYTHONPATH",
+                        "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}},
+                    }
+                ]
+            },
+        },
+        "spec.podTemplate.env",
+        PYTHONPATH_RULE,
     ),
     (
         {"parallelism": {"tensor": 4}, "resources": {"gpus": 2}},

@@ -190,8 +190,13 @@ def test_each_alert_reads_exactly_the_series_its_trigger_lists() -> None:
     assert set().union(*(_series_read(r["expr"]) for r in rules)) == set(ENGINE_METRICS_USED)
 
 
-def test_vllm_gets_only_the_alerts_whose_series_it_exports() -> None:
-    rules = render_alert_rules("chat", "prod", RemediationSpec(), "vllm")
+def test_vllm_gets_every_alert_through_pagekeepers_plugin() -> None:
+    pagekeeper = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
+    assert render_alert_rules("chat", "prod", RemediationSpec(), "vllm") == pagekeeper
+
+
+def test_vllm_without_the_plugin_gets_only_the_alerts_whose_series_it_exports() -> None:
+    rules = render_alert_rules("chat", "prod", RemediationSpec(), "vllm", has_plugin=False)
     assert [r["alert"] for r in rules] == [
         "PagekeeperKVCacheSaturated",
         "PagekeeperQueueBacklog",

@@ -14,6 +14,7 @@ from pagekeeper_operator.api.llmserver import (
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
     GPU_RULE,
+    PYTHONPATH_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
     LLMServer,
@@ -93,13 +94,11 @@ def _error_messages(spec: dict[str, Any]) -> str:
         (
             {
                 "runtime": "vllm",
-                "remediation": {"triggers": {"fragmentation": {"enabled": True}}},
+                "podTemplate": {
+                    "env": [{"name": "PYTHONPATH", "valueFrom": {"configMapKeyRef": {}}}]
+                },
             },
-            TRIGGER_RULES[0]["message"],
-        ),
-        (
-            {"runtime": "vllm", "remediation": {"triggers": {"oomEvents": {"enabled": True}}}},
-            TRIGGER_RULES[1]["message"],
+            PYTHONPATH_RULE["message"],
         ),
     ],
 )
@@ -161,11 +160,15 @@ def test_rules_allow_what_they_should() -> None:
         {"shutdownGracePeriodSeconds": 60, "remediation": {"drainTimeoutSeconds": 60}}
     )
     assert grace.spec.remediation.drain_timeout_seconds == 60
-    # Switching off what vLLM cannot feed is allowed; leaving it unset is the usual way.
-    off = {"fragmentation": {"enabled": False}, "oomEvents": {"enabled": False}}
-    make_server({"runtime": "vllm", "remediation": {"triggers": off}})
+    # pagekeeper's vLLM plugin feeds every trigger under either runtime.
     on = {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}}
     make_server({"remediation": {"triggers": on}})
+    make_server({"runtime": "vllm", "remediation": {"triggers": on}})
+    # A literal PYTHONPATH under vllm is kept behind the plugin's.
+    make_server(
+        {"runtime": "vllm", "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/x"}]}}
+    )
+    assert TRIGGER_RULES == ()
     # The GPU count follows the tensor-parallel size, given or derived; 0 is the CPU.
     assert make_server({"parallelism": {"tensor": 4}}).spec.num_gpus == 4
     tp = make_server({"parallelism": {"tensor": 4}, "resources": {"gpus": 4}})
@@ -180,7 +183,6 @@ def test_a_stored_object_is_read_even_if_a_newer_rule_refuses_it() -> None:
         "shutdownGracePeriodSeconds": 30,
         "remediation": {
             "drainTimeoutSeconds": 120,
-            "triggers": {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}},
         },
     }
     assert DRAIN_RULE["message"] in _error_messages(spec)

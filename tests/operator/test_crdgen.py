@@ -16,6 +16,7 @@ from pagekeeper_operator.api.llmserver import (
     CANARY_RULE,
     DRAIN_RULE,
     GPU_RULE,
+    PYTHONPATH_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
 )
@@ -190,6 +191,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         DRAIN_RULE,
         GPU_RULE,
         CANARY_RULE,
+        PYTHONPATH_RULE,
         *TRIGGER_RULES,
     ]
     assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
@@ -201,7 +203,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 11 + len(TRIGGER_RULES)
+    assert len(rules) == 12 + len(TRIGGER_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

@@ -58,6 +58,7 @@ def snapshot(
     memory: Memory | None = None,
     extra_pods: list[PodState] | None = None,
     runtime: Runtime = "pagekeeper",
+    has_plugin: bool = True,
     **spec: Any,
 ) -> Snapshot:
     pods = pods if pods is not None else [pod("chat-a"), pod("chat-b"), pod("chat-c")]
@@ -68,6 +69,7 @@ def snapshot(
         len(pods) if num_desired is None else num_desired,
         tuple(pods),
         runtime,
+        has_plugin,
     )
     everything = pods + (extra_pods or [])
     return Snapshot(
@@ -243,12 +245,16 @@ def test_remediation_or_trigger_disabled() -> None:
 
 
 def test_an_alert_the_runtime_cannot_feed_is_not_acted_on() -> None:
-    # Under vllm no fragmentation alert is rendered; a stray one (an old rule) is skipped.
+    # Under vllm with VLLM_PLUGINS leaving pagekeeper's plugin out no fragmentation alert is
+    # rendered; a stray one (an old rule) is skipped.
     stray = alert(name="PagekeeperFragmentationHigh")
-    assert verdicts(decide([stray], snapshot(runtime="vllm"), NOW)) == [
+    unplugged = snapshot(runtime="vllm", has_plugin=False)
+    assert verdicts(decide([stray], unplugged, NOW)) == [
         ("chat-a", Verdict.SKIP, SkipReason.TRIGGER_DISABLED)
     ]
-    assert verdicts(decide([alert()], snapshot(runtime="vllm"), NOW)) == [
+    assert verdicts(decide([alert()], unplugged, NOW)) == [("chat-a", Verdict.EVICT, None)]
+    # With the plugin (the default) the same alert evicts that pod, as under the paged engine.
+    assert verdicts(decide([stray], snapshot(runtime="vllm"), NOW)) == [
         ("chat-a", Verdict.EVICT, None)
     ]
     assert verdicts(decide([stray], snapshot(), NOW)) == [("chat-a", Verdict.EVICT, None)]

@@ -51,8 +51,12 @@ SPECS: list[dict[str, Any]] = [
 
 
 def _command(spec: dict[str, Any]) -> list[str]:
+    """The engine's command line: `pagekeeper-engine serve ...`, or under vllm the `vllm serve
+    ...` the launcher runs (what follows its `--`)."""
     deployment = render_deployment(make_server(spec), DEFAULT_IMAGES)
     command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    if command[:3] == ["python3", "-m", "pagekeeper_vllm.launch"]:
+        command = command[command.index("--") + 1 :]
     return command
 
 

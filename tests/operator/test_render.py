@@ -206,6 +206,12 @@ def test_vllm_runtime_gets_vllm_command_without_pagekeeper_only_flags() -> None:
     container = _container(render_deployment(server, DEFAULT_IMAGES))
     assert container["image"] == "registry.test/vllm:1"
     assert container["command"] == [
+        "python3",
+        "-m",
+        "pagekeeper_vllm.launch",
+        "--metrics-port",
+        "8001",
+        "--",
         "vllm",
         "serve",
         "/models/qwen3-0.6b",
@@ -231,6 +237,52 @@ def test_vllm_runtime_gets_vllm_command_without_pagekeeper_only_flags() -> None:
         "--no-enable-prefix-caching",
     ]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_vllm_pod_carries_the_plugin_from_the_engine_image() -> None:
+    """An init container copies the bundle; the stock vLLM image runs it read-only."""
+    server = make_server(
+        {"runtime": "vllm", "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/extra"}]}}
+    )
+    pod = render_deployment(server, DEFAULT_IMAGES)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["initContainers"] == [
+        {
+            "name": "pagekeeper-vllm-plugin",
+            "image": "registry.test/pagekeeper-engine:1",
+            "command": ["python3", "-m", "pagekeeper_vllm.bundle", "/opt/pagekeeper"],
+            "volumeMounts": [{"name": "pagekeeper-vllm", "mountPath": "/opt/pagekeeper"}],
+            "resources": {
+                "requests": {"cpu": "50m", "memory": "64Mi"},
+                "limits": {"cpu": "500m", "memory": "256Mi"},
+            },
+            "securityContext": container["securityContext"],
+        }
+    ]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "pagekeeper-vllm", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    assert {
+        "name": "pagekeeper-vllm",
+        "mountPath": "/opt/pagekeeper",
+        "readOnly": True,
+    } in container["volumeMounts"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PYTHONPATH"] == {"name": "PYTHONPATH", "value": "/opt/pagekeeper:/extra"}
+    assert [e["name"] for e in container["env"]].count("PYTHONPATH") == 1
+    assert container["ports"][1] == {"name": "pk-metrics", "containerPort": 8001, "protocol": "TCP"}
+    service_ports = render_service(server)["spec"]["ports"]
+    assert [p["name"] for p in service_ports] == ["http", "pk-metrics"]
+    endpoints = render_service_monitor(server)["spec"]["endpoints"]
+    assert [e["port"] for e in endpoints] == ["http", "pk-metrics"]
+    assert endpoints[0]["relabelings"] == endpoints[1]["relabelings"]
+    # The paged engine gets none of it.
+    plain = render_deployment(make_server({}), DEFAULT_IMAGES)["spec"]["template"]["spec"]
+    assert "initContainers" not in plain
+    assert [p["name"] for p in plain["containers"][0]["ports"]] == ["http"]
+    assert "PYTHONPATH" not in {e["name"] for e in plain["containers"][0]["env"]}
+    assert [e["port"] for e in render_service_monitor(make_server({}))["spec"]["endpoints"]] == [
+        "http"
+    ]
 
 
 def test_cpu_only_server_has_no_gpu_limit_toleration_or_selector() -> None:

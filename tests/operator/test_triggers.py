@@ -28,8 +28,17 @@ def test_pagekeeper_runtime_feeds_every_trigger() -> None:
     ]
 
 
-def test_vllm_runtime_lacks_the_pagekeeper_series() -> None:
-    status = {entry["name"]: entry for entry in _status("vllm")}
+def test_vllm_with_the_plugin_feeds_every_trigger() -> None:
+    assert all(not missing_series("vllm", t) for t in TRIGGERS)
+    assert _status("vllm") == _status("pagekeeper")
+
+
+def test_vllm_plugins_without_pagekeeper_leaves_the_allocator_triggers_unfed() -> None:
+    remediation = RemediationSpec()
+    status = {
+        entry.name: entry.to_api()
+        for entry in trigger_status("vllm", remediation, has_plugin=False)
+    }
     assert {name for name, entry in status.items() if entry["active"]} == {
         "kvCacheSaturation",
         "queueBacklog",
@@ -41,11 +50,16 @@ def test_vllm_runtime_lacks_the_pagekeeper_series() -> None:
         "active": False,
         "reason": "SeriesNotExported",
         "message": "runtime vllm does not export pagekeeper_allocator_reserved_bytes, "
-        "pagekeeper_allocator_allocated_bytes",
+        "pagekeeper_allocator_allocated_bytes: VLLM_PLUGINS leaves out pagekeeper's plugin "
+        "(pagekeeper)",
     }
     assert status["oomEvents"]["message"] == (
-        "runtime vllm does not export pagekeeper_oom_events_total"
+        "runtime vllm does not export pagekeeper_oom_events_total: VLLM_PLUGINS leaves out "
+        "pagekeeper's plugin (pagekeeper)"
     )
+    # The runtime decides first: off in spec and unfed reads as unfed.
+    off = RemediationSpec.model_validate({"triggers": {"fragmentation": {"enabled": False}}})
+    assert trigger_status("vllm", off, has_plugin=False)[0].reason == "SeriesNotExported"
 
 
 def test_a_trigger_switched_off_says_so() -> None:
@@ -56,12 +70,10 @@ def test_a_trigger_switched_off_says_so() -> None:
         "DisabledInSpec",
         "spec.remediation.triggers.queueBacklog.enabled is false",
     )
-    # The runtime decides first: off in spec and unfed reads as unfed.
-    frag = _status("vllm", {"triggers": {"fragmentation": {"enabled": False}}})[0]
-    assert frag["reason"] == "SeriesNotExported"
 
 
 def test_enabled_true_cannot_feed_an_alert_the_runtime_lacks() -> None:
-    # A stored object may say so (the CRD refuses it on write): the alert still is not rendered.
-    status = _status("vllm", {"triggers": {"oomEvents": {"enabled": True}}})
-    assert status[-1]["active"] is False and status[-1]["reason"] == "SeriesNotExported"
+    # VLLM_PLUGINS may leave the plugin out of a server whose spec asks for the OOM alert.
+    remediation = RemediationSpec.model_validate({"triggers": {"oomEvents": {"enabled": True}}})
+    status = trigger_status("vllm", remediation, has_plugin=False)
+    assert status[-1].active is False and status[-1].reason == "SeriesNotExported"

@@ -122,7 +122,13 @@ def rules_file(cluster: Cluster, namespace: str, name: str, path: Path) -> Path:
     """The server's alerts as a plain rules file, rendered from its spec as stored."""
     server = LLMServer.from_body(get_server(cluster, namespace, name))
     path.write_text(
-        render_rules_file(name, namespace, server.spec.remediation, server.spec.runtime)
+        render_rules_file(
+            name,
+            namespace,
+            server.spec.remediation,
+            server.spec.runtime,
+            has_plugin=server.spec.has_vllm_plugin,
+        )
     )
     return path
 

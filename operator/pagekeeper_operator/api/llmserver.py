@@ -18,9 +18,11 @@ from pagekeeper_operator.api.rollout import RolloutSpec
 from pagekeeper_operator.api.runtime import (
     RUNTIMES,
     TRIGGERS,
+    VLLM_PLUGINS_ENV,
     Runtime,
     missing_series,
     unfed_message,
+    vllm_loads_plugin,
 )
 from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
@@ -95,6 +97,13 @@ GPU_RULE = cel(
     "spec.resources.gpus must equal spec.parallelism.tensor (one GPU per tensor-parallel rank), "
     "or be 0 (the CPU) with tensor 1; leave it unset to derive it from spec.parallelism.tensor",
     ".resources.gpus",
+)
+PYTHONPATH_RULE = cel(
+    "self.runtime != 'vllm' || !has(self.podTemplate) || !has(self.podTemplate.env)"
+    " || self.podTemplate.env.all(e, e.name != 'PYTHONPATH' || !has(e.valueFrom))",
+    "spec.podTemplate.env must give PYTHONPATH as a value, not valueFrom, when spec.runtime is "
+    "vllm (the operator puts pagekeeper's vLLM plugin in front of it)",
+    ".podTemplate.env",
 )
 CANARY_RULE = cel(
     "!self.rollout.canary.enabled || self.rollout.canary.replicas < self.replicas",
@@ -223,6 +232,7 @@ class LLMServerSpec(ApiModel):
             DRAIN_RULE,
             GPU_RULE,
             CANARY_RULE,
+            PYTHONPATH_RULE,
             *TRIGGER_RULES,
         )
     )
@@ -286,6 +296,24 @@ class LLMServerSpec(ApiModel):
         gpus = self.resources.gpus
         return self.parallelism.tensor if gpus is None else gpus
 
+    @property
+    def vllm_plugins(self) -> tuple[bool, str | None]:
+        """(is set, value) of the VLLM_PLUGINS the user gives the container. The value is None
+        when it comes from a Secret or ConfigMap, "" when set with no value."""
+        setting = next((e for e in self.pod_template.env if e.name == VLLM_PLUGINS_ENV), None)
+        if setting is None:
+            return False, None
+        return True, (None if setting.value_from is not None else setting.value or "")
+
+    @property
+    def has_vllm_plugin(self) -> bool:
+        """Under runtime vllm, whether pagekeeper's plugin loads in vLLM's processes (assumed
+        where VLLM_PLUGINS comes from a Secret or ConfigMap); always True for the paged engine."""
+        is_set, value = self.vllm_plugins
+        if self.runtime != "vllm" or not is_set or value is None:
+            return True
+        return vllm_loads_plugin(value)
+
     @model_validator(mode="after")
     def _check_cross_fields(self, info: ValidationInfo) -> LLMServerSpec:
         policy, remediation = self.memory_policy, self.remediation
@@ -306,6 +334,10 @@ class LLMServerSpec(ApiModel):
         canary = self.rollout.canary
         if canary.enabled and canary.replicas >= self.replicas:
             raise ValueError(CANARY_RULE["message"])
+        if self.runtime == "vllm" and any(
+            e.name == "PYTHONPATH" and e.value_from is not None for e in self.pod_template.env
+        ):
+            raise ValueError(PYTHONPATH_RULE["message"])
         gpus, tensor = self.resources.gpus, self.parallelism.tensor
         if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
             raise ValueError(GPU_RULE["message"])

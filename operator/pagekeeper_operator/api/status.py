@@ -11,13 +11,23 @@ from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.api.types import ApiModel
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "MemoryHealthy", "CanaryFailed"]
+ConditionType = Literal[
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "MemoryHealthy",
+    "CanaryFailed",
+    "PolicyHonored",
+    "PluginLoaded",
+]
 CONDITION_TYPES: tuple[ConditionType, ...] = (
     "Ready",
     "Progressing",
     "Degraded",
     "MemoryHealthy",
     "CanaryFailed",
+    "PolicyHonored",
+    "PluginLoaded",
 )
 MAX_HISTORY = 100
 
@@ -27,7 +37,10 @@ class Condition(ApiModel):
 
     type: str = Field(
         max_length=64,
-        description="Ready, Progressing, Degraded, MemoryHealthy or CanaryFailed.",
+        description=(
+            "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored or "
+            "PluginLoaded."
+        ),
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(
@@ -71,8 +84,10 @@ class LLMServerStatus(ApiModel):
         max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description=(
-            "Ready, Progressing, Degraded, MemoryHealthy, and CanaryFailed while "
-            "spec.rollout.canary is enabled."
+            "Ready, Progressing, Degraded, MemoryHealthy; CanaryFailed while "
+            "spec.rollout.canary is enabled; under runtime vllm PolicyHonored (whether the "
+            "image's vLLM version honours every memoryPolicy field) and PluginLoaded (whether "
+            "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series)."
         ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")

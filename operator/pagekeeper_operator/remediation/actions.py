@@ -65,6 +65,7 @@ def server_info(body: dict[str, Any], pods: Sequence[PodState]) -> ServerInfo:
         num_desired=server.spec.replicas,
         pods=tuple(p for p in pods if p.server == server.metadata.name),
         runtime=server.spec.runtime,
+        has_plugin=server.spec.has_vllm_plugin,
     )
     return ServerInfo(state=state, history=tuple(server.status.remediation_history))
 

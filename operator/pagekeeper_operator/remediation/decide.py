@@ -75,6 +75,7 @@ class ServerState:
     num_desired: int
     pods: tuple[PodState, ...]
     runtime: Runtime
+    has_plugin: bool = True  # under vllm: pagekeeper's plugin loads (LLMServerSpec.has_vllm_plugin)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def trigger_enabled(server: ServerState, alert: str) -> bool | None:
     trigger = TRIGGER_BY_ALERT.get(alert)
     if trigger is None:
         return None
-    return is_active(server.runtime, server.remediation, trigger)
+    return is_active(server.runtime, server.remediation, trigger, has_plugin=server.has_plugin)
 
 
 def num_unavailable(server: ServerState, evicting: frozenset[str]) -> int:

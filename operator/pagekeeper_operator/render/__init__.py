@@ -54,6 +54,7 @@ def render_all(
                 server.spec.remediation,
                 server.spec.runtime,
                 owner_reference(server),
+                has_plugin=server.spec.has_vllm_plugin,
             )
         )
     pool = server.spec.gateway.inference_pool

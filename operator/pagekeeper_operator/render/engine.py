@@ -13,6 +13,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.effective import allocator_conf
 from pagekeeper_operator.render.meta import HTTP_PORT
+from pagekeeper_operator.render.vllm import PYTHONPATH, python_path
 
 ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 CACHE_DIR = "/cache"
@@ -111,4 +112,6 @@ def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:
         ours[name] = {"name": name, "value": value}
     for extra in server.spec.pod_template.env:
         ours[extra.name] = extra.to_api()
+    if server.spec.runtime == "vllm":
+        ours[PYTHONPATH] = python_path(server)
     return list(ours.values())

@@ -69,3 +69,8 @@ def object_meta(server: LLMServer, name: str | None = None) -> dict[str, Any]:
 def selector_string(server: LLMServer) -> str:
     """The pod selector as `kubectl get -l` takes it (status.selector, the scale subresource)."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(server).items()))
+
+
+# Under runtime vllm: pagekeeper's launcher serves the allocator series of vLLM's GPU processes.
+METRICS_PORT_NAME = "pk-metrics"
+METRICS_PORT = 8001

@@ -19,10 +19,26 @@ from pagekeeper_operator.render.meta import (
     object_meta,
     selector_labels,
 )
+from pagekeeper_operator.render.vllm import (
+    bundle_mount,
+    bundle_volume,
+    init_container,
+    launcher_command,
+    metrics_port,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 RUN_AS_USER = 1000
+SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_USER,
+    "runAsGroup": RUN_AS_USER,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # Loading a large checkpoint can take many minutes: the startup probe allows 30 of them.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180
@@ -79,39 +95,38 @@ def _resources(server: LLMServer) -> dict[str, Any]:
 def _container(server: LLMServer, image: str) -> dict[str, Any]:
     spec = server.spec
     policy = effective_memory_policy(server)
+    is_vllm = spec.runtime == "vllm"
     mounts = [
         {"name": "tmp", "mountPath": TMP_DIR},
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        *([bundle_mount()] if is_vllm else []),
         *(mount.to_api() for mount in spec.pod_template.volume_mounts),
     ]
+    command = engine_command(server, policy)
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if is_vllm:
+        command = launcher_command(command)
+        ports.append(metrics_port())
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
-        "command": engine_command(server, policy),
+        "command": command,
         "env": engine_env(server, policy),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": _resources(server),
         "volumeMounts": mounts,
         **_probes(spec.runtime),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(SECURITY_CONTEXT),
     }
     if spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
     return container
 
 
-def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
+def _pod_spec(server: LLMServer, image: str, engine_image: str) -> dict[str, Any]:
     spec = server.spec
     overrides = spec.pod_template
     node_selector = dict(overrides.node_selector)
@@ -130,6 +145,7 @@ def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
                 "name": "dshm",
                 "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(server)},
             },
+            *([bundle_volume()] if spec.runtime == "vllm" else []),
             *overrides.volumes,
         ],
         "terminationGracePeriodSeconds": (
@@ -147,6 +163,8 @@ def _pod_spec(server: LLMServer, image: str) -> dict[str, Any]:
         "enableServiceLinks": False,
         "tolerations": tolerations,
     }
+    if spec.runtime == "vllm":
+        pod["initContainers"] = [init_container(engine_image, dict(SECURITY_CONTEXT))]
     if node_selector:
         pod["nodeSelector"] = node_selector
     if overrides.affinity is not None:
@@ -195,7 +213,7 @@ def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> d
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": pod_annotations},
-                "spec": _pod_spec(server, image),
+                "spec": _pod_spec(server, image, default_images["pagekeeper"]),
             },
         },
     }

@@ -1,0 +1,120 @@
+"""What a vLLM pod honours of its LLMServer (pure): the policy fields its vLLM version ignores,
+and whether pagekeeper's plugin loads. Both become conditions under runtime vllm.
+
+- PolicyHonored: False (IgnoredByRuntime) when the image's vLLM version is known to ignore a
+  field the spec sets; Unknown (RuntimeVersionUnknown) when such a field is set and the image
+  tag names no version; True otherwise.
+- PluginLoaded: False (ExcludedByVLLMPlugins) when the container's VLLM_PLUGINS leaves out
+  pagekeeper's plugin, so the allocator and OOM series (and their alerts) are missing; Unknown
+  when VLLM_PLUGINS comes from a Secret or ConfigMap; True otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGINS_ENV
+
+Version = tuple[int, int, int]
+Status = Literal["True", "False", "Unknown"]
+Verdict = tuple[str, Status, str, str]  # (type, status, reason, message)
+
+POLICY_HONORED = "PolicyHonored"
+PLUGIN_LOADED = "PluginLoaded"
+_TAG_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?$")
+
+
+@dataclass(frozen=True)
+class IgnoredField:
+    """A policy setting that vLLM before `honored_from` accepts on its command line and drops."""
+
+    field: str
+    is_set: Callable[[MemoryPolicy], bool]
+    honored_from: Version
+    why: str
+
+
+IGNORED_FIELDS: tuple[IgnoredField, ...] = (
+    IgnoredField(
+        "spec.memoryPolicy.enableChunkedPrefill: false",
+        lambda policy: not policy.enable_chunked_prefill,
+        (0, 11, 1),
+        "its V1 engine turns chunked prefill back on for generative models",
+    ),
+)
+
+
+def image_version(image: str) -> Version | None:
+    """The version an image's tag names (`vllm/vllm-openai:v0.11.0` -> (0, 11, 0)); None for a
+    digest, `latest` or any other tag."""
+    if "@" in image:
+        return None
+    name, _, tag = image.rpartition(":")
+    if not name or "/" in tag:
+        return None
+    match = _TAG_VERSION.match(tag)
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def _text(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+def policy_verdict(policy: MemoryPolicy, image: str) -> Verdict:
+    """PolicyHonored for a vLLM pod of `image` running `policy`."""
+    version = image_version(image)
+    ignored, unknown = [], []
+    for entry in IGNORED_FIELDS:
+        if not entry.is_set(policy):
+            continue
+        if version is None:
+            unknown.append(entry)
+        elif version < entry.honored_from:
+            ignored.append(
+                f"vLLM {_text(version)} ignores {entry.field} ({entry.why}); vLLM "
+                f"{_text(entry.honored_from)} and later honour it"
+            )
+    if ignored:
+        return POLICY_HONORED, "False", "IgnoredByRuntime", "; ".join(ignored)
+    if unknown:
+        fields = ", ".join(e.field for e in unknown)
+        return (
+            POLICY_HONORED,
+            "Unknown",
+            "RuntimeVersionUnknown",
+            f"the tag of {image} names no vLLM version, and versions before "
+            f"{_text(min(e.honored_from for e in unknown))} ignore {fields}",
+        )
+    return POLICY_HONORED, "True", "AllFieldsHonored", f"{image} honours every memoryPolicy field"
+
+
+def plugin_verdict(server: LLMServer) -> Verdict:
+    """PluginLoaded, from the VLLM_PLUGINS of spec.podTemplate.env."""
+    is_set, value = server.spec.vllm_plugins
+    if not is_set:
+        return PLUGIN_LOADED, "True", "Loaded", "vLLM loads every installed plugin"
+    if value is None:
+        return (
+            PLUGIN_LOADED,
+            "Unknown",
+            "VLLMPluginsFromSource",
+            f"{VLLM_PLUGINS_ENV} comes from a Secret or ConfigMap: include "
+            f"{VLLM_PLUGIN_NAME!r} in it to keep the allocator series and their alerts",
+        )
+    if server.spec.has_vllm_plugin:
+        return PLUGIN_LOADED, "True", "Loaded", f"{VLLM_PLUGINS_ENV}={value} includes it"
+    return (
+        PLUGIN_LOADED,
+        "False",
+        "ExcludedByVLLMPlugins",
+        f"{VLLM_PLUGINS_ENV}={value!r} leaves out {VLLM_PLUGIN_NAME!r}: vLLM's processes export "
+        "no allocator or OOM series, so the fragmentation and oomEvents alerts are not rendered; "
+        f"add {VLLM_PLUGIN_NAME} to the comma-separated list",
+    )
