@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-tools:
+tools: venv
 	bash hack/provision.sh all
 
 lint: venv

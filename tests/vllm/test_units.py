@@ -12,8 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagekeeper_engine.frontend.metric_names import OOM_KINDS
 from pagekeeper_engine.memory.allocator import AllocatorStats
+from pagekeeper_engine.memory.oom import termination_message
+from pagekeeper_operator.adaptive import classify_termination
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
+from pagekeeper_operator.canary import canary_pod
 from pagekeeper_operator.vllm_compat import image_version, policy_verdict
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line
@@ -182,3 +185,21 @@ def test_chunked_prefill_off_is_ignored_before_0_11_1() -> None:
         "RuntimeVersionUnknown",
     )
     assert policy_verdict(MemoryPolicy(), "vllm/vllm-openai:v0.11.0")[1] == "True"
+
+
+def test_the_launchers_message_is_an_oom_to_the_step_down_and_the_canary() -> None:
+    """The launcher's termination message, as the operator reads it from a vLLM pod."""
+    detail = classify_line(OOM)
+    assert detail is not None
+    message = termination_message("gpu", "runtime", detail)
+    classification = classify_termination("Error", message)
+    assert classification is not None and classification.can_step_down
+    assert classification.detail == detail and "402.27 MiB reserved" in detail
+    terminated = {"reason": "Error", "exitCode": 1, "message": message, "finishedAt": "t1"}
+    pod = {
+        "metadata": {"name": "vllm-0"},
+        "status": {
+            "containerStatuses": [{"name": "engine", "lastState": {"terminated": terminated}}]
+        },
+    }
+    assert canary_pod(pod).oom_terminations == 1
