@@ -38,6 +38,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_exported_series_agree_with_memory_stats_after_fragmenting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(plugin, "_state", plugin._ProcessState())  # as in a new process
     monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(plugin.REPORT_SECONDS_ENV, "0.2")
     plugin.register()

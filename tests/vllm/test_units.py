@@ -18,10 +18,11 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
 from pagekeeper_operator.canary import canary_pod
 from pagekeeper_operator.vllm_compat import image_version, policy_verdict
+from pagekeeper_vllm import plugin
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line
 from pagekeeper_vllm.plugin import PLUGIN_NAME
-from pagekeeper_vllm.reports import ProcessReport, read_reports, write_report
+from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, read_reports, write_report
 from pagekeeper_vllm.series import EXPORTED_SERIES, OOMTally, render_metrics
 from tests.vllm.fake_vllm import NO_CACHE, OOM
 
@@ -203,3 +204,22 @@ def test_the_launchers_message_is_an_oom_to_the_step_down_and_the_canary() -> No
         },
     }
     assert canary_pod(pod).oom_terminations == 1
+
+
+def test_the_plugin_never_raises_into_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(plugin, "_state", plugin._ProcessState())  # as in a new process
+    # Off without the launcher's directory; registered once per process with it.
+    monkeypatch.delenv(METRICS_DIR_ENV, raising=False)
+    plugin.register()
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    plugin.register()
+    plugin.register()
+    assert plugin._state.registered_pid == os.getpid()
+    # A failure where CUDA initializes is logged, never raised: it would fail vLLM's own init.
+    monkeypatch.setenv(plugin.REPORT_SECONDS_ENV, "soon")
+    with caplog.at_level("ERROR", logger="pagekeeper_vllm"):
+        plugin._on_cuda_init(tmp_path)
+    assert "the allocator exporter could not start; vLLM goes on" in caplog.text
+    assert list(tmp_path.iterdir()) == []
