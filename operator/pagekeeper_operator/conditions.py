@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.api.status import Condition, LLMServerStatus
+from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
@@ -128,13 +128,15 @@ def _judge(
 def _condition(
     previous: Condition | None,
     type_: str,
-    is_true: bool,
+    is_true: bool | ConditionStatus,
     reason: str,
     message: str,
     generation: int,
     now: str,
 ) -> Condition:
-    status: Literal["True", "False"] = "True" if is_true else "False"
+    status: ConditionStatus = (
+        is_true if isinstance(is_true, str) else "True" if is_true else "False"
+    )
     # lastTransitionTime moves only when status flips, as the conditions convention requires.
     since = previous.last_transition_time if previous and previous.status == status else None
     return Condition(
@@ -217,21 +219,11 @@ def runtime_conditions(
         return []
     policy = effective_memory_policy(server)
     verdicts = [policy_verdict(policy, running_image(server, deployment)), plugin_verdict(server)]
-    conditions = []
-    for type_, status, reason, message in verdicts:
-        previous = server.status.condition(type_)
-        since = previous.last_transition_time if previous and previous.status == status else None
-        conditions.append(
-            Condition(
-                type=type_,
-                status=status,
-                reason=reason,
-                message=message,
-                last_transition_time=since or now,
-                observed_generation=server.metadata.generation,
-            )
-        )
-    return conditions
+    generation = server.metadata.generation
+    return [
+        _condition(server.status.condition(t), t, status, reason, message, generation, now)
+        for t, status, reason, message in verdicts
+    ]
 
 
 def compute_status(

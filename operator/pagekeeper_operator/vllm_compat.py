@@ -14,15 +14,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGINS_ENV
+from pagekeeper_operator.api.status import ConditionStatus
 
 Version = tuple[int, int, int]
-Status = Literal["True", "False", "Unknown"]
-Verdict = tuple[str, Status, str, str]  # (type, status, reason, message)
+Verdict = tuple[str, ConditionStatus, str, str]  # (type, status, reason, message)
 
 POLICY_HONORED = "PolicyHonored"
 PLUGIN_LOADED = "PluginLoaded"

@@ -29,6 +29,7 @@ CONDITION_TYPES: tuple[ConditionType, ...] = (
     "PolicyHonored",
     "PluginLoaded",
 )
+ConditionStatus = Literal["True", "False", "Unknown"]
 MAX_HISTORY = 100
 
 
@@ -42,7 +43,7 @@ class Condition(ApiModel):
             "PluginLoaded."
         ),
     )
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(
         default="", max_length=128, description="CamelCase reason for the last transition."
     )
