@@ -196,6 +196,12 @@ class CausalLM(nn.Module):
             is_fp8 = k_cache.dtype == torch.float8_e4m3fn
             attn.kv_scales = attn.checkpoint_kv_scales if is_fp8 else UNSCALED
 
+    def unbind_kv_cache(self) -> None:
+        """Drop every layer's views of the bound pool, so that freeing the pool frees it."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+
     @property
     def checkpoint_kv_scales(self) -> list[KVScales]:
         """Each layer's KV scales as the checkpoint gave them (1.0 where it gave none)."""

@@ -230,6 +230,9 @@ class ModelRunner:
         return self._scratch.nbytes
 
     def release_scratch_cache(self) -> None:
+        # The layers' views keep the scratch's storage alive: without unbinding them the real
+        # pool is allocated while the scratch is still held, beyond the budget.
+        self.model.unbind_kv_cache()
         self._scratch = None
 
     def capture_graphs(self) -> int:

@@ -4,6 +4,8 @@ Each run must produce the greedy tokens of an unconstrained run."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -141,3 +143,16 @@ def test_runner_turns_torch_oom_into_device_oom(checkpoint: Path) -> None:
         "CUDA out of memory. Tried to allocate 1.00 GiB",
     )
     assert err.value.__context__ is None  # the torch error and its frames are gone
+
+
+def test_the_profiles_scratch_cache_is_freed_when_released(checkpoint: Path) -> None:
+    """The layers' views must not keep the scratch alive: the real pool is allocated next."""
+    runner = make_runner(checkpoint)
+    runner.bind_scratch_cache(8)
+    assert runner._scratch is not None
+    scratch = weakref.ref(runner._scratch)
+    runner.release_scratch_cache()
+    gc.collect()
+    assert scratch() is None
+    # The real pool is bound again for serving.
+    runner.model.bind_kv_cache([(layer[0], layer[1]) for layer in runner.kv_pool])
