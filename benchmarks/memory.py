@@ -138,14 +138,36 @@ def draw_request(rng: random.Random, kind: str) -> tuple[list[int], int]:
     return rng.choices(range(1000, 120000), k=n), out
 
 
+# `--sampling mixed`: what clients of one server send in practice. Greedy rows beside random
+# ones send a step through the sampler's mixed path, top-k / top-p through its cut, a seed
+# through its own generator, min_tokens through the stop mask.
+MIXED_SAMPLING: tuple[dict[str, Any], ...] = (
+    {"temperature": 0.0},
+    {"temperature": 0.7},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.8, "top_k": 50, "top_p": 0.95},
+    {"temperature": 0.7, "seed": 7},
+    {"temperature": 0.0, "min_tokens": 8},
+)
+
+
+def draw_sampling(rng: random.Random, mode: str) -> dict[str, Any]:
+    return {"temperature": 0.7} if mode == "uniform" else dict(rng.choice(MIXED_SAMPLING))
+
+
 async def one_request(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, tally: Tally
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    tally: Tally,
+    sampling: dict[str, Any],
 ) -> None:
     body = {
         "model": "bench",
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.7,
+        **sampling,
         "ignore_eos": True,
         "stream": True,
     }
@@ -240,7 +262,8 @@ async def drive(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 else:
                     kind = rng.choice(["short", "short", "long", f"group{rng.randint(0, 7)}"])
                 prompt, max_tokens = draw_request(rng, kind)
-                await one_request(session, url, prompt, max_tokens, tally)
+                sampling = draw_sampling(rng, args.sampling)
+                await one_request(session, url, prompt, max_tokens, tally, sampling)
 
         async def sampler() -> None:
             started = time.monotonic()
@@ -368,6 +391,12 @@ def main() -> None:
     parser.add_argument("--swap-space", type=float, default=8.0)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument(
+        "--sampling",
+        choices=["uniform", "mixed"],
+        default="uniform",
+        help="uniform: temperature 0.7 for all; mixed: MIXED_SAMPLING's parameter sets",
+    )
     parser.add_argument("--sample-every", type=float, default=2.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="memory-benchmark.json")

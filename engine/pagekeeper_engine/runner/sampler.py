@@ -29,28 +29,82 @@ class SamplerOutput:
     logprobs: list[float]
 
 
+# Logits the top-k / top-p cut sorts at once (whole rows, at least one): its scratch and the
+# sort's own temporaries (about 75 MiB for 16 rows of a 152k vocabulary) scale with this, never
+# with the batch, and stay below the smallest fragmentation buffer of the start-up budget.
+CUT_CHUNK_ELEMENTS = 1 << 20
+
+
+def cut_chunk_rows(max_rows: int, vocab_size: int) -> int:
+    return max(1, min(max_rows, CUT_CHUNK_ELEMENTS // max(vocab_size, 1)))
+
+
+class CutScratch:
+    """The top-k / top-p cut's working rows: sorted values and ids, probabilities, mass."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.num_rows = num_rows
+        self.values = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+        self.ids = torch.empty(num_rows, vocab_size, dtype=torch.int64, device=device)
+        self.probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+        self.mass = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+        self.mask = torch.empty(num_rows, vocab_size, dtype=torch.bool, device=device)
+        self.ranks = torch.arange(vocab_size, device=device)
+        self.row = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        planes = (self.values, self.ids, self.probs, self.mass, self.mask, self.ranks, self.row)
+        return sum(t.nbytes for t in planes)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # (N, V) fp32
     top_k: torch.Tensor,  # (N,) int64; 0 or >= V means no cut
     top_p: torch.Tensor,  # (N,) fp32 in (0, 1]
     *,
     scale: float = 1.0,  # 1 / temperature: top-p measures the mass of softmax(logits * scale)
+    out: torch.Tensor | None = None,  # (N, V) fp32, may be `logits` itself; default: a new one
+    scratch: CutScratch | None = None,
 ) -> torch.Tensor:
     """Logits with everything outside each row's top-k, then top-p nucleus, set to -inf.
 
     Top-p keeps the smallest prefix of tokens (by descending probability, renormalised after the
     top-k cut) whose mass reaches top_p: a token stays when the mass strictly before it is below
-    top_p, so the most likely token always stays.
+    top_p, so the most likely token always stays. Rows are cut `scratch.num_rows` at a time in
+    the scratch's rows.
     """
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (N, V)
-    ranks = torch.arange(vocab_size, device=logits.device)
-    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-    probs = (sorted_logits * scale).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
+    num_rows, vocab_size = logits.shape
+    out = torch.empty_like(logits) if out is None else out
+    if scratch is None:
+        scratch = CutScratch(cut_chunk_rows(num_rows, vocab_size), vocab_size, logits.device)
+    assert out.shape == logits.shape, f"out {tuple(out.shape)} != logits {tuple(logits.shape)}"
+    top_k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    for start in range(0, num_rows, scratch.num_rows):
+        end = min(start + scratch.num_rows, num_rows)
+        n = end - start
+        values, ids = scratch.values[:n], scratch.ids[:n]
+        probs, mass, mask, row = (
+            scratch.probs[:n],
+            scratch.mass[:n],
+            scratch.mask[:n],
+            scratch.row[:n],
+        )
+        torch.sort(logits[start:end], dim=-1, descending=True, out=(values, ids))  # (n, V)
+        torch.ge(scratch.ranks[None, :], top_k[start:end, None], out=mask)
+        values.masked_fill_(mask, float("-inf"))
+        # softmax(values * scale) in place: the row's maximum is its first value.
+        torch.mul(values[:, :1], scale, out=row)
+        torch.mul(values, scale, out=probs)
+        probs.sub_(row).exp_()
+        torch.sum(probs, dim=-1, keepdim=True, out=row)
+        probs.div_(row)
+        torch.cumsum(probs, dim=-1, out=mass)
+        mass.sub_(probs)  # the mass strictly before each token
+        torch.ge(mass, top_p[start:end, None], out=mask)
+        values.masked_fill_(mask, float("-inf"))
+        out[start:end].fill_(float("-inf")).scatter_(-1, ids, values)
+    return out
 
 
 def pick_tokens_ref(
@@ -86,19 +140,25 @@ def pick_tokens(
     return sampling.pick_tokens(scores, raw, scale=scale, noise=noise)
 
 
+def _has_cut(params: Sequence[SamplingParams]) -> bool:
+    return any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+
+
 def _cut_top_k_top_p(
-    logits: torch.Tensor, params: Sequence[SamplingParams], scale: float
-) -> torch.Tensor:
-    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        return logits
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device)
-    return apply_top_k_top_p(logits, top_k, top_p, scale=scale)
+    scores: torch.Tensor,  # (N, V) fp32, cut in place
+    params: Sequence[SamplingParams],
+    scale: float,
+    scratch: CutScratch,
+) -> None:
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=scores.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=scores.device)
+    apply_top_k_top_p(scores, top_k, top_p, scale=scale, out=scores, scratch=scratch)
 
 
 class SamplerBuffers:
-    """The rows a step's logits and noise live in, allocated once for `max_rows` sequences:
-    the logits in the model's dtype and in fp32, and the Exp(1) draws. A step works in their
+    """The rows a step's sampling works in, allocated once for `max_rows` sequences: the logits
+    in the model's dtype and in fp32, the Exp(1) draws, the scores the pick reads (masked,
+    scaled, cut), a mixed batch's random rows, and the cut's scratch. A step works in their
     leading rows, so sampling leaves nothing of the batch's size in the caching allocator."""
 
     def __init__(
@@ -108,10 +168,14 @@ class SamplerBuffers:
         self.logits_low = torch.empty(max_rows, vocab_size, dtype=dtype, device=device)
         self.logits = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
         self.noise = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+        self.scores = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+        self.rows = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+        self.cut = CutScratch(cut_chunk_rows(max_rows, vocab_size), vocab_size, device)
 
     @property
     def nbytes(self) -> int:
-        return self.logits_low.nbytes + self.logits.nbytes + self.noise.nbytes
+        planes = (self.logits_low, self.logits, self.noise, self.scores, self.rows)
+        return sum(t.nbytes for t in planes) + self.cut.nbytes
 
     @property
     def logits_out(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +185,8 @@ class SamplerBuffers:
 class Sampler:
     """Samples one token per row of a logits matrix, each row with its request's parameters.
 
-    With `buffers`, the common paths (greedy, or one temperature without top-k/top-p) draw
-    their noise into them instead of allocating it.
+    Every path works in `buffers` (sized for the batch on the fly where none are given, as on
+    the CPU); the logits themselves are never written, since the log-probabilities read them.
     """
 
     def __init__(
@@ -148,6 +212,12 @@ class Sampler:
         token_col, logprob_col = packed.tolist()
         return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
 
+    def _buffers_for(self, logits: torch.Tensor) -> SamplerBuffers:
+        buffers = self.buffers
+        if buffers is not None and logits.shape[0] <= buffers.max_rows:
+            return buffers
+        return SamplerBuffers(logits.shape[0], logits.shape[1], logits.dtype, logits.device)
+
     def sample(
         self,
         logits: torch.Tensor,  # (N, V) fp32
@@ -157,25 +227,34 @@ class Sampler:
         """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], on the logits'
         device; nothing waits for it. Ids below 2**53 are exact in float64."""
         assert len(params) == logits.shape[0] == len(num_output_tokens), "one parameter set per row"
-        masked = self._mask_early_stops(logits, params, num_output_tokens)
+        buffers = self._buffers_for(logits)
+        masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
             return pick_tokens(masked, logits)
         temperatures = {p.temperature for p in params}
         if not any(is_greedy) and len(temperatures) == 1:
             scale = 1.0 / temperatures.pop()
-            scores = _cut_top_k_top_p(masked, params, scale)
-            noise = self._draw_noise(masked, params, num_output_tokens)
+            scores = masked
+            if _has_cut(params):
+                scores = buffers.scores[: len(params)]
+                if masked is not scores:
+                    scores.copy_(masked)
+                _cut_top_k_top_p(scores, params, scale, buffers.cut)
+            noise = self._draw_noise(buffers.noise, params, num_output_tokens)
             return pick_tokens(scores, logits, scale=scale, noise=noise)
-        return pick_tokens(self._mixed_scores(masked, params, num_output_tokens), logits)
+        scores = self._mixed_scores(masked, params, num_output_tokens, buffers)
+        return pick_tokens(scores, logits)
 
     def _mask_early_stops(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        buffers: SamplerBuffers,
     ) -> torch.Tensor:
-        """Rows still short of min_tokens cannot pick a token that would stop them."""
+        """Rows still short of min_tokens cannot pick a token that would stop them: the logits,
+        or their copy in `buffers.scores` with those tokens at -inf."""
         masked = logits
         for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
             if num_out >= p.min_tokens:
@@ -184,50 +263,60 @@ class Sampler:
             if not stop_ids:
                 continue
             if masked is logits:
-                masked = logits.clone()
+                masked = buffers.scores[: logits.shape[0]]
+                masked.copy_(logits)
             masked[row, sorted(stop_ids)] = float("-inf")
         return masked
 
     def _mixed_scores(
         self,
-        logits: torch.Tensor,  # (N, V), masked
+        masked: torch.Tensor,  # (N, V): the logits, or their masked copy in buffers.scores
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        buffers: SamplerBuffers,
     ) -> torch.Tensor:
         """(N, V) scores whose plain argmax is each row's pick: greedy rows keep their logits,
         random rows get the race's l / T - log E (the fused path's arithmetic, in torch)."""
+        num_rows = masked.shape[0]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         random_params = [params[i] for i in random_rows]
-        rows = torch.tensor(random_rows, device=logits.device)
-        inv_temperature = torch.tensor(
-            [1.0 / p.temperature for p in random_params], device=logits.device
+        device = masked.device
+        rows = torch.tensor(random_rows, device=device)
+        inv_temperature = torch.tensor([1.0 / p.temperature for p in random_params], device=device)
+        scaled = buffers.rows[: len(random_rows)]  # (R, V)
+        torch.index_select(masked, 0, rows, out=scaled)
+        scaled.mul_(inv_temperature[:, None])
+        noise = self._draw_noise(
+            buffers.noise, random_params, [num_output_tokens[i] for i in random_rows]
         )
-        scaled = logits[rows] * inv_temperature[:, None]  # (R, V)
-        noise = self._draw_noise(scaled, random_params, [num_output_tokens[i] for i in random_rows])
-        race = _cut_top_k_top_p(scaled, random_params, 1.0) - noise.log()
-        return logits.index_copy(0, rows, race)
+        if _has_cut(random_params):
+            _cut_top_k_top_p(scaled, random_params, 1.0, buffers.cut)
+        scaled.sub_(noise.log_())  # the draws are spent here; log E > -inf, as clamped
+        scores = buffers.scores[:num_rows]
+        if masked is not scores:
+            scores.copy_(masked)
+        return scores.index_copy_(0, rows, scaled)
 
     def _draw_noise(
         self,
-        like: torch.Tensor,  # (R, V): the random rows
+        plane: torch.Tensor,  # (>= R, V) where the draws go
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> torch.Tensor:
-        """(R, V) Exp(1) draws, each > 0: seeded rows from their own generators."""
-        device = like.device
-        buffers = self.buffers
-        noise = (
-            buffers.noise[: like.shape[0]]
-            if buffers is not None and like.shape[0] <= buffers.max_rows
-            else torch.empty_like(like)
-        )
+        """(R, V) Exp(1) draws in the leading rows of `plane`, each > 0: seeded rows from their
+        own generators."""
+        noise = plane[: len(params)]
+        device = noise.device
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if len(unseeded) == len(params):  # the same draws as below, without the scatter
             noise.exponential_(generator=self.generator)
         elif unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), like.shape[1], device=device).exponential_(
-                generator=self.generator
-            )
+            # The draws of one (U, V) tensor, made in the leading rows and moved down to their
+            # rows last first: row j goes to unseeded[j] >= j, never onto a row still to move.
+            noise[: len(unseeded)].exponential_(generator=self.generator)
+            for j in reversed(range(len(unseeded))):
+                if unseeded[j] != j:
+                    noise[unseeded[j]].copy_(noise[j])
         for i, p in enumerate(params):
             if p.seed is not None:
                 generator = torch.Generator(device=device).manual_seed(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.runner.sampler import Sampler, apply_top_k_top_p
+from pagekeeper_engine.runner.sampler import CutScratch, Sampler, apply_top_k_top_p
 
 EOS = 3
 
@@ -122,3 +122,19 @@ def test_fused_and_mixed_paths_pick_the_same_tokens() -> None:
     assert mixed.logprobs[:num_rows] == fused.logprobs
     assert mixed.token_ids[num_rows] == int(logits[num_rows].argmax())
     assert fused.token_ids != logits[:num_rows].argmax(-1).tolist()  # sampled, not greedy
+
+
+def test_the_cut_in_chunks_of_rows_equals_the_cut_at_once() -> None:
+    logits = torch.randn(10, 97, generator=torch.Generator().manual_seed(8))
+    top_k = torch.tensor([0, 1, 5, 97, 200, 0, 3, 0, 50, 2])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.7, 1.0, 0.05, 0.99, 0.6])
+    whole = apply_top_k_top_p(logits, top_k, top_p, scale=1.3, scratch=CutScratch(10, 97, "cpu"))
+    chunked = apply_top_k_top_p(logits, top_k, top_p, scale=1.3, scratch=CutScratch(3, 97, "cpu"))
+    assert torch.equal(whole, chunked)
+    # In place, into the logits themselves, gives the same.
+    in_place = logits.clone()
+    apply_top_k_top_p(
+        in_place, top_k, top_p, scale=1.3, out=in_place, scratch=CutScratch(4, 97, "cpu")
+    )
+    assert torch.equal(in_place, whole)
+    assert int(whole.isfinite().sum(-1)[1]) == 1  # top-k 1
