@@ -89,6 +89,13 @@ def _launcher(tmp_path: Path, scenario: str, metrics_port: int) -> subprocess.Po
     )
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, which the launcher forwards to its child, so neither outlives the test."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 def _set_terminated(cluster: Cluster, namespace: str, pod: client.V1Pod, message: str) -> None:
     """What the kubelet reports once the container restarted after that exit."""
     terminated = {
@@ -126,7 +133,7 @@ def test_the_plugins_series_evict_that_pod_and_an_oom_exit_steps_the_policy_down
 
         port = free_port()
         launcher = _launcher(tmp_path, "report", port)
-        stack.callback(launcher.kill)
+        stack.callback(_stop, launcher)
         rules = rules_file(cluster, namespace, "upstream", tmp_path / "rules.yml")
         assert ALERT in rules.read_text()
         alertmanager = start_alertmanager(

@@ -59,6 +59,13 @@ def launch(
     )
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, which the launcher forwards, so no child outlives a failed test."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=WAIT_S)
+
+
 def finish(proc: subprocess.Popen[bytes]) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=WAIT_S)
     return proc.returncode, out.decode(), err.decode()
@@ -176,9 +183,12 @@ def test_sigint_is_forwarded_once(tmp_path: Path, scenario: str) -> None:
     assert finish(proc)[0] == 0
 
 
-def test_the_metrics_endpoint_serves_the_gpu_processes_reports(tmp_path: Path) -> None:
+def test_the_metrics_endpoint_serves_the_gpu_processes_reports(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     port = free_port()
     proc = launch(tmp_path, "report", metrics_port=port)
+    request.addfinalizer(lambda: stop(proc))
     wait_waiting(tmp_path)
 
     def scrape() -> str | None:
