@@ -28,6 +28,7 @@ from tests.support.loop import (
     get_server,
     install_crd,
     llmserver,
+    pod_scrape,
     restrict_namespace,
     rules_file,
     server_events,
@@ -127,20 +128,7 @@ def test_a_fragmentation_alert_on_the_canary_pod_fails_the_canary(
         stack.callback(alertmanager.stop)
         prometheus = Prometheus(tmp_path / "prometheus", [rules], alertmanager)
         stack.callback(prometheus.stop)
-        prometheus.start(
-            [
-                {
-                    "job_name": "allocator",
-                    "scrape_interval": "1s",
-                    "static_configs": [
-                        {
-                            "targets": [f"127.0.0.1:{exporter}"],
-                            "labels": {"namespace": namespace, "pod": canary, "llmserver": "frag"},
-                        }
-                    ],
-                }
-            ]
-        )
+        prometheus.start([pod_scrape(exporter, (namespace, canary, "frag"), job="allocator")])
 
         def failed() -> dict[str, Any] | None:
             status = get_server(cluster, namespace, "frag").get("status", {})

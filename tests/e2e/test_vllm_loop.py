@@ -13,10 +13,7 @@ termination message, set on a pod as the kubelet would, steps the effective poli
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from tests.support.loop import (
     get_server,
     install_crd,
     llmserver,
+    pod_scrape,
     restrict_namespace,
     rules_file,
     server_pods,
@@ -36,9 +34,8 @@ from tests.support.loop import (
     wait_ready_pods,
 )
 from tests.support.processes import free_port, start_alertmanager
-from tests.support.tools import REPO
+from tests.support.vllm_launcher import start_launcher, stop_launcher
 
-FAKE_VLLM = REPO / "tests" / "vllm" / "fake_vllm.py"
 ALERT = "PagekeeperFragmentationHigh"
 SPEC: dict[str, Any] = {
     "model": {"source": "Qwen/Qwen3-0.6B", "servedModelName": "qwen"},
@@ -57,43 +54,6 @@ SPEC: dict[str, Any] = {
         },
     },
 }
-
-
-def _launcher(tmp_path: Path, scenario: str, metrics_port: int) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO)]),
-        "FAKE_VLLM_WAITING": str(tmp_path / f"{scenario}.waiting"),
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagekeeper_vllm.launch",
-            "--metrics-port",
-            str(metrics_port),
-            "--metrics-host",
-            "127.0.0.1",
-            "--termination-log",
-            str(tmp_path / f"{scenario}.termination-log"),
-            "--",
-            sys.executable,
-            str(FAKE_VLLM),
-            scenario,
-            "--served-model-name",
-            "qwen",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, which the launcher forwards to its child, so neither outlives the test."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 def _set_terminated(cluster: Cluster, namespace: str, pod: client.V1Pod, message: str) -> None:
@@ -132,8 +92,8 @@ def test_the_plugins_series_evict_that_pod_and_an_oom_exit_steps_the_policy_down
         first, second = sorted(wait_ready_pods(cluster, namespace, "upstream", 2))
 
         port = free_port()
-        launcher = _launcher(tmp_path, "report", port)
-        stack.callback(_stop, launcher)
+        launcher = start_launcher(tmp_path, "report", metrics_port=port, capture=False)
+        stack.callback(stop_launcher, launcher)
         rules = rules_file(cluster, namespace, "upstream", tmp_path / "rules.yml")
         assert ALERT in rules.read_text()
         alertmanager = start_alertmanager(
@@ -142,24 +102,7 @@ def test_the_plugins_series_evict_that_pod_and_an_oom_exit_steps_the_policy_down
         stack.callback(alertmanager.stop)
         prometheus = Prometheus(tmp_path / "prometheus", [rules], alertmanager)
         stack.callback(prometheus.stop)
-        prometheus.start(
-            [
-                {
-                    "job_name": "pk-metrics",
-                    "scrape_interval": "1s",
-                    "static_configs": [
-                        {
-                            "targets": [f"127.0.0.1:{port}"],
-                            "labels": {
-                                "namespace": namespace,
-                                "pod": first,
-                                "llmserver": "upstream",
-                            },
-                        }
-                    ],
-                }
-            ]
-        )
+        prometheus.start([pod_scrape(port, (namespace, first, "upstream"), job="pk-metrics")])
         try:
             evicted = wait_history(
                 cluster, namespace, "upstream", 120, pod=first, action="evict", outcome="evicted"
@@ -177,7 +120,7 @@ def test_the_plugins_series_evict_that_pod_and_an_oom_exit_steps_the_policy_down
 
         # vLLM's engine core dies of a CUDA OOM and vLLM exits 0: the launcher exits 1 and says
         # why; the kubelet puts that on the pod.
-        dead = _launcher(tmp_path, "runtime-oom", 0)
+        dead = start_launcher(tmp_path, "runtime-oom", capture=False)
         assert dead.wait(timeout=60) == 1
         message = (tmp_path / "runtime-oom.termination-log").read_text()
         assert message.startswith("pagekeeper-oom kind=gpu phase=runtime detail=vLLM: CUDA")

@@ -253,12 +253,17 @@ def engine_scrape(engine: Service, *identities: PodIdentity) -> dict[str, Any]:
     removed target stale at once, but not those of a removed job, whose alerts would keep
     firing for the query lookback (5 minutes).
     """
+    return pod_scrape(engine.port, *identities)
+
+
+def pod_scrape(port: int, *identities: PodIdentity, job: str = ENGINE_JOB) -> dict[str, Any]:
+    """One scrape job reading 127.0.0.1:`port` once per identity, with that pod's labels."""
     return {
-        "job_name": ENGINE_JOB,
+        "job_name": job,
         "scrape_interval": "1s",
         "static_configs": [
             {
-                "targets": [f"127.0.0.1:{engine.port}"],
+                "targets": [f"127.0.0.1:{port}"],
                 "labels": {"namespace": namespace, "pod": pod, "llmserver": server},
             }
             for namespace, pod, server in identities

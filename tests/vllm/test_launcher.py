@@ -20,50 +20,20 @@ import pytest
 from tests.support.cluster import wait_for
 from tests.support.processes import free_port
 from tests.support.tools import REPO
+from tests.support.vllm_launcher import start_launcher, stop_launcher
 from tests.vllm.fake_vllm import OOM
 
 HERE = Path(__file__).parent
 WAIT_S = 60.0
 
 
-def launch(
-    tmp_path: Path, scenario: str, *extra: str, metrics_port: int = 0
-) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO)]),
-        "FAKE_VLLM_WAITING": str(tmp_path / "waiting"),
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagekeeper_vllm.launch",
-            "--metrics-port",
-            str(metrics_port),
-            "--metrics-host",
-            "127.0.0.1",
-            "--termination-log",
-            str(tmp_path / "termination-log"),
-            *extra,
-            "--",
-            sys.executable,
-            str(HERE / "fake_vllm.py"),
-            scenario,
-            "--served-model-name",
-            "tiny",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def launch(tmp_path: Path, scenario: str, metrics_port: int = 0) -> subprocess.Popen[bytes]:
+    """One launcher per test (each has its own tmp_path)."""
+    return start_launcher(tmp_path, scenario, metrics_port=metrics_port)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, which the launcher forwards, so no child outlives a failed test."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=WAIT_S)
+def termination_log(tmp_path: Path) -> Path:
+    return next(tmp_path.glob("*.termination-log"), tmp_path / "no.termination-log")
 
 
 def finish(proc: subprocess.Popen[bytes]) -> tuple[int, str, str]:
@@ -73,9 +43,8 @@ def finish(proc: subprocess.Popen[bytes]) -> tuple[int, str, str]:
 
 def wait_waiting(tmp_path: Path) -> int:
     """The child's pid once it waits for SIGTERM (it writes the marker file then)."""
-    marker = tmp_path / "waiting"
     deadline = time.monotonic() + WAIT_S
-    while not (marker.is_file() and marker.read_text()):
+    while not (marker := next(tmp_path.glob("*.waiting"), None)) or not marker.read_text():
         assert time.monotonic() < deadline, "the child never got ready"
         time.sleep(0.02)
     return int(marker.read_text())
@@ -84,7 +53,7 @@ def wait_waiting(tmp_path: Path) -> int:
 def test_an_oom_death_that_vllm_exits_0_from_is_exit_1_with_the_message(tmp_path: Path) -> None:
     code, out, err = finish(launch(tmp_path, "runtime-oom"))
     assert code == 1
-    assert (tmp_path / "termination-log").read_text() == (
+    assert termination_log(tmp_path).read_text() == (
         "pagekeeper-oom kind=gpu phase=runtime detail=vLLM: CUDA out of memory (tried to "
         "allocate 384.00 MiB; GPU 0: 329.87 MiB free of 19.53 GiB; 402.27 MiB reserved by "
         "PyTorch but unallocated)\n"
@@ -99,7 +68,7 @@ def test_an_oom_death_that_vllm_exits_0_from_is_exit_1_with_the_message(tmp_path
 def test_a_start_up_memory_error_keeps_vllms_code(tmp_path: Path) -> None:
     code, _, _ = finish(launch(tmp_path, "startup-no-cache"))
     assert code == 1
-    assert (tmp_path / "termination-log").read_text() == (
+    assert termination_log(tmp_path).read_text() == (
         "pagekeeper-oom kind=gpu phase=startup detail=vLLM: no available memory for the KV "
         "cache blocks after loading and profiling (gpuMemoryUtilization too low for the "
         "model)\n"
@@ -110,13 +79,13 @@ def test_a_clean_exit_is_0_with_no_message(tmp_path: Path) -> None:
     code, _, err = finish(launch(tmp_path, "clean"))
     assert code == 0
     assert "Application startup complete." in err
-    assert not (tmp_path / "termination-log").exists()
+    assert not termination_log(tmp_path).exists()
 
 
 def test_a_child_killed_by_a_signal_exits_128_plus_it(tmp_path: Path) -> None:
     code, _, _ = finish(launch(tmp_path, "killed"))
     assert code == 128 + signal.SIGKILL
-    assert not (tmp_path / "termination-log").exists()
+    assert not termination_log(tmp_path).exists()
 
 
 def test_sigterm_reaches_the_child_which_drains(tmp_path: Path) -> None:
@@ -126,7 +95,7 @@ def test_sigterm_reaches_the_child_which_drains(tmp_path: Path) -> None:
     code, out, _ = finish(proc)
     assert code == 0
     assert out.rstrip().endswith("INFO:     Shutting down")
-    assert not (tmp_path / "termination-log").exists()
+    assert not termination_log(tmp_path).exists()
 
 
 def test_an_oom_during_the_drain_is_reported(tmp_path: Path) -> None:
@@ -135,7 +104,7 @@ def test_an_oom_during_the_drain_is_reported(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     code, _, _ = finish(proc)
     assert code == 1
-    assert "phase=runtime" in (tmp_path / "termination-log").read_text()
+    assert "phase=runtime" in termination_log(tmp_path).read_text()
 
 
 def test_an_oom_vllm_survived_is_no_cause_of_a_clean_drain(tmp_path: Path) -> None:
@@ -144,7 +113,7 @@ def test_an_oom_vllm_survived_is_no_cause_of_a_clean_drain(tmp_path: Path) -> No
     proc.send_signal(signal.SIGTERM)
     code, _, _ = finish(proc)
     assert code == 0
-    assert not (tmp_path / "termination-log").exists()
+    assert not termination_log(tmp_path).exists()
 
 
 def test_a_program_that_cannot_run_is_127(tmp_path: Path) -> None:
@@ -188,7 +157,7 @@ def test_the_metrics_endpoint_serves_the_gpu_processes_reports(
 ) -> None:
     port = free_port()
     proc = launch(tmp_path, "report", metrics_port=port)
-    request.addfinalizer(lambda: stop(proc))
+    request.addfinalizer(lambda: stop_launcher(proc))
     wait_waiting(tmp_path)
 
     def scrape() -> str | None:

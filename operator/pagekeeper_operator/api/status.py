@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -20,15 +20,7 @@ ConditionType = Literal[
     "PolicyHonored",
     "PluginLoaded",
 ]
-CONDITION_TYPES: tuple[ConditionType, ...] = (
-    "Ready",
-    "Progressing",
-    "Degraded",
-    "MemoryHealthy",
-    "CanaryFailed",
-    "PolicyHonored",
-    "PluginLoaded",
-)
+CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
 MAX_HISTORY = 100
 
