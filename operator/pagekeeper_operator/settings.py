@@ -28,7 +28,8 @@ PAGEKEEPER_WEBHOOK_TLS_CERT_FILE, PAGEKEEPER_WEBHOOK_TLS_KEY_FILE (default: unse
     neither for plain HTTP (inside the cluster network, behind the bearer token); one without
     the other is refused.
 PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0)
-    Image for runtime pagekeeper when spec.image is unset.
+    Image for runtime pagekeeper when spec.image is unset, and of the init container that
+    brings pagekeeper's plugin and launcher into every vLLM pod (docs/vllm.md).
 PAGEKEEPER_VLLM_IMAGE (default: docker.io/vllm/vllm-openai:v0.11.0)
     Image for runtime vllm when spec.image is unset.
 PAGEKEEPER_METRICS_PORT (default: unset, no metrics endpoint)
