@@ -33,7 +33,11 @@ def test_the_runner_binds_one_workspace_at_its_token_budget(
     # sampling's rows: logits in the model's dtype and in fp32, and the noise, per sequence
     rows = runner.sampler_buffers
     vocab = runner.model_config.vocab_size
-    assert rows.nbytes == runner.config.max_num_seqs * vocab * (4 + 4 + 4)
+    # logits (model dtype: fp32 here, and fp32), noise, scores, a mixed batch's random rows
+    planes = runner.config.max_num_seqs * vocab * (4 + 4 + 4 + 4 + 4)
+    chunk = rows.cut.num_rows
+    assert rows.cut.nbytes == chunk * vocab * (4 + 8 + 4 + 4 + 1) + vocab * 8 + chunk * 4
+    assert rows.nbytes == planes + rows.cut.nbytes
     assert runner.workspace_bytes == workspace.nbytes + rows.nbytes
 
 
@@ -45,14 +49,20 @@ def test_logits_and_noise_live_in_the_sampling_rows(
         SchedulerOutput([seq("a", tokens(5), 0, [0]), seq("b", tokens(3), 0, [1])], 8)
     )
     assert len(out.sampled_token_ids) == 2
-    vocab = runner.model_config.vocab_size
-    params = [SamplingParams(temperature=0.7)] * 2
-    noise = runner.sampler._draw_noise(torch.zeros(2, vocab), params, [0, 0])
-    assert noise.data_ptr() == runner.sampler_buffers.noise.data_ptr()
+    buffers = runner.sampler_buffers
     hidden = torch.zeros(2, runner.model_config.hidden_size)
-    logits = runner.model.compute_logits(hidden, runner.sampler_buffers.logits_out)
-    assert logits.data_ptr() == runner.sampler_buffers.logits.data_ptr()
+    logits = runner.model.compute_logits(hidden, buffers.logits_out)
+    assert logits.data_ptr() == buffers.logits.data_ptr()
     assert logits.shape == (2, runner.model_config.vocab_size)
+    # Each path draws, masks, scales and cuts in the sampling rows: the draws land there.
+    for params in (
+        [SamplingParams(temperature=0.7)] * 2,
+        [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.0)],
+    ):
+        buffers.noise.zero_()
+        runner.sampler.sample(logits, params, [0, 0])
+        random_rows = sum(not p.is_greedy for p in params)
+        assert bool((buffers.noise[:random_rows] != 0).all())
 
 
 def test_hidden_states_are_a_view_of_the_workspace(
