@@ -112,8 +112,16 @@ def scale_reason(
         text += f": {key} {value:g}/pod, target {target:g}"
     limited = _condition(hpa, "ScalingLimited")
     bounds = {"TooFewReplicas": "minReplicas", "TooManyReplicas": "maxReplicas"}
-    if limited.get("status") == "True" and limited.get("reason") in bounds:
-        text += f" (held at {bounds[str(limited.get('reason'))]})"
+    bound = bounds.get(str(limited.get("reason"))) if limited.get("status") == "True" else None
+    spec = server.spec.autoscaling
+    if bound is None and spec is not None and previous_count is not None:
+        # A count set outside the bounds is brought back without reading any metric.
+        if previous_count > spec.max_replicas and desired == spec.max_replicas:
+            bound = "maxReplicas"
+        elif previous_count < spec.min_replicas and desired == spec.min_replicas:
+            bound = "minReplicas"
+    if bound is not None:
+        text += f" (held at {bound})"
     return text
 
 
@@ -122,11 +130,12 @@ def autoscaling_status(
     hpa: Mapping[str, Any] | None,
     uses_keda: bool,
     previous: AutoscalingStatus | None,
-    current_count: int | None,
+    count_before: int | None,
 ) -> AutoscalingStatus | None:
     """status.autoscaling from the autoscaler's HorizontalPodAutoscaler (None: not made yet).
 
-    The reason is worked out only when lastScaleTime moves, from the count recorded before.
+    The reason is worked out only when lastScaleTime moves, from `count_before`: the count
+    status recorded before (status.desiredReplicas).
     """
     if not server.spec.is_autoscaled:
         return None
@@ -140,8 +149,7 @@ def autoscaling_status(
     scaled_at = status.get("lastScaleTime")
     reason = previous.last_scale_reason if previous is not None else None
     if scaled_at and (previous is None or previous.last_scale_time != scaled_at):
-        before = previous.desired_replicas if previous is not None else current_count
-        reason = scale_reason(server, hpa, uses_keda, before)
+        reason = scale_reason(server, hpa, uses_keda, count_before)
     active = _condition(hpa, "ScalingActive")
     message = str(active.get("message", "")) if active.get("status") == "False" else ""
     desired = status.get("desiredReplicas")

@@ -110,7 +110,7 @@ def reconcile(
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
-    autoscaling = _autoscaling(kube, server, features, observed, deployment)
+    autoscaling = _autoscaling(kube, server, features, observed)
     status = compute_status(server, deployment, now, error_text, autoscaling)
     result.status_patch = status_patch(stored, status)
     return result
@@ -144,11 +144,7 @@ def _hand_over(
 
 
 def _autoscaling(
-    kube: Kube,
-    server: LLMServer,
-    features: ClusterFeatures,
-    observed: Mapping[ObjectKey, Any],
-    deployment: Mapping[str, Any] | None,
+    kube: Kube, server: LLMServer, features: ClusterFeatures, observed: Mapping[ObjectKey, Any]
 ) -> AutoscalingStatus | None:
     """status.autoscaling from the HorizontalPodAutoscaler that scales the Deployment."""
     if not server.spec.is_autoscaled:
@@ -158,8 +154,10 @@ def _autoscaling(
     if features.uses_keda:
         hpa_name = autoscaler_hpa_name(server, uses_keda=True)
         hpa = kube.get(HPA_API_VERSION, HPA_KIND, server.metadata.namespace, hpa_name)
-    count = None if deployment is None else deployment.get("spec", {}).get("replicas")
-    return autoscaling_status(server, hpa, features.uses_keda, server.status.autoscaling, count)
+    status = server.status
+    return autoscaling_status(
+        server, hpa, features.uses_keda, status.autoscaling, status.desired_replicas
+    )
 
 
 def _with_canary(
@@ -255,7 +253,7 @@ def refresh_status(
         and degraded.observed_generation == server.metadata.generation
     ):
         apply_error = degraded.message
-    autoscaling = _refresh_autoscaling(kube, server, deployment)
+    autoscaling = _refresh_autoscaling(kube, server)
     status = compute_status(server, deployment, now or utc_now(), apply_error, autoscaling)
     patch = status_patch(server, status)
     if patch:
@@ -263,14 +261,11 @@ def refresh_status(
     return patch
 
 
-def _refresh_autoscaling(
-    kube: Kube, server: LLMServer, deployment: Mapping[str, Any] | None
-) -> AutoscalingStatus | None:
+def _refresh_autoscaling(kube: Kube, server: LLMServer) -> AutoscalingStatus | None:
     """status.autoscaling again from the autoscaler the last reconcile recorded."""
     previous = server.status.autoscaling
     if previous is None or not server.spec.is_autoscaled:
         return previous if server.spec.is_autoscaled else None
     hpa = kube.get(HPA_API_VERSION, HPA_KIND, server.metadata.namespace, previous.name)
-    count = None if deployment is None else deployment.get("spec", {}).get("replicas")
     uses_keda = previous.kind == "ScaledObject"
-    return autoscaling_status(server, hpa, uses_keda, previous, count)
+    return autoscaling_status(server, hpa, uses_keda, previous, server.status.desired_replicas)

@@ -354,6 +354,13 @@ def test_the_reason_names_the_signal_that_asked_for_most() -> None:
     )
     assert scale_reason(server, down, False, 4) == "down 4->2: kvCacheUsage 0.3/pod, target 0.75"
     assert scale_reason(server, _hpa(desiredReplicas=2), False, None) == "to 2"
+    # A count set outside the bounds is brought back to them, whatever the metrics say.
+    assert scale_reason(server, _hpa(desiredReplicas=6), False, 9) == (
+        "down 9->6 (held at maxReplicas)"
+    )
+    assert scale_reason(server, _hpa(desiredReplicas=2), False, 1) == (
+        "up 1->2 (held at minReplicas)"
+    )
     # KEDA's HPA names the metric of the n-th trigger s<n>-prometheus.
     keda = _hpa(
         desiredReplicas=3,
@@ -378,7 +385,7 @@ def test_status_records_a_scale_once() -> None:
         message="HorizontalPodAutoscaler qwen does not exist yet",
     )
     before = AutoscalingStatus(kind="HorizontalPodAutoscaler", name="qwen", desired_replicas=2)
-    first = autoscaling_status(server, SCALED_UP, False, before, 6)
+    first = autoscaling_status(server, SCALED_UP, False, before, 2)
     assert first == AutoscalingStatus(
         kind="HorizontalPodAutoscaler",
         name="qwen",

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,13 @@ def restrict_namespace(cluster: Cluster, namespace: str) -> None:
 class OperatorProcess:
     """`kopf run -m pagekeeper_operator.main` watching one namespace, webhook on loopback."""
 
-    def __init__(self, kubeconfig: str, namespace: str, workdir: Path) -> None:
+    def __init__(
+        self,
+        kubeconfig: str,
+        namespace: str,
+        workdir: Path,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_urlsafe(24)
         self.token_file = workdir / "webhook-token"
@@ -67,6 +74,7 @@ class OperatorProcess:
             "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
             "PAGEKEEPER_WEBHOOK_PORT": str(self.port),
             "PAGEKEEPER_WEBHOOK_TOKEN_FILE": str(self.token_file),
+            **(extra_env or {}),
         }
         kopf = Path(sys.executable).with_name("kopf")
         argv = [str(kopf), "run", "-m", "pagekeeper_operator.main", "--standalone"]
