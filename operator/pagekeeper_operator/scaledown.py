@@ -4,11 +4,11 @@ When the autoscaler lowers the count, the ReplicaSet picks which pods to delete:
 scheduled, pending or not ready first (a pod still starting is never kept in place of one that
 serves), then the lowest `controller.kubernetes.io/pod-deletion-cost`. Under spec.autoscaling the
 operator keeps that cost on each ready pod equal to its requests in flight (running + waiting:
-both are in the engine, and its drain must finish them), read from the Prometheus that scrapes
-the pods (`PAGEKEEPER_PROMETHEUS_URL`), every `PAGEKEEPER_DELETION_COST_SECONDS`. A pod without
-series counts as idle. A pod is patched only when its cost changed. The engine drains on
-SIGTERM, so even the pod that goes loses no request; the cost makes it the one with the least
-to finish.
+both are in the engine, and its drain must finish them; the most over the last 30 s), read from
+the Prometheus that scrapes the pods (`PAGEKEEPER_PROMETHEUS_URL`), every
+`PAGEKEEPER_DELETION_COST_SECONDS`. A pod without series counts as idle. A pod is patched only
+when its cost changed. The engine drains on SIGTERM, so even the pod that goes loses no request;
+the cost makes it the one with the least to finish.
 
 `plan_deletion_costs` is pure; `keep_deletion_costs` is the loop around it.
 """
@@ -26,13 +26,23 @@ from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import ServerRegistry
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+# A pod's load is the most it held over this window, so a pod between two requests at the moment
+# the ReplicaSet chooses does not look idle, and the costs do not flicker with every request.
+IN_FLIGHT_WINDOW = "30s"
 logger = logging.getLogger(__name__)
 
 
 def in_flight_query(namespace: str, server: str) -> str:
-    """Requests in flight per pod of one server (both series, summed by pod)."""
-    names = '__name__=~"vllm:num_requests_(running|waiting)"'
-    return f'sum by (pod) ({{{names},namespace="{namespace}",llmserver="{server}"}})'
+    """Requests in flight per pod of one server: the most each series held over the window,
+    summed by pod (running and waiting)."""
+    selector = f'{{namespace="{namespace}",llmserver="{server}"}}'
+    # One term per series: a function over both names at once would drop the name and leave
+    # two series with one label set, which Prometheus refuses.
+    terms = (
+        f"sum by (pod) (max_over_time(vllm:num_requests_{state}{selector}[{IN_FLIGHT_WINDOW}]))"
+        for state in ("running", "waiting")
+    )
+    return " + ".join(terms)
 
 
 def _is_ready(pod: Mapping[str, Any]) -> bool:

@@ -45,10 +45,12 @@ def test_each_ready_pod_costs_its_requests_in_flight() -> None:
     assert plan_deletion_costs(pods, in_flight) == {"busy": "7", "idle": "0"}
 
 
-def test_the_query_sums_running_and_waiting_by_pod() -> None:
+def test_the_query_sums_the_most_running_and_waiting_by_pod() -> None:
     assert in_flight_query("ml", "qwen") == (
-        'sum by (pod) ({__name__=~"vllm:num_requests_(running|waiting)",'
-        'namespace="ml",llmserver="qwen"})'
+        'sum by (pod) (max_over_time(vllm:num_requests_running{namespace="ml",llmserver="qwen"}'
+        "[30s])) + "
+        'sum by (pod) (max_over_time(vllm:num_requests_waiting{namespace="ml",llmserver="qwen"}'
+        "[30s]))"
     )
 
 
