@@ -125,6 +125,24 @@ def scale_reason(
     return text
 
 
+def _count_before(
+    hpa: Mapping[str, Any], previous: AutoscalingStatus | None, recorded: int | None
+) -> int | None:
+    """The count before the autoscaler's last change. Right after a change its status still
+    has the count it started from (currentReplicas); read later, the change is known only from
+    what status recorded: the autoscaler's previous desired count, else the Deployment's."""
+    status = hpa.get("status") or {}
+    desired = status.get("desiredReplicas")
+    for candidate in (
+        status.get("currentReplicas"),
+        previous.desired_replicas if previous is not None else None,
+        recorded,
+    ):
+        if candidate and candidate != desired:
+            return int(candidate)
+    return None
+
+
 def autoscaling_status(
     server: LLMServer,
     hpa: Mapping[str, Any] | None,
@@ -134,8 +152,8 @@ def autoscaling_status(
 ) -> AutoscalingStatus | None:
     """status.autoscaling from the autoscaler's HorizontalPodAutoscaler (None: not made yet).
 
-    The reason is worked out only when lastScaleTime moves, from `count_before`: the count
-    status recorded before (status.desiredReplicas).
+    The reason is worked out only when lastScaleTime moves; `count_before` is the count status
+    recorded before (status.desiredReplicas).
     """
     if not server.spec.is_autoscaled:
         return None
@@ -149,7 +167,7 @@ def autoscaling_status(
     scaled_at = status.get("lastScaleTime")
     reason = previous.last_scale_reason if previous is not None else None
     if scaled_at and (previous is None or previous.last_scale_time != scaled_at):
-        reason = scale_reason(server, hpa, uses_keda, count_before)
+        reason = scale_reason(server, hpa, uses_keda, _count_before(hpa, previous, count_before))
     active = _condition(hpa, "ScalingActive")
     message = str(active.get("message", "")) if active.get("status") == "False" else ""
     desired = status.get("desiredReplicas")

@@ -393,6 +393,18 @@ def test_status_records_a_scale_once() -> None:
         last_scale_time="2025-01-02T03:00:00Z",
         last_scale_reason="up 2->6: waitingRequests 18/pod, target 4 (held at maxReplicas)",
     )
+    # Read only after the autoscaler's next sync (its currentReplicas already the new count):
+    # the count before is the one status recorded.
+    late = copy.deepcopy(SCALED_UP)
+    late["status"]["currentReplicas"] = 6
+    assert autoscaling_status(server, late, False, before, 6) == first
+    assert autoscaling_status(server, late, False, None, 3) == first.model_copy(
+        update={"last_scale_reason": first.last_scale_reason.replace("2->6", "3->6")}
+    )
+    unknown = autoscaling_status(server, late, False, None, 6)
+    assert unknown is not None and unknown.last_scale_reason == (
+        "to 6: waitingRequests 18/pod, target 4 (held at maxReplicas)"
+    )
     # The same scale read again, with other metrics: the reason stays as recorded.
     later = copy.deepcopy(SCALED_UP)
     later["status"]["currentMetrics"] = [_pods_metric("vllm_num_requests_waiting", "1")]
