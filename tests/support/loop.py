@@ -280,9 +280,10 @@ def pod_scrape(port: int, *identities: PodIdentity, job: str = ENGINE_JOB) -> di
 
 
 class Prometheus:
-    """A real Prometheus on loopback whose scrape targets can be changed with a reload."""
+    """A real Prometheus on loopback whose scrape targets can be changed with a reload; it
+    sends its alerts to `alertmanager` when there is one."""
 
-    def __init__(self, workdir: Path, rule_files: list[Path], alertmanager: Service) -> None:
+    def __init__(self, workdir: Path, rule_files: list[Path], alertmanager: Service | None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.rule_files = rule_files
@@ -291,13 +292,16 @@ class Prometheus:
         self.service: Service | None = None
 
     def _write(self, scrape_configs: list[dict[str, Any]]) -> None:
-        target = self.alertmanager.url.removeprefix("http://")
-        prometheus_config = {
+        prometheus_config: dict[str, Any] = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(path) for path in self.rule_files],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]},
-            "scrape_configs": scrape_configs,
         }
+        if self.alertmanager is not None:
+            target = self.alertmanager.url.removeprefix("http://")
+            prometheus_config["alerting"] = {
+                "alertmanagers": [{"static_configs": [{"targets": [target]}]}]
+            }
+        prometheus_config["scrape_configs"] = scrape_configs
         self.config_path.write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
 
     def start(self, scrape_configs: list[dict[str, Any]]) -> Prometheus:
