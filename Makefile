@@ -7,12 +7,14 @@ export PAGEKEEPER_CACHE := $(CACHE)
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
 
-.PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo clean \
+.PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo \
+	demo-autoscale clean \
 	images images-push images-test
 
 help:
 	@echo "make test     lint, type-check, import contracts, CRD drift and every test suite"
 	@echo "make demo     local control plane + operator + CPU engine + the alert -> roll loop"
+	@echo "make demo-autoscale   the same with autoscaling: 1 -> 3 pods under load and back"
 	@echo "make tools    build/install the test tools into $(CACHE) (skips what is there)"
 	@echo "make images   build pagekeeper-operator and pagekeeper-engine (BASES=published|debian)"
 	@echo "make images-push REGISTRY=ghcr.io/you   push them"
@@ -59,6 +61,10 @@ cluster-down:
 # Provisions what is missing, then runs the narrated alert -> roll loop; cleans up on exit.
 demo: venv
 	$(PY) hack/demo.py
+
+# The same, with the autoscaling scene: 1 -> 3 pods under load and back, the loaded pod kept.
+demo-autoscale: venv
+	$(PY) hack/demo.py --autoscaling
 
 # Both Dockerfile targets with buildah (hack/images.sh): BASES=published, the Dockerfile's own
 # bases from their registry; BASES=debian, bases made here from Debian's packages (tags -bookworm).

@@ -1,4 +1,5 @@
-"""`make demo`: the alert -> roll loop on this machine, narrated, in a few minutes.
+"""`make demo`: the alert -> roll loop on this machine, narrated, in a few minutes;
+`make demo-autoscale` (`--autoscaling`): the autoscaling scene instead (`demo_autoscaling`).
 
 Provisions the local control plane (hack/provision.sh, skipping what is cached), starts a
 cluster with fake GPU nodes, installs the chart's CRDs, runs the operator, applies an LLMServer
@@ -24,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import demo_autoscaling  # hack/, beside this script
 import kubernetes
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -168,7 +170,7 @@ def drain_engine(engine: Service, load: StreamingLoad, pod: str) -> None:
     )
 
 
-def demo(stack: contextlib.ExitStack, workdir: Path) -> None:
+def demo(stack: contextlib.ExitStack, workdir: Path, autoscaling: bool = False) -> None:
     say("provisioning the local control plane (hack/provision.sh; cached steps are skipped)")
     run("bash", str(REPO / "hack" / "provision.sh"), "all")
 
@@ -188,6 +190,9 @@ def demo(stack: contextlib.ExitStack, workdir: Path) -> None:
     install_crd(cluster, crds / "llmservers.pagekeeper.dev.yaml")  # and wait until Established
     cluster.kubectl("create", "namespace", NAMESPACE)
     restrict_namespace(cluster, NAMESPACE)
+    if autoscaling:
+        demo_autoscaling.scene(stack, workdir, cluster, NAMESPACE, say, show)
+        return
 
     # The engine's imports and load take longest: start it now, wait for it later.
     say("starting the engine on the CPU: a tiny Llama with dummy weights, 32 KV blocks of 8")
@@ -283,12 +288,12 @@ def main() -> int:
             with contextlib.ExitStack() as stack:
                 stack.callback(say, "cleaned up")
                 try:
-                    demo(stack, Path(tmp))
+                    demo(stack, Path(tmp), autoscaling="--autoscaling" in sys.argv[1:])
                 finally:
                     # Each step of the cleanup is bounded; a second Ctrl-C must not cut it short.
                     for signum in (signal.SIGINT, signal.SIGTERM):
                         signal.signal(signum, signal.SIG_IGN)
-                    say("cleaning up: load, Prometheus, Alertmanager, operator, engine, cluster")
+                    say("cleaning up: load, Prometheus, the adapter, operator, engine, cluster")
         except KeyboardInterrupt:
             say("interrupted; everything it started is stopped")
             return 130

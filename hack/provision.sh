@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Provision the local test environment into $PAGEKEEPER_CACHE (default ~/.cache/pagekeeper):
-# Kubernetes control-plane binaries, etcd, kwok/kwokctl and helm built from their Go modules,
-# the Prometheus Operator CRDs and the Gateway API Inference Extension's InferencePool CRD from
-# their Go modules, prometheus/promtool/alertmanager from Debian's packages, the image tools
-# (buildah, podman, mmdebstrap, runc) from Debian's packages too, and one environment per tested
-# vLLM version (vllm from PyPI, no GPU needed) for the plugin and flag-contract tests. Every
-# step is skipped when its output is already there.
+# Kubernetes control-plane binaries, etcd, kwok/kwokctl, helm and prometheus-adapter built from
+# their Go modules, the Prometheus Operator CRDs, the Gateway API Inference Extension's
+# InferencePool CRD and KEDA's ScaledObject CRD from their Go modules, prometheus/promtool/
+# alertmanager from Debian's packages, the image tools (buildah, podman, mmdebstrap, runc) from
+# Debian's packages too, and one environment per tested vLLM version (vllm from PyPI, no GPU
+# needed) for the plugin and flag-contract tests. Every step is skipped when its output is
+# already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -19,6 +20,8 @@ PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.85.0}"
 INFERENCE_EXTENSION_VERSION="${INFERENCE_EXTENSION_VERSION:-v1.4.0}"
 # The oldest vLLM the operator's default image runs, and the newest tested (hack/vllm/*.txt).
 VLLM_VERSIONS="${VLLM_VERSIONS:-0.11.0 0.33.0}"
+PROMETHEUS_ADAPTER_VERSION="${PROMETHEUS_ADAPTER_VERSION:-v0.12.0}"
+KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOPATH="$CACHE/go/path"
@@ -109,6 +112,38 @@ inference_pool_crd() {
   touch "$dest/.done"
 }
 
+# Go's module directory of `module@version`, downloading it first if needed.
+module_dir() {
+  (cd "$CACHE" && go mod download -json "$1") | sed -n 's/.*"Dir": "\(.*\)",/\1/p'
+}
+
+# The adapter is built inside a writable copy of its own module, so the dependency versions
+# its go.mod pins are the ones built (a scratch module requiring it would resolve others).
+build_prometheus_adapter() {
+  have prometheus-adapter && { log "prometheus-adapter $PROMETHEUS_ADAPTER_VERSION: cached"; return; }
+  local work="$CACHE/src/prometheus-adapter-$PROMETHEUS_ADAPTER_VERSION" dir
+  dir=$(module_dir "sigs.k8s.io/prometheus-adapter@$PROMETHEUS_ADAPTER_VERSION")
+  [[ -n "$dir" ]] || { echo "prometheus-adapter $PROMETHEUS_ADAPTER_VERSION: module not found" >&2; exit 1; }
+  rm -rf "$work"
+  cp -r "$dir" "$work"
+  chmod -R u+w "$work"
+  log "prometheus-adapter $PROMETHEUS_ADAPTER_VERSION: building"
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$BIN/prometheus-adapter" ./cmd/adapter)
+}
+
+keda_crds() {
+  local dest="$CACHE/crds/keda-$KEDA_VERSION"
+  [[ -f "$dest/.done" ]] && { log "KEDA CRDs: cached"; return; }
+  log "KEDA CRDs $KEDA_VERSION: fetching module"
+  local dir
+  dir=$(module_dir "github.com/kedacore/keda/v2@$KEDA_VERSION")
+  mkdir -p "$dest"
+  # The operator renders ScaledObjects only; their schema is what the tests check against.
+  cp "$dir"/config/crd/bases/keda.sh_scaledobjects.yaml "$dest/"
+  chmod u+w "$dest"/*.yaml
+  touch "$dest/.done"
+}
+
 debian_tools() {
   local need=()
   command -v prometheus >/dev/null || need+=(prometheus)
@@ -162,15 +197,16 @@ main() {
   local start=$SECONDS
   for w in "${what[@]}"; do
     case "$w" in
-      all) debian_tools; container_tools; prometheus_operator_crds; inference_pool_crd; build_etcd
+      all) debian_tools; container_tools; prometheus_operator_crds; inference_pool_crd; keda_crds; build_etcd
            go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-           build_kubernetes; vllm_envs ;;
+           build_prometheus_adapter; build_kubernetes; vllm_envs ;;
       vllm) vllm_envs ;;
       debian) debian_tools ;;
       containers) container_tools ;;
-      crds) prometheus_operator_crds; inference_pool_crd ;;
+      crds) prometheus_operator_crds; inference_pool_crd; keda_crds ;;
+      adapter) build_prometheus_adapter ;;
       etcd) build_etcd ;;
       kubernetes) build_kubernetes ;;
       *) echo "unknown target $w" >&2; exit 2 ;;

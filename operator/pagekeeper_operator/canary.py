@@ -232,9 +232,12 @@ def shape_deployments(
     desired: Sequence[Mapping[str, Any]],
     plan: CanaryPlan,
     stable_template: Mapping[str, Any] | None,
+    owns_replicas: bool = True,
 ) -> list[dict[str, Any]]:
     """`desired` with the Deployment running the stable template and the plan's replicas, and
-    the canary Deployment after it when the plan has canary pods."""
+    the canary Deployment after it when the plan has canary pods. Without `owns_replicas` (an
+    autoscaler owns the Deployment's count) the Deployment's replicas stay unrendered and the
+    canary pods come beside the autoscaled ones."""
     shaped: list[dict[str, Any]] = []
     for manifest in desired:
         obj = copy.deepcopy(dict(manifest))
@@ -244,7 +247,8 @@ def shape_deployments(
         candidate = copy.deepcopy(obj)
         if not plan.main_runs_candidate and stable_template is not None:
             obj["spec"]["template"] = copy.deepcopy(dict(stable_template))
-        obj["spec"]["replicas"] = plan.main_replicas
+        if owns_replicas:
+            obj["spec"]["replicas"] = plan.main_replicas
         if plan.canary_replicas > 0:
             shaped.append(_canary_deployment(candidate, plan.canary_replicas))
     return shaped

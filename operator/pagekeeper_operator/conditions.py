@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
@@ -36,6 +37,8 @@ OWNED_FIELDS = (
     "readyReplicas",
     "updatedReplicas",
     "selector",
+    "desiredReplicas",
+    "autoscaling",
     "effectiveMemoryPolicy",
     "specMemoryPolicyHash",
     "policyHash",
@@ -49,16 +52,23 @@ def _deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[
     return next((c for c in conditions if c.get("type") == type_), {})
 
 
+def desired_replicas(server: LLMServer, deployment: Mapping[str, Any] | None) -> int:
+    """The pods the server should have now: spec.replicas; the Deployment's own count under
+    spec.autoscaling (the autoscaler's) and while a canary is analyzed (the canary pods are
+    counted by the CanaryFailed condition and status.canary)."""
+    num_desired = server.spec.replicas
+    canary = server.status.canary
+    is_analyzing = canary is not None and canary.phase == "Analyzing"
+    if deployment is not None and (is_analyzing or server.spec.is_autoscaled):
+        num_desired = int((deployment.get("spec") or {}).get("replicas", num_desired))
+    return num_desired
+
+
 def _judge(
     server: LLMServer, deployment: Mapping[str, Any] | None, apply_error: str | None
 ) -> list[tuple[str, bool, str, str]]:
-    """(type, is_true, reason, message) for Ready, Progressing and Degraded. While a canary is
-    analyzed, the Deployment's own replicas are the desired ones (the canary pods are counted
-    by the CanaryFailed condition and status.canary)."""
-    num_desired = server.spec.replicas
-    canary = server.status.canary
-    if canary is not None and canary.phase == "Analyzing" and deployment is not None:
-        num_desired = int((deployment.get("spec") or {}).get("replicas", num_desired))
+    """(type, is_true, reason, message) for Ready, Progressing and Degraded."""
+    num_desired = desired_replicas(server, deployment)
     if deployment is None:
         reason = "ApplyFailed" if apply_error else "DeploymentMissing"
         message = apply_error or "the Deployment does not exist yet"
@@ -80,7 +90,7 @@ def _judge(
 
     counts = f"{num_ready}/{num_desired} replicas ready"
     if num_desired == 0:
-        ready = ("Ready", True, "ScaledToZero", "spec.replicas is 0")
+        ready = ("Ready", True, "ScaledToZero", "0 replicas desired")
     elif num_ready >= num_desired:
         ready = ("Ready", True, "AllReplicasReady", counts)
     else:
@@ -231,8 +241,10 @@ def compute_status(
     deployment: Mapping[str, Any] | None,
     now: str,
     apply_error: str | None = None,
+    autoscaling: AutoscalingStatus | None = None,
 ) -> LLMServerStatus:
-    """The status to write, given the Deployment as observed (None when absent)."""
+    """The status to write, given the Deployment as observed (None when absent) and, under
+    spec.autoscaling, what its autoscaler did (`autoscaling.autoscaling_status`)."""
     old = server.status
     generation = server.metadata.generation
     conditions = [
@@ -256,6 +268,8 @@ def compute_status(
             "ready_replicas": int(dep_status.get("readyReplicas") or 0),
             "updated_replicas": int(dep_status.get("updatedReplicas") or 0),
             "selector": selector_string(server),
+            "desired_replicas": desired_replicas(server, deployment),
+            "autoscaling": autoscaling,
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
             "policy_hash": memory_policy_hash(policy),

@@ -187,10 +187,16 @@ def _printer_columns() -> list[dict[str, Any]]:
             "description": "Pods ready to serve.",
         },
         {
+            "name": "Current",
+            "type": "integer",
+            "jsonPath": ".status.replicas",
+            "description": "Pods the Deployment has.",
+        },
+        {
             "name": "Desired",
             "type": "integer",
-            "jsonPath": ".spec.replicas",
-            "description": "Pods asked for.",
+            "jsonPath": ".status.desiredReplicas",
+            "description": "Pods wanted: spec.replicas, or the autoscaler's count.",
         },
         {
             "name": "Runtime",
@@ -203,6 +209,12 @@ def _printer_columns() -> list[dict[str, Any]]:
             "type": "number",
             "jsonPath": ".status.effectiveMemoryPolicy.gpuMemoryUtilization",
             "description": "Effective --gpu-memory-utilization of the pods.",
+        },
+        {
+            "name": "Last-Scale",
+            "type": "string",
+            "jsonPath": ".status.autoscaling.lastScaleReason",
+            "description": "Why the autoscaler last changed the count (spec.autoscaling).",
         },
         {
             "name": "Last-Remediation",

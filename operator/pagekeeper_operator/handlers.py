@@ -3,7 +3,8 @@
 - create / update / resume: reconcile, then write status if it changed.
 - every LLMServer event: keep the registry that the periodic resync (`resync.py`) walks; no
   kopf timer, because a timer would put a finalizer on every server.
-- events of our Deployments: recompute status (replicas ready, rollout progress).
+- events of our Deployments: recompute status (replicas ready, rollout progress); events of
+  the autoscaler that moved the count: the same.
 - delete: nothing to do; owner references let the garbage collector remove the children,
   so deletion never waits on the operator.
 """
@@ -25,6 +26,7 @@ from pagekeeper_operator.metrics import serve_metrics
 from pagekeeper_operator.reconcile import reconcile, refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
 from pagekeeper_operator.resync import ServerRegistry, resync_forever, server_reconciler
+from pagekeeper_operator.scaledown import keep_deletion_costs
 from pagekeeper_operator.settings import load_settings
 
 SETTINGS = load_settings()
@@ -61,27 +63,39 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.on.startup()
-async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+async def start_resync(memo: kopf.Memo, logger: Any, **_: Any) -> None:
     registry = ServerRegistry()
     memo["servers"] = registry
-    reconciler = server_reconciler(_kube(memo), SETTINGS.default_images)
+    memo["autoscaled"] = autoscaled = ServerRegistry()
+    kube = _kube(memo)
+    reconciler = server_reconciler(kube, SETTINGS.default_images, SETTINGS.prometheus_url)
     memo["resync_task"] = asyncio.create_task(
         resync_forever(registry, reconciler, SETTINGS.resync_seconds)
+    )
+    url = SETTINGS.prometheus_url
+    if url is None:
+        logger.info("PAGEKEEPER_PROMETHEUS_URL is not set: no pod-deletion costs")
+        return
+    memo["deletion_cost_task"] = asyncio.create_task(
+        keep_deletion_costs(autoscaled, kube, url, SETTINGS.deletion_cost_seconds)
     )
 
 
 @kopf.on.cleanup()
 async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("resync_task")
-    if isinstance(task, asyncio.Task):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for key in ("resync_task", "deletion_cost_task"):
+        task = memo.get(key)
+        if isinstance(task, asyncio.Task):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
     server = _parse(body)
-    result = reconcile(_kube(memo), server, SETTINGS.default_images)
+    result = reconcile(
+        _kube(memo), server, SETTINGS.default_images, prometheus_url=SETTINGS.prometheus_url
+    )
     if result.status_patch:
         patch.setdefault("status", {}).update(result.status_patch)
     logger.info(
@@ -108,12 +122,21 @@ def reconcile_server(
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def track_server(
-    type: str | None, name: str, namespace: str | None, memo: kopf.Memo, **_: Any
+    type: str | None,
+    name: str,
+    namespace: str | None,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
-    """Registers the servers the resync repairs drift on and picks stepped-down policies up for."""
-    registry = memo.get("servers")
+    """Registers the servers the resync repairs drift on and picks stepped-down policies up for,
+    and apart those under spec.autoscaling, whose pods get deletion costs."""
+    registry, autoscaled = memo.get("servers"), memo.get("autoscaled")
     assert isinstance(registry, ServerRegistry), "the startup handler sets memo.servers"
+    assert isinstance(autoscaled, ServerRegistry), "the startup handler sets memo.autoscaled"
     registry.observe(type, str(namespace), name)
+    is_autoscaled = (body.get("spec") or {}).get("autoscaling") is not None
+    autoscaled.observe(type if is_autoscaled else "DELETED", str(namespace), name)
 
 
 @kopf.on.event(
@@ -135,6 +158,35 @@ def deployment_changed(
         return  # the server is gone; the garbage collector takes the Deployment too
     deployment = None if type == "DELETED" else dict(body)
     patch = refresh_status(kube, LLMServer.from_body(obj), deployment)
+    if patch:
+        logger.debug("status of %s/%s updated: %s", namespace, name, sorted(patch))
+
+
+@kopf.on.event(
+    "autoscaling",
+    "v2",
+    "horizontalpodautoscalers",
+    labels={SERVER_LABEL: kopf.PRESENT},
+)
+def autoscaler_changed(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """The autoscaler of a server moved its count or stopped being able to: status follows."""
+    kube = _kube(memo)
+    namespace = str(body.metadata.namespace)
+    name = str(body.metadata.labels[SERVER_LABEL])
+    obj = kube.get(API_VERSION, KIND, namespace, name)
+    if obj is None:
+        return
+    server = LLMServer.from_body(obj)
+    recorded = server.status.autoscaling
+    if recorded is None or recorded.name != body.metadata.name:
+        return  # not the one the last reconcile recorded; the next reconcile looks again
+    status = body.get("status") or {}
+    if recorded.desired_replicas == status.get("desiredReplicas") and (
+        recorded.last_scale_time == status.get("lastScaleTime")
+    ):
+        return  # only its current metrics moved: nothing status shows
+    deployment = kube.get("apps/v1", "Deployment", namespace, name)
+    patch = refresh_status(kube, server, deployment)
     if patch:
         logger.debug("status of %s/%s updated: %s", namespace, name, sorted(patch))
 

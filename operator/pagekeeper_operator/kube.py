@@ -1,10 +1,12 @@
 """The operator's only Kubernetes I/O: one API client, one request path, for reconciliation
-(reads, server-side applies, deletes, status patches, CRD checks) and remediation (pods,
-evictions, Events, status written under optimistic concurrency).
+(reads, server-side applies, deletes, status patches, CRD checks), remediation (pods,
+evictions, Events, status written under optimistic concurrency) and scale-down (pod-deletion
+costs).
 
-Every write of a child object is a server-side apply under one field manager. `force=True` is
-safe because we apply only the fields we render: it takes back a field we own that someone else
-changed, and never touches fields we do not set. Objects travel as the API's JSON (dicts); the
+Every write of a child object is a server-side apply under one field manager (and, once, the
+replicas handed to an autoscaler under a second: `autoscaling`). `force=True` is safe because we
+apply only the fields we render: it takes back a field we own that someone else changed, and
+never touches fields we do not set. Objects travel as the API's JSON (dicts); the
 calls block, so async callers run them in a worker thread.
 """
 
@@ -24,12 +26,19 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, PLURAL
 from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.render import ClusterFeatures
+from pagekeeper_operator.render.autoscaler import (
+    HPA_API_VERSION,
+    HPA_KIND,
+    SCALED_OBJECT_API_VERSION,
+    SCALED_OBJECT_KIND,
+)
 from pagekeeper_operator.render.gateway import INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND
 
 FIELD_MANAGER = "pagekeeper-operator"
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 PROMETHEUS_RULE_CRD = "prometheusrules.monitoring.coreos.com"
 INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
+SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 # A missing CRD may be installed later (the Prometheus Operator or the inference gateway after
 # us): look again this often.
 CRD_RECHECK_SECONDS = 300.0
@@ -46,6 +55,8 @@ _PLURALS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
     (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): "inferencepools",
+    (HPA_API_VERSION, HPA_KIND): "horizontalpodautoscalers",
+    (SCALED_OBJECT_API_VERSION, SCALED_OBJECT_KIND): "scaledobjects",
     (API_VERSION, KIND): PLURAL,
 }
 StatusChange = Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -144,17 +155,37 @@ class Kube:
         """The current state of each object (None where absent)."""
         return {key: self.get(key[0], key[1], namespace, key[2]) for key in keys}
 
-    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply of an object we fully render."""
+    def apply(
+        self, manifest: Mapping[str, Any], field_manager: str | None = None, force: bool = True
+    ) -> dict[str, Any]:
+        """Server-side apply of an object we fully render, under our field manager unless
+        another is named; without `force` a field another manager set differently is a 409."""
         api_version, kind, name = key_of(manifest)
         namespace = str(manifest["metadata"]["namespace"])
         return self._request(
             "PATCH",
             resource_path(api_version, kind, namespace, name),
-            query=[("fieldManager", self.field_manager), ("force", "true")],
+            query=[
+                ("fieldManager", field_manager or self.field_manager),
+                ("force", "true" if force else "false"),
+            ],
             body=dict(manifest),
             content_type="application/apply-patch+yaml",
         )
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Merge-patch annotations of a pod (the pod-deletion cost); a pod already gone is fine."""
+        try:
+            self._request(
+                "PATCH",
+                resource_path("v1", "Pod", namespace, name),
+                query=[("fieldManager", self.field_manager)],
+                body={"metadata": {"annotations": dict(annotations)}},
+                content_type="application/merge-patch+json",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def delete(self, key: ObjectKey, namespace: str, uid: str) -> None:
         """Delete an object if it is still the one with `uid`; already gone is fine."""
@@ -250,4 +281,5 @@ class Kube:
             has_service_monitor=self.has_crd(SERVICE_MONITOR_CRD),
             has_prometheus_rule=self.has_crd(PROMETHEUS_RULE_CRD),
             has_inference_pool=self.has_crd(INFERENCE_POOL_CRD),
+            has_scaled_object=self.has_crd(SCALED_OBJECT_CRD),
         )

@@ -26,7 +26,7 @@ APPLIED_HASH_ANNOTATION = "pagekeeper.dev/applied-hash"
 _MERGE_KEYS = ("uid", "name", "mountPath", "containerPort")
 # Values under these keys are quantities, which the API server may rewrite ("1024Mi" -> "1Gi").
 _QUANTITY_PARENTS = {"requests", "limits"}
-_QUANTITY_KEYS = {"sizeLimit"}
+_QUANTITY_KEYS = {"sizeLimit", "averageValue"}
 _QUANTITY_CONTEXT = "<quantity>"
 
 ObjectKey = tuple[str, str, str]

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
 from pagekeeper_operator.canary import (
     CANARY_LABEL,
     CanaryEvent,
@@ -30,7 +32,8 @@ from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.remediation.actions import event
-from pagekeeper_operator.render import render_all, unwanted_objects
+from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
+from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
 from pagekeeper_operator.render.meta import SERVER_LABEL
 
 logger = logging.getLogger(__name__)
@@ -61,19 +64,27 @@ def _describe(action: Apply, exc: ApiException) -> str:
 
 
 def reconcile(
-    kube: Kube, server: LLMServer, default_images: Mapping[str, str], now: str | None = None
+    kube: Kube,
+    server: LLMServer,
+    default_images: Mapping[str, str],
+    now: str | None = None,
+    prometheus_url: str | None = None,
 ) -> ReconcileResult:
-    """Bring the server's children to the rendered state; return the status to write."""
+    """Bring the server's children to the rendered state; return the status to write.
+
+    `prometheus_url` is where KEDA's triggers query (a ScaledObject is rendered only with one).
+    """
     namespace = server.metadata.namespace
-    features = kube.features()
+    features = replace(kube.features(), prometheus_url=prometheus_url)
     now = now or utc_now()
     desired = render_all(server, default_images, features)
     stored = server  # the status patch is the difference from what the API server holds
     desired, server, canary_event = _with_canary(kube, server, desired, now)
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
-    error_text: str | None = None
-    for action in plan(desired, observed):
+    error_text = _hand_over(kube, server, observed, result)
+    actions = plan(desired, observed) if result.error is None else []
+    for action in actions:
         key = key_of(action.manifest)
         try:
             observed[key] = kube.apply(action.manifest)
@@ -99,9 +110,54 @@ def reconcile(
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
-    status = compute_status(server, deployment, now, error_text)
+    autoscaling = _autoscaling(kube, server, features, observed)
+    status = compute_status(server, deployment, now, error_text, autoscaling)
     result.status_patch = status_patch(stored, status)
     return result
+
+
+def _hand_over(
+    kube: Kube, server: LLMServer, observed: dict[ObjectKey, Any], result: ReconcileResult
+) -> str | None:
+    """Keep the Deployment's count while our apply stops owning it (`autoscaling`); the error
+    text of a failure. A conflict means the autoscaler changed the count meanwhile: the next
+    reconcile looks again."""
+    key = ("apps/v1", "Deployment", server.metadata.name)
+    manifest = handover(server, observed.get(key), kube.field_manager)
+    if manifest is None:
+        return None
+    try:
+        observed[key] = kube.apply(manifest, field_manager=HANDOVER_MANAGER, force=False)
+    except ApiException as exc:
+        result.error = exc
+        text = f"handing Deployment/{key[2]} replicas to the autoscaler failed ({exc.status})"
+        logger.warning("%s/%s: %s", server.metadata.namespace, server.metadata.name, text)
+        return text
+    logger.info(
+        "%s/%s: handed Deployment/%s replicas (%d) to the autoscaler",
+        server.metadata.namespace,
+        server.metadata.name,
+        key[2],
+        manifest["spec"]["replicas"],
+    )
+    return None
+
+
+def _autoscaling(
+    kube: Kube, server: LLMServer, features: ClusterFeatures, observed: Mapping[ObjectKey, Any]
+) -> AutoscalingStatus | None:
+    """status.autoscaling from the HorizontalPodAutoscaler that scales the Deployment."""
+    if not server.spec.is_autoscaled:
+        return None
+    name = server.metadata.name
+    hpa = observed.get((HPA_API_VERSION, HPA_KIND, name))
+    if features.uses_keda:
+        hpa_name = autoscaler_hpa_name(server, uses_keda=True)
+        hpa = kube.get(HPA_API_VERSION, HPA_KIND, server.metadata.namespace, hpa_name)
+    status = server.status
+    return autoscaling_status(
+        server, hpa, features.uses_keda, status.autoscaling, status.desired_replicas
+    )
 
 
 def _with_canary(
@@ -114,13 +170,17 @@ def _with_canary(
     running = kube.get("apps/v1", "Deployment", namespace, name)
     stable_template = None if running is None else running["spec"]["template"]
     spec = server.spec
+    # Under spec.autoscaling the count is the autoscaler's: the canary comes beside it.
+    replicas = spec.replicas
+    if spec.is_autoscaled and running is not None:
+        replicas = int(running["spec"].get("replicas") or 0)
     pods = []
     if spec.rollout.canary.enabled or server.status.canary is not None:
         selector = f"{SERVER_LABEL}={name},{CANARY_LABEL}=true"
         pods = [canary_pod(p) for p in kube.list("v1", "Pod", namespace, selector)]
     plan = decide_canary(
         spec.rollout.canary,
-        replicas=spec.replicas,
+        replicas=replicas,
         max_surge=spec.rollout.max_surge,
         candidate=template_identity(rendered["spec"]["template"]),
         stable=None if stable_template is None else template_identity(stable_template),
@@ -132,7 +192,8 @@ def _with_canary(
     )
     status = server.status.model_copy(update={"canary": plan.status})
     server = server.model_copy(update={"status": status})
-    return shape_deployments(desired, plan, stable_template), server, plan.event
+    shaped = shape_deployments(desired, plan, stable_template, owns_replicas=not spec.is_autoscaled)
+    return shaped, server, plan.event
 
 
 def _post_event(kube: Kube, server: LLMServer, canary_event: CanaryEvent) -> None:
@@ -192,8 +253,19 @@ def refresh_status(
         and degraded.observed_generation == server.metadata.generation
     ):
         apply_error = degraded.message
-    status = compute_status(server, deployment, now or utc_now(), apply_error)
+    autoscaling = _refresh_autoscaling(kube, server)
+    status = compute_status(server, deployment, now or utc_now(), apply_error, autoscaling)
     patch = status_patch(server, status)
     if patch:
         kube.patch_status(server.metadata.namespace, server.metadata.name, patch)
     return patch
+
+
+def _refresh_autoscaling(kube: Kube, server: LLMServer) -> AutoscalingStatus | None:
+    """status.autoscaling again from the autoscaler the last reconcile recorded."""
+    previous = server.status.autoscaling
+    if previous is None or not server.spec.is_autoscaled:
+        return previous if server.spec.is_autoscaled else None
+    hpa = kube.get(HPA_API_VERSION, HPA_KIND, server.metadata.namespace, previous.name)
+    uses_keda = previous.kind == "ScaledObject"
+    return autoscaling_status(server, hpa, uses_keda, previous, server.status.desired_replicas)

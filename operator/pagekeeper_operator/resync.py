@@ -39,14 +39,19 @@ class ServerRegistry:
         return sorted(self._keys)
 
 
-def server_reconciler(kube: Kube, default_images: Mapping[str, str]) -> ServerReconciler:
+def server_reconciler(
+    kube: Kube, default_images: Mapping[str, str], prometheus_url: str | None = None
+) -> ServerReconciler:
     """Render, plan and apply one server, and write its status: what the kopf handlers do."""
 
     async def reconcile_server(namespace: str, name: str) -> None:
         body = await asyncio.to_thread(kube.get, API_VERSION, KIND, namespace, name)
         if body is None:
             return
-        result = await asyncio.to_thread(reconcile, kube, LLMServer.from_body(body), default_images)
+        server = LLMServer.from_body(body)
+        result = await asyncio.to_thread(
+            reconcile, kube, server, default_images, None, prometheus_url
+        )
         if result.status_patch:
             await asyncio.to_thread(kube.patch_status, namespace, name, result.status_patch)
         if result.error is not None:

@@ -37,6 +37,15 @@ PAGEKEEPER_METRICS_PORT (default: unset, no metrics endpoint)
 PAGEKEEPER_RESYNC_SECONDS (default: 60)
     How often each LLMServer is re-planned (drift repair, a policy stepped down in status);
     a re-plan with nothing to change writes nothing.
+PAGEKEEPER_PROMETHEUS_URL (default: unset)
+    The Prometheus that scrapes the engine pods (http or https URL, e.g.
+    http://prometheus-operated.monitoring.svc:9090). Under spec.autoscaling the operator reads
+    each pod's requests in flight from it to keep their pod-deletion costs current, and KEDA's
+    ScaledObject triggers query it. Unset: no deletion costs, and a HorizontalPodAutoscaler
+    even where KEDA is installed.
+PAGEKEEPER_DELETION_COST_SECONDS (default: 15)
+    How often those pod-deletion costs are brought up to date (a pod is patched only when its
+    cost changed); 1 to 3600.
 
 This module is the only reader of these variables; the rest of the operator takes an
 `OperatorSettings`.
@@ -84,6 +93,8 @@ class OperatorSettings:
         }
     )
     resync_seconds: float = 60.0
+    prometheus_url: str | None = None
+    deletion_cost_seconds: float = 15.0
 
     @property
     def is_clusterwide(self) -> bool:
@@ -134,6 +145,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
             "set both PAGEKEEPER_WEBHOOK_TLS_CERT_FILE and PAGEKEEPER_WEBHOOK_TLS_KEY_FILE, "
             "or neither"
         )
+    prometheus_url = env.get("PAGEKEEPER_PROMETHEUS_URL", "").strip() or None
+    if prometheus_url is not None and not prometheus_url.startswith(("http://", "https://")):
+        raise SettingsError(f"PAGEKEEPER_PROMETHEUS_URL={prometheus_url!r} is not an http(s) URL")
     return OperatorSettings(
         namespaces=namespaces,
         peering_name=peering,
@@ -153,4 +167,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
         ),
         default_images=images,
         resync_seconds=float(_int(env, "PAGEKEEPER_RESYNC_SECONDS", 60, 5, 86400)),
+        prometheus_url=prometheus_url,
+        deletion_cost_seconds=float(_int(env, "PAGEKEEPER_DELETION_COST_SECONDS", 15, 1, 3600)),
     )

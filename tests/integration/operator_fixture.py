@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,11 @@ class OperatorProcess:
         namespace: str,
         log_dir: Path,
         resync_seconds: float = RESYNC_SECONDS,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.resync_seconds = resync_seconds
+        self.extra_env = dict(extra_env or {})
         self.namespace = namespace
         self.log_dir = log_dir
         self.num_starts = 0
@@ -56,6 +58,7 @@ class OperatorProcess:
             "KUBECONFIG": self.cluster.kubeconfig,
             "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
             "PAGEKEEPER_RESYNC_SECONDS": str(int(self.resync_seconds)),
+            **self.extra_env,
         }
         kopf = Path(sys.executable).with_name("kopf")
         with self.log_path.open("wb") as log:

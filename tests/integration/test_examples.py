@@ -20,9 +20,10 @@ llmserver_crd = operator_fixture.llmserver_crd
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # What each example is for: a small model, an 8B model on one GPU, a 70B model over four GPUs
-# (upstream vLLM, FP8 KV), upstream vLLM, and replicas behind an inference gateway.
-# (name, runtime, GPUs per pod)
+# (upstream vLLM, FP8 KV), upstream vLLM, replicas behind an inference gateway, and replicas
+# an autoscaler owns. (name, runtime, GPUs per pod)
 EXPECTED = {
+    "llmserver-autoscaling.yaml": ("qwen3-8b-autoscaled", "pagekeeper", 1),
     "llmserver-small.yaml": ("qwen3-0-6b", "pagekeeper", 1),
     "llmserver-8b.yaml": ("llama-3-1-8b", "pagekeeper", 1),
     "llmserver-70b-tp4.yaml": ("llama-3-1-70b", "vllm", 4),
@@ -87,8 +88,9 @@ def test_example_is_accepted_by_the_api_server(
 def test_what_an_example_renders_to_is_accepted(
     cluster: Cluster, namespace: str, llmserver_crd: Path, path: Path
 ) -> None:
-    """The Deployment, Service, PodDisruptionBudget, ServiceMonitor and PrometheusRule the
-    operator would create pass the API server's validation and PodSecurity `restricted`."""
+    """The Deployment, Service, PodDisruptionBudget, ServiceMonitor and PrometheusRule (and the
+    HorizontalPodAutoscaler of an autoscaled server) the operator would create pass the API
+    server's validation and PodSecurity `restricted`."""
     cluster.kubectl(
         "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
     )
@@ -98,10 +100,12 @@ def test_what_an_example_renders_to_is_accepted(
     server = LLMServer.from_body(items[0])
     images = OperatorSettings().default_images
     rendered = render_all(server, images, ClusterFeatures(True, True))
+    autoscaler = ["HorizontalPodAutoscaler"] if server.spec.is_autoscaled else []
     assert [obj["kind"] for obj in rendered] == [
         "Service",
         "PodDisruptionBudget",
         "Deployment",
+        *autoscaler,
         "ServiceMonitor",
         "PrometheusRule",
     ]

@@ -49,7 +49,11 @@ NAMESPACED_RULES = [
      "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
      "verbs": ["get", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]  # fmt: skip
@@ -150,10 +154,12 @@ DEFAULT_KINDS = [
 FULL_OPTIONS = [
     "--is-upgrade", "--set", "replicas=2", "--set", "crds.upgrade=true",
     "--set", "dashboards.enabled=true", "--set", "metrics.enabled=true",
-    "--set", "metrics.serviceMonitor.enabled=true",
+    "--set", "metrics.serviceMonitor.enabled=true", "--set", "adapterRules.enabled=true",
+    "--set", "operator.prometheusUrl=http://prometheus-operated.monitoring.svc:9090",
 ]  # fmt: skip
 FULL_KINDS = [
-    "ServiceAccount", "Secret", "ConfigMap", "CustomResourceDefinition", "ClusterRole",
+    "ServiceAccount", "Secret", "ConfigMap", "ConfigMap", "CustomResourceDefinition",
+    "ClusterRole",
     "ClusterRoleBinding", "Role", "Role", "RoleBinding", "RoleBinding", "Service", "Deployment",
     "KopfPeering", "KopfPeering", "ServiceMonitor",
 ]  # fmt: skip
@@ -191,10 +197,18 @@ def test_template_passes_a_server_side_dry_run(
         source = yaml.safe_load((CHART / "crds" / "llmservers.pagekeeper.dev.yaml").read_text())
         assert crd["spec"] == source["spec"]
         assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
-        (dashboard,) = by_kind(docs, "ConfigMap")
+        rules, dashboard = by_kind(docs, "ConfigMap")
         assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
         board = json.loads(dashboard["data"]["pagekeeper.json"])
         assert board == json.loads((CHART / "dashboards" / "pagekeeper.json").read_text())
+        assert rules["metadata"]["name"].endswith("-pagekeeper-adapter-rules")
+        adapter_rules = (CHART / "adapter" / "rules.yaml").read_text()
+        assert yaml.safe_load(rules["data"]["config.yaml"]) == yaml.safe_load(adapter_rules)
+        (deployment,) = by_kind(docs, "Deployment")
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"][
+            "containers"][0]["env"]}  # fmt: skip
+        assert env["PAGEKEEPER_PROMETHEUS_URL"] == "http://prometheus-operated.monitoring.svc:9090"
+        assert env["PAGEKEEPER_DELETION_COST_SECONDS"] == "15"
 
 
 def test_rbac_cluster_wide_and_per_namespace(
@@ -604,6 +618,15 @@ def _exercise_operator(
 
     wait_for(lambda: alive(lambda: _get(budget, "tiny", namespace) is None), timeout=60,
              what="the operator's PodDisruptionBudget deleted")  # fmt: skip
+
+    # Under spec.autoscaling: the operator makes the HorizontalPodAutoscaler and follows it.
+    custom.patch_namespaced_custom_object(
+        "pagekeeper.dev", "v1alpha1", namespace, "llmservers", "tiny",
+        {"spec": {"autoscaling": {"maxReplicas": 2}}},
+    )  # fmt: skip
+    autoscaling = client.AutoscalingV2Api(cluster.api).read_namespaced_horizontal_pod_autoscaler
+    wait_for(lambda: alive(lambda: _get(autoscaling, "tiny", namespace) is not None), timeout=60,
+             what="the operator's HorizontalPodAutoscaler")  # fmt: skip
 
 
 def test_webhook_variants(

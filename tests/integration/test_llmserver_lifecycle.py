@@ -92,13 +92,15 @@ def test_create_update_scale_delete(
     assert printed[0].split() == [
         "NAME",
         "READY",
+        "CURRENT",
         "DESIRED",
         "RUNTIME",
         "GPU-UTIL",
+        "LAST-SCALE",
         "LAST-REMEDIATION",
         "AGE",
     ]
-    assert printed[1].split()[:5] == ["qwen", "1", "1", "pagekeeper", "0.9"]
+    assert printed[1].split()[:6] == ["qwen", "1", "1", "1", "pagekeeper", "0.9"]
     first_sets = _replica_sets(cluster, namespace, "qwen")
     assert len(first_sets) == 1
 

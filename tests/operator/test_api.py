@@ -9,9 +9,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from pagekeeper_operator.api.autoscaling import MIN_MAX_RULE, TARGET_RULE
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
+    AUTOSCALING_CANARY_RULE,
     BLOCK_SIZE_RULE,
+    CANARY_RULE,
     DRAIN_RULE,
     GPU_RULE,
     PYTHONPATH_RULE,
@@ -100,6 +103,28 @@ def _error_messages(spec: dict[str, Any]) -> str:
             },
             PYTHONPATH_RULE["message"],
         ),
+        ({"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}, MIN_MAX_RULE["message"]),
+        (
+            {
+                "autoscaling": {
+                    "maxReplicas": 3,
+                    "targets": {"kvCacheUsage": 0, "waitingRequests": 0},
+                }
+            },
+            TARGET_RULE["message"],
+        ),
+        (
+            {"replicas": 1, "rollout": {"canary": {"enabled": True}}},
+            CANARY_RULE["message"],
+        ),
+        (
+            {
+                "replicas": 5,
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 4},
+                "rollout": {"canary": {"enabled": True}},
+            },
+            AUTOSCALING_CANARY_RULE["message"],
+        ),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
@@ -128,6 +153,12 @@ def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], mes
         ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
         ({"memoryPolicy": {"kvCacheDtype": "int8"}}, "spec.memoryPolicy.kvCacheDtype"),
         ({"resources": {"requests": {"memory": "lots"}}}, "spec.resources.requests.memory"),
+        ({"autoscaling": {"minReplicas": 2}}, "spec.autoscaling.maxReplicas"),
+        ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+        (
+            {"autoscaling": {"maxReplicas": 2, "targets": {"kvCacheUsage": 1.5}}},
+            "spec.autoscaling.targets.kvCacheUsage",
+        ),
     ],
 )
 def test_single_field_bounds_name_the_field(spec: dict[str, Any], field: str) -> None:
@@ -174,6 +205,26 @@ def test_rules_allow_what_they_should() -> None:
     tp = make_server({"parallelism": {"tensor": 4}, "resources": {"gpus": 4}})
     assert tp.spec.num_gpus == 4
     assert make_server({"resources": {"gpus": 0}}).spec.num_gpus == 0
+    # Under autoscaling spec.replicas is not used: the canary is bounded by minReplicas.
+    canary = {"rollout": {"canary": {"enabled": True}}}
+    autoscaled = make_server(
+        {**canary, "replicas": 1, "autoscaling": {"minReplicas": 2, "maxReplicas": 4}}
+    )
+    assert autoscaled.spec.is_autoscaled and not make_server().spec.is_autoscaled
+    only_running = {"kvCacheUsage": 0, "waitingRequests": 0, "runningRequests": 8}
+    make_server({"autoscaling": {"maxReplicas": 1, "targets": only_running}})
+
+
+def test_autoscaling_defaults() -> None:
+    spec = make_server({"autoscaling": {"maxReplicas": 4}}).spec.autoscaling
+    assert spec is not None
+    assert spec.to_api() == {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targets": {"kvCacheUsage": 0.8, "waitingRequests": 5.0, "runningRequests": 0.0},
+        "scaleUpStabilizationSeconds": 30,
+        "scaleDownStabilizationSeconds": 300,
+    }
 
 
 def test_a_stored_object_is_read_even_if_a_newer_rule_refuses_it() -> None:

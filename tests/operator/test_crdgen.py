@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from pagekeeper_operator import crdgen
+from pagekeeper_operator.api.autoscaling import MIN_MAX_RULE, TARGET_RULE
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
+    AUTOSCALING_CANARY_RULE,
     BLOCK_SIZE_RULE,
     CANARY_RULE,
     DRAIN_RULE,
@@ -95,9 +97,11 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
     columns = {c["name"]: (c["type"], c["jsonPath"]) for c in version["additionalPrinterColumns"]}
     assert columns == {
         "Ready": ("integer", ".status.readyReplicas"),
-        "Desired": ("integer", ".spec.replicas"),
+        "Current": ("integer", ".status.replicas"),
+        "Desired": ("integer", ".status.desiredReplicas"),
         "Runtime": ("string", ".spec.runtime"),
         "GPU-Util": ("number", ".status.effectiveMemoryPolicy.gpuMemoryUtilization"),
+        "Last-Scale": ("string", ".status.autoscaling.lastScaleReason"),
         "Last-Remediation": ("date", ".status.lastRemediation"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
@@ -191,11 +195,15 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         DRAIN_RULE,
         GPU_RULE,
         CANARY_RULE,
+        AUTOSCALING_CANARY_RULE,
         PYTHONPATH_RULE,
         *TRIGGER_RULES,
     ]
     assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
     assert allocator["x-kubernetes-validations"] == [SPLIT_SIZE_RULE]
+    autoscaling = spec["properties"]["autoscaling"]
+    assert autoscaling["x-kubernetes-validations"] == [MIN_MAX_RULE]
+    assert autoscaling["properties"]["targets"]["x-kubernetes-validations"] == [TARGET_RULE]
     env = spec["properties"]["podTemplate"]["properties"]["env"]
     assert env["maxItems"] == 64 and env["items"]["properties"]["name"]["maxLength"] == 253
     rules = [
@@ -203,7 +211,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 12 + len(TRIGGER_RULES)
+    assert len(rules) == 15 + len(TRIGGER_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

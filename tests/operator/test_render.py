@@ -23,6 +23,8 @@ LABELS = {
     "app.kubernetes.io/managed-by": "pagekeeper-operator",
     "app.kubernetes.io/part-of": "pagekeeper",
 }
+# A server without spec.autoscaling looks for a HorizontalPodAutoscaler it may once have made.
+HPA_KEY = ("autoscaling/v2", "HorizontalPodAutoscaler", "qwen")
 SELECTOR = {"app.kubernetes.io/name": "pagekeeper-engine", "pagekeeper.dev/llmserver": "qwen"}
 OWNER = {
     "apiVersion": "pagekeeper.dev/v1alpha1",
@@ -476,12 +478,13 @@ def test_service_pdb_and_service_monitor_exactly() -> None:
 def test_user_brings_their_own_disruption_budget() -> None:
     managed = make_server()
     assert managed.spec.disruption_budget.managed is True
-    assert unwanted_objects(managed, ClusterFeatures()) == []
+    assert unwanted_objects(managed, ClusterFeatures()) == [HPA_KEY]
     own = make_server({"disruptionBudget": {"managed": False}})
     kinds = [o["kind"] for o in render_all(own, DEFAULT_IMAGES, ClusterFeatures(True, True))]
     assert kinds == ["Service", "Deployment", "ServiceMonitor", "PrometheusRule"]
     assert unwanted_objects(own, ClusterFeatures()) == [
-        ("policy/v1", "PodDisruptionBudget", "qwen")
+        ("policy/v1", "PodDisruptionBudget", "qwen"),
+        HPA_KEY,
     ]
 
 
@@ -548,6 +551,6 @@ def test_inference_pool_needs_the_spec_and_the_crd() -> None:
     assert "InferencePool" not in [o["kind"] for o in without_crd]
     # Once unset, the one the operator made is deleted; without the CRD nothing is looked for.
     pool_key = ("inference.networking.k8s.io/v1", "InferencePool", "qwen")
-    assert unwanted_objects(make_server(), ALL_FEATURES) == [pool_key]
-    assert unwanted_objects(make_server(), ClusterFeatures()) == []
-    assert unwanted_objects(asked, ALL_FEATURES) == []
+    assert unwanted_objects(make_server(), ALL_FEATURES) == [pool_key, HPA_KEY]
+    assert unwanted_objects(make_server(), ClusterFeatures()) == [HPA_KEY]
+    assert unwanted_objects(asked, ALL_FEATURES) == [HPA_KEY]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,13 @@ def restrict_namespace(cluster: Cluster, namespace: str) -> None:
 class OperatorProcess:
     """`kopf run -m pagekeeper_operator.main` watching one namespace, webhook on loopback."""
 
-    def __init__(self, kubeconfig: str, namespace: str, workdir: Path) -> None:
+    def __init__(
+        self,
+        kubeconfig: str,
+        namespace: str,
+        workdir: Path,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_urlsafe(24)
         self.token_file = workdir / "webhook-token"
@@ -67,6 +74,7 @@ class OperatorProcess:
             "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
             "PAGEKEEPER_WEBHOOK_PORT": str(self.port),
             "PAGEKEEPER_WEBHOOK_TOKEN_FILE": str(self.token_file),
+            **(extra_env or {}),
         }
         kopf = Path(sys.executable).with_name("kopf")
         argv = [str(kopf), "run", "-m", "pagekeeper_operator.main", "--standalone"]
@@ -272,9 +280,10 @@ def pod_scrape(port: int, *identities: PodIdentity, job: str = ENGINE_JOB) -> di
 
 
 class Prometheus:
-    """A real Prometheus on loopback whose scrape targets can be changed with a reload."""
+    """A real Prometheus on loopback whose scrape targets can be changed with a reload; it
+    sends its alerts to `alertmanager` when there is one."""
 
-    def __init__(self, workdir: Path, rule_files: list[Path], alertmanager: Service) -> None:
+    def __init__(self, workdir: Path, rule_files: list[Path], alertmanager: Service | None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.rule_files = rule_files
@@ -283,13 +292,16 @@ class Prometheus:
         self.service: Service | None = None
 
     def _write(self, scrape_configs: list[dict[str, Any]]) -> None:
-        target = self.alertmanager.url.removeprefix("http://")
-        prometheus_config = {
+        prometheus_config: dict[str, Any] = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(path) for path in self.rule_files],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]},
-            "scrape_configs": scrape_configs,
         }
+        if self.alertmanager is not None:
+            target = self.alertmanager.url.removeprefix("http://")
+            prometheus_config["alerting"] = {
+                "alertmanagers": [{"static_configs": [{"targets": [target]}]}]
+            }
+        prometheus_config["scrape_configs"] = scrape_configs
         self.config_path.write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
 
     def start(self, scrape_configs: list[dict[str, Any]]) -> Prometheus:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -29,14 +30,19 @@ def http_get_json(url: str, timeout: float = 5) -> Any:
 
 
 def wait_http_ok(
-    url: str, timeout: float = 60, proc: subprocess.Popen[bytes] | None = None
+    url: str,
+    timeout: float = 60,
+    proc: subprocess.Popen[bytes] | None = None,
+    insecure: bool = False,
 ) -> None:
+    """Until `url` answers 200; `insecure` accepts any certificate (a self-signed one)."""
+    context = ssl._create_unverified_context() if insecure else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):

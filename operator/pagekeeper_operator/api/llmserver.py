@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
+from pagekeeper_operator.api.autoscaling import AutoscalingSpec
 from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import MemoryPolicy
@@ -106,9 +107,17 @@ PYTHONPATH_RULE = cel(
     ".podTemplate.env",
 )
 CANARY_RULE = cel(
-    "!self.rollout.canary.enabled || self.rollout.canary.replicas < self.replicas",
+    "!self.rollout.canary.enabled || has(self.autoscaling)"
+    " || self.rollout.canary.replicas < self.replicas",
     "spec.rollout.canary.replicas must be below spec.replicas (the canary tests a change on "
     "some of the pods, not all)",
+    ".rollout.canary.replicas",
+)
+AUTOSCALING_CANARY_RULE = cel(
+    "!self.rollout.canary.enabled || !has(self.autoscaling)"
+    " || self.rollout.canary.replicas < self.autoscaling.minReplicas",
+    "spec.rollout.canary.replicas must be below spec.autoscaling.minReplicas (the canary tests a "
+    "change on some of the pods, not all, however few the autoscaler keeps)",
     ".rollout.canary.replicas",
 )
 
@@ -232,6 +241,7 @@ class LLMServerSpec(ApiModel):
             DRAIN_RULE,
             GPU_RULE,
             CANARY_RULE,
+            AUTOSCALING_CANARY_RULE,
             PYTHONPATH_RULE,
             *TRIGGER_RULES,
         )
@@ -253,7 +263,24 @@ class LLMServerSpec(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="imagePullPolicy of the engine container."
     )
-    replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine pods.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description=(
+            "Number of engine pods. Not used while spec.autoscaling is set: the autoscaler owns "
+            "the count (set this to the count you want before removing spec.autoscaling)."
+        ),
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description=(
+            "Set: an autoscaler scales the pods on their KV-cache usage and request queues "
+            "(a HorizontalPodAutoscaler on prometheus-adapter's custom metrics, or a KEDA "
+            "ScaledObject where KEDA is installed), and the operator never writes the "
+            "Deployment's replicas. Unset (the default): spec.replicas pods."
+        ),
+    )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     parallelism: ParallelismSpec = Field(
         default_factory=ParallelismSpec,
@@ -289,6 +316,11 @@ class LLMServerSpec(ApiModel):
             "(--shutdown-timeout); the pod's termination grace period adds a margin to it."
         ),
     )
+
+    @property
+    def is_autoscaled(self) -> bool:
+        """Whether an autoscaler owns the replica count (spec.replicas is then not used)."""
+        return self.autoscaling is not None
 
     @property
     def num_gpus(self) -> int:
@@ -331,9 +363,15 @@ class LLMServerSpec(ApiModel):
             raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
         if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
             raise ValueError(DRAIN_RULE["message"])
-        canary = self.rollout.canary
-        if canary.enabled and canary.replicas >= self.replicas:
+        canary, autoscaling = self.rollout.canary, self.autoscaling
+        if canary.enabled and autoscaling is None and canary.replicas >= self.replicas:
             raise ValueError(CANARY_RULE["message"])
+        if (
+            canary.enabled
+            and autoscaling is not None
+            and canary.replicas >= autoscaling.min_replicas
+        ):
+            raise ValueError(AUTOSCALING_CANARY_RULE["message"])
         if self.runtime == "vllm" and any(
             e.name == "PYTHONPATH" and e.value_from is not None for e in self.pod_template.env
         ):

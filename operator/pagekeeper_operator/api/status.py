@@ -6,6 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field
 
+from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
@@ -84,6 +85,13 @@ class LLMServerStatus(ApiModel):
         ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")
+    desired_replicas: int | None = Field(
+        default=None,
+        description=(
+            "Pods the server should have now: spec.replicas, or under spec.autoscaling the "
+            "count the autoscaler last set on the Deployment."
+        ),
+    )
     ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
     updated_replicas: int | None = Field(
         default=None, description="Pods running the current pod template (memory policy)."
@@ -125,6 +133,13 @@ class LLMServerStatus(ApiModel):
         description=(
             "The canary of the latest pod-template change under spec.rollout.canary: analyzing, "
             "promoted or failed, with the failing signal and its value."
+        ),
+    )
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None,
+        description=(
+            "The autoscaler under spec.autoscaling: what it last asked for, when and why, or "
+            "why it cannot scale."
         ),
     )
     last_remediation: str | None = Field(

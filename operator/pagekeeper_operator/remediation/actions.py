@@ -55,14 +55,21 @@ def bounded_history(
     return entries[-limit:]
 
 
-def server_info(body: dict[str, Any], pods: Sequence[PodState]) -> ServerInfo:
-    """ServerInfo from an LLMServer object as the API returns it."""
+def server_info(
+    body: dict[str, Any], pods: Sequence[PodState], deployment_replicas: int | None = None
+) -> ServerInfo:
+    """ServerInfo from an LLMServer object as the API returns it. Under spec.autoscaling the
+    desired count is the Deployment's (`deployment_replicas`, the autoscaler's), not
+    spec.replicas."""
     server = LLMServer.from_body(body)
+    num_desired = server.spec.replicas
+    if server.spec.is_autoscaled and deployment_replicas is not None:
+        num_desired = deployment_replicas
     state = ServerState(
         namespace=server.metadata.namespace,
         name=server.metadata.name,
         remediation=server.spec.remediation,
-        num_desired=server.spec.replicas,
+        num_desired=num_desired,
         pods=tuple(p for p in pods if p.server == server.metadata.name),
         runtime=server.spec.runtime,
         has_plugin=server.spec.has_vllm_plugin,
@@ -114,7 +121,13 @@ class KubeClusterPort:
         self._uids[(namespace, name)] = body["metadata"].get("uid", "")
         selector = f"{SERVER_LABEL}={name}"
         pods = await asyncio.to_thread(self.kube.list, "v1", "Pod", namespace, selector)
-        return server_info(body, [pod_state(pod) for pod in pods])
+        replicas = None
+        if (body.get("spec") or {}).get("autoscaling") is not None:
+            deployment = await asyncio.to_thread(
+                self.kube.get, "apps/v1", "Deployment", namespace, name
+            )
+            replicas = None if deployment is None else deployment["spec"].get("replicas")
+        return server_info(body, [pod_state(pod) for pod in pods], replicas)
 
     async def evict(self, namespace: str, pod: str) -> tuple[EvictionOutcome, str]:
         try:

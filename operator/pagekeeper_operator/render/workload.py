@@ -184,7 +184,8 @@ def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> d
     """The Deployment running the engine pods.
 
     The pod template carries `pagekeeper.dev/policy-hash` of the effective memory policy: a
-    policy change alters the template and rolls the pods; a replicas change does not.
+    policy change alters the template and rolls the pods; a replicas change does not. Under
+    spec.autoscaling `replicas` is left out, so the server-side apply never owns it.
     """
     spec = server.spec
     policy = effective_memory_policy(server)
@@ -195,12 +196,16 @@ def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> d
         POLICY_HASH_ANNOTATION: memory_policy_hash(policy),
         "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
     }
+    deployment_spec: dict[str, Any] = {}
+    if not spec.is_autoscaled:
+        # Under spec.autoscaling the field is the autoscaler's: rendering it would fight it.
+        deployment_spec["replicas"] = spec.replicas
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": object_meta(server),
         "spec": {
-            "replicas": spec.replicas,
+            **deployment_spec,
             "selector": {"matchLabels": selector_labels(server)},
             "strategy": {
                 "type": "RollingUpdate",
