@@ -27,12 +27,16 @@ from pagekeeper_operator.api.runtime import (
 )
 from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
-    MAX_NAME_LENGTH,
-    STRING_MAP,
     ApiModel,
-    Quantity,
     cel,
     validations,
+)
+from pagekeeper_operator.api.workload import (
+    DisruptionBudgetSpec,
+    ModelSource,
+    ParallelismSpec,
+    Resources,
+    ServiceSpec,
 )
 
 GROUP = "pagekeeper.dev"
@@ -120,114 +124,6 @@ AUTOSCALING_CANARY_RULE = cel(
     "change on some of the pods, not all, however few the autoscaler keeps)",
     ".rollout.canary.replicas",
 )
-
-
-class ModelSource(ApiModel):
-    """The model the engine serves."""
-
-    source: str = Field(
-        min_length=1,
-        max_length=2048,
-        description=(
-            "Path inside the pod (for example a mounted volume) or URI the engine loads: a "
-            "Hugging Face checkpoint directory for runtime pagekeeper; anything `vllm serve` "
-            "accepts for runtime vllm."
-        ),
-    )
-    served_model_name: str | None = Field(
-        default=None,
-        max_length=MAX_NAME_LENGTH,
-        description="--served-model-name: the name clients use; unset, the source.",
-    )
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="--dtype of weights and activations."
-    )
-    load_format: Literal["auto", "safetensors", "dummy"] = Field(
-        default="auto",
-        description="--load-format; dummy builds random weights at the model's real shape.",
-    )
-
-
-class ComputeQuantities(ApiModel):
-    """CPU and memory amounts for the engine container."""
-
-    cpu: Quantity | None = Field(default=None, description="CPU cores, e.g. 8 or 500m.")
-    memory: Quantity | None = Field(default=None, description="Host memory, e.g. 64Gi.")
-
-
-class Resources(ApiModel):
-    """What one pod gets: GPUs and their type, CPU, host memory and shared memory."""
-
-    gpus: int | None = Field(
-        default=None,
-        ge=0,
-        le=16,
-        description=(
-            "nvidia.com/gpu per pod; unset, spec.parallelism.tensor (one GPU per rank). 0 runs "
-            "the pagekeeper engine on the CPU (with spec.parallelism.tensor 1)."
-        ),
-    )
-    shared_memory: Quantity | None = Field(
-        default=None,
-        description=(
-            "Size of the pod's memory-backed /dev/shm (NCCL's buffers between the ranks of one "
-            "pod live there; it counts against the pod's memory). Unset: 1Gi per GPU, at "
-            "least 1Gi (4Gi for a tensor-parallel size of 4)."
-        ),
-    )
-    gpu_type: str | None = Field(
-        default=None,
-        max_length=MAX_NAME_LENGTH,
-        description=(
-            "GPU product the pod must land on, matched against the node label "
-            "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3)."
-        ),
-    )
-    requests: ComputeQuantities = Field(
-        default_factory=ComputeQuantities, description="CPU and memory requests."
-    )
-    limits: ComputeQuantities = Field(
-        default_factory=ComputeQuantities, description="CPU and memory limits."
-    )
-
-
-class ParallelismSpec(ApiModel):
-    """How one model is split over the GPUs of one pod."""
-
-    tensor: Literal[1, 2, 4, 8] = Field(
-        default=1,
-        description=(
-            "--tensor-parallel-size: GPUs one model is split over (its layers' weights and KV "
-            "heads), for either runtime. The pod asks for that many GPUs and gets a "
-            "memory-backed /dev/shm for the ranks' collectives; an eviction takes the whole pod."
-        ),
-    )
-
-
-class ServiceSpec(ApiModel):
-    """The Service in front of the pods (OpenAI-compatible HTTP and /metrics)."""
-
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
-        default="ClusterIP", description="Service type."
-    )
-    port: int = Field(default=8000, ge=1, le=65535, description="Port the Service listens on.")
-    annotations: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra=STRING_MAP, description="Service annotations."
-    )
-
-
-class DisruptionBudgetSpec(ApiModel):
-    """Who provides the PodDisruptionBudget that every eviction of the pods must respect."""
-
-    managed: bool = Field(
-        default=True,
-        description=(
-            "true: the operator renders a PodDisruptionBudget allowing "
-            "spec.remediation.maxUnavailable pods down at a time. false: bring your own (the "
-            "operator deletes the one it made); the operator's evictions then obey yours. A pod "
-            "covered by two budgets cannot be evicted at all, so keep only one."
-        ),
-    )
 
 
 class LLMServerSpec(ApiModel):
