@@ -58,7 +58,13 @@ def _watch(process: BaseProcess, gone: asyncio.Event, what: str) -> None:
     async def reap() -> None:
         # the sentinel can turn readable a moment before the exit status can be collected
         await asyncio.to_thread(process.join, CORE_STOP_TIMEOUT_S)
-        logger.error("%s exited with code %s", what, process.exitcode)
+        code = process.exitcode
+        if code == 0:  # a clean stop, as after a drain
+            logger.info("%s exited with code 0", what)
+        elif code is None:  # reaped by the shutdown's own join, which reports a failure
+            logger.info("%s exited", what)
+        else:
+            logger.error("%s exited with code %s", what, code)
         gone.set()
 
     def on_exit() -> None:

@@ -18,7 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.memory.oom import OOMKind, OOMPhase, write_termination_log
+from pagekeeper_engine.memory.oom import (
+    OOMKind,
+    OOMPhase,
+    write_termination_log,
+    write_termination_text,
+)
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
 
 logger = logging.getLogger("pagekeeper_engine.core")
@@ -105,6 +110,11 @@ def _serve(
         core.close()
         if workers is not None:
             workers.stop(graceful=core.fatal_error is None)
-    if core.fatal_error is not None:
+    if core.fatal_error is not None and core.is_fatal_out_of_memory:
         report_oom_exit(config, "runtime", core.fatal_error)
+    elif core.fatal_error is not None:
+        logger.critical("exiting: %s", core.fatal_error)
+        write_termination_text(
+            f"engine core failed: {core.fatal_error}", Path(config.termination_log_path)
+        )
     return code

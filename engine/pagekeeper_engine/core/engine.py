@@ -40,6 +40,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus, check_token_stop
 from pagekeeper_engine.core.stats import FINISH_REASONS
+from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.memory.allocator import PeriodicReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.oom_recovery import OomRecovery
@@ -160,6 +161,8 @@ class LLMEngine:
             self._count_swap_ooms()
             self._oom.on_oom(out, exc)
             return outputs
+        except FatalEngineError:
+            raise
         except Exception as exc:  # the runner's failure must not take the loop down
             self._count_swap_ooms()
             return outputs + self._fail_step(out, exc)
@@ -192,6 +195,8 @@ class LLMEngine:
             outputs += self._settle()  # recovery preempts with every token known
             self._oom.on_oom(out, exc)
             return outputs
+        except FatalEngineError:
+            raise
         except Exception as exc:  # the runner's failure must not take the loop down
             self._count_swap_ooms()
             outputs += self._settle()
@@ -222,6 +227,8 @@ class LLMEngine:
                 return []
         try:
             runner_out = step.pending.result()
+        except FatalEngineError:
+            raise
         except Exception as exc:
             outputs = self._fail_step(step.out, exc)
             later, self._in_flight = self._in_flight, None

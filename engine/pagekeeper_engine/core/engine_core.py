@@ -8,8 +8,9 @@ a step). The loop's stats ride on those messages at most every `STATS_INTERVAL_S
 loop sends them every `HEARTBEAT_INTERVAL_S` as a heartbeat.
 
 The loop ends on `Shutdown` (exit 0), when the process that started it is gone (exit 1: the
-pod's front end died), or when out-of-memory errors repeat past the engine's limit (a `Fatal`
-message to every front end, `fatal_error` set, exit 1).
+pod's front end died), or on a `FatalEngineError` (out-of-memory errors past the engine's limit,
+any step failure under tensor parallelism): a `Fatal` message to every front end, `fatal_error`
+set, exit 1.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
+from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.messages import (
     HEARTBEAT_INTERVAL_S,
     STATS_INTERVAL_S,
@@ -70,6 +71,7 @@ class EngineCore:
     ) -> None:
         self.engine = engine
         self.fatal_error: str | None = None
+        self.is_fatal_out_of_memory = False
         self._is_parent_alive = is_parent_alive
         self._context = zmq.Context()
         self._inbox = self._context.socket(zmq.PULL)
@@ -120,8 +122,8 @@ class EngineCore:
                 continue
             try:
                 outputs = engine.step()
-            except EngineOutOfMemoryError as exc:
-                self._give_up(str(exc))
+            except FatalEngineError as exc:
+                self._give_up(str(exc), is_out_of_memory=exc.is_out_of_memory)
                 return 1
             except Exception:  # a scheduler bug: fail what is in flight, keep serving
                 logger.exception("engine step raised; failing every request in flight")
@@ -210,9 +212,10 @@ class EngineCore:
             outputs.append(EngineOutput(request_id, [], True, "abort", 0, 0, 0, error=reason))
         return outputs
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str, *, is_out_of_memory: bool) -> None:
         logger.critical("giving up: %s", reason)
         self.fatal_error = reason
+        self.is_fatal_out_of_memory = is_out_of_memory
         self._broadcast(Fatal(reason))
 
     def _broadcast(self, message: FromCore) -> None:

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import Literal
 
+from pagekeeper_engine.faults import FatalEngineError
+
 logger = logging.getLogger(__name__)
 
 TERMINATION_LOG = Path("/dev/termination-log")
@@ -27,6 +29,19 @@ def termination_message(kind: OOMKind, phase: OOMPhase, detail: str) -> str:
     one_line = " ".join(detail.split())
     text = f"pagekeeper-oom kind={kind} phase={phase} detail={one_line}"
     return text.encode()[: MAX_MESSAGE_BYTES - 1].decode(errors="ignore") + "\n"
+
+
+def write_termination_text(text: str, path: Path = TERMINATION_LOG) -> bool:
+    """Write a failure's reason as the termination message (not an OOM: no `pagekeeper-oom`
+    line, so the operator does not step the policy down); False (and a log line) where the
+    file cannot be written."""
+    one_line = " ".join(text.split())
+    try:
+        path.write_text(one_line.encode()[: MAX_MESSAGE_BYTES - 1].decode(errors="ignore") + "\n")
+    except OSError as exc:
+        logger.warning("could not write the termination message to %s: %s", path, exc)
+        return False
+    return True
 
 
 def write_termination_log(
@@ -60,5 +75,8 @@ class DeviceOutOfMemoryError(RuntimeError):
         self.kind = kind
 
 
-class EngineOutOfMemoryError(RuntimeError):
-    """Out-of-memory errors repeated past the retry limit: the engine gives up and exits."""
+class EngineOutOfMemoryError(FatalEngineError):
+    """Out-of-memory errors repeated past the retry limit, or one inside a tensor-parallel
+    step: the engine gives up and exits."""
+
+    is_out_of_memory = True

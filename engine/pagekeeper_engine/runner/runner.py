@@ -18,6 +18,7 @@ step reads the same placeholders.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +30,13 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.faults import (
+    INJECT_STEP_FAULT_ENV,
+    FatalEngineError,
+    InjectedStepFaultError,
+    TensorParallelStepError,
+    injected_fault_step,
+)
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError, EngineOutOfMemoryError
@@ -161,6 +169,8 @@ class ModelRunner:
         # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
         # request's row in them: the next step's placeholder inputs come from there.
         self._previous_sampled: torch.Tensor | None = None
+        self._num_launched = 0
+        self._fault_step = injected_fault_step(self.tp.rank, os.environ)
         self._previous_rows: dict[str, int] = {}
         self._results = HostResultBuffers(self.device, config.max_num_seqs)
 
@@ -284,10 +294,25 @@ class ModelRunner:
         engine, naming the rank."""
         if self.followers is not None:
             self.followers.send(out)
+        self._num_launched += 1
         try:
+            if self._num_launched == self._fault_step:
+                raise InjectedStepFaultError(
+                    f"rank {self.tp.rank}: fault injected in step {self._num_launched} "
+                    f"({INJECT_STEP_FAULT_ENV})"
+                )
             return self._launch(out)
         except torch.OutOfMemoryError as exc:
             detail = str(exc)
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            if self.tp.size == 1:
+                raise
+            raise TensorParallelStepError(
+                f"tensor-parallel rank {self.tp.rank}: a step failed "
+                f"({type(exc).__name__}: {exc}); the other ranks cannot go on without it"
+            ) from exc
         if self.tp.size > 1:
             raise EngineOutOfMemoryError(
                 f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 import zmq
 
+from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.memory.budget import MemoryBudgetError
 from pagekeeper_engine.memory.oom import (
     EngineOutOfMemoryError,
     OOMKind,
     OOMPhase,
     write_termination_log,
+    write_termination_text,
 )
 from pagekeeper_engine.runner.parallel import EXIT_SHARED_REFUSAL, WorkerSpec, step_decoder
 
@@ -104,6 +106,10 @@ def _serve(spec: WorkerSpec) -> int:
             runner.launch(out)
     except EngineOutOfMemoryError as exc:
         _report_oom(spec, "runtime", str(exc))
+        return 1
+    except FatalEngineError as exc:
+        logger.critical("exiting: %s", exc)
+        write_termination_text(f"engine core failed: {exc}", Path(spec.config.termination_log_path))
         return 1
     finally:
         inbox.close(linger=0)

@@ -1,5 +1,6 @@
 """The server with `--tensor-parallel-size 2` on the CPU: the same greedy text as one process,
-through the openai client; a rank's death ends it with a clear message and exit 1."""
+through the openai client; a rank's death or a step failing on either rank ends it with a clear
+message and exit 1; a clean stop logs no error."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import requests
 from openai import APIError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagekeeper_engine.faults import INJECT_STEP_FAULT_ENV
 from tests.engine.server.conftest import (
     LONG_CONTEXT,
     MODEL_NAME,
@@ -116,3 +118,49 @@ def test_the_core_killed_takes_its_ranks_with_it(checkpoint: Checkpoint, tmp_pat
         if is_running(worker):
             os.kill(worker, signal.SIGKILL)
         server.stop()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fatal_step_error_on_either_rank_ends_the_server(
+    checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """A step failure on one rank is fatal under tensor parallelism: the request fails at once,
+    the front end is told, and the server exits 1 naming the rank, rather than stepping on
+    while the other rank waits inside that step's collectives."""
+    monkeypatch.setenv(INJECT_STEP_FAULT_ENV, f"{rank}:3")
+    termination = tmp_path / "termination-log"
+    server = start_server(
+        checkpoint.path, tmp_path, "--tensor-parallel-size", "2",
+        "--termination-log-path", str(termination),
+    )  # fmt: skip
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(APIError):
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt="tell me",
+                max_tokens=40,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                timeout=60,
+            )
+        assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 1
+    finally:
+        server.stop()
+    log = server.log.read_text(errors="replace")
+    failed = (
+        f"tensor-parallel rank {rank}: a step failed (InjectedStepFaultError: rank {rank}: "
+        f"fault injected in step 3"
+    )
+    assert failed in log, log[-3000:]
+    assert "step failed; failing requests" not in log  # never caught as one failed step
+    assert termination.read_text().startswith("engine core failed: tensor-parallel rank ")
+
+
+def test_a_clean_drain_logs_no_error(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    server = start_server(checkpoint.path, tmp_path)
+    assert greedy(server, "hello there")[0]
+    assert server.stop() == 0
+    log = server.log.read_text(errors="replace")
+    assert re.search(r" INFO pagekeeper_engine: the engine core exited( with code 0)?\n", log)
+    assert not [line for line in log.splitlines() if " ERROR " in line], log[-3000:]
