@@ -83,7 +83,7 @@ class PagedFakeRunner:
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(num_cpu_blocks)]
         self.script = script
         self.step_delay_s = step_delay_s
-        self.fail_next = False
+        self.fail_next: bool | BaseException = False  # the next execute raises (this)
         self.oom_at_steps: set[int] = set()  # calls of execute (0-based) that run out of memory
         self.num_calls = 0
         self.num_swap_ooms = 0
@@ -114,8 +114,11 @@ class PagedFakeRunner:
         call = self.num_calls
         self.num_calls += 1
         if self.fail_next:
+            failure = self.fail_next
             self.fail_next = False
-            raise RuntimeError("device fell over")
+            raise (
+                failure if isinstance(failure, BaseException) else RuntimeError("device fell over")
+            )
         if call in self.oom_at_steps:
             raise DeviceOutOfMemoryError("step", f"injected at call {call}")
         time.sleep(self.step_delay_s)
