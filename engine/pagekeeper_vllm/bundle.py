@@ -23,6 +23,7 @@ DIST_NAME = "pagekeeper_vllm"
 # Packages copied whole, and single modules (with their parents' __init__.py).
 PACKAGES: tuple[str, ...] = ("pagekeeper_vllm",)
 MODULES: tuple[str, ...] = (
+    "pagekeeper_engine.faults",
     "pagekeeper_engine.memory.allocator",
     "pagekeeper_engine.memory.cuda",
     "pagekeeper_engine.memory.oom",

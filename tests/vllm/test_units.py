@@ -150,7 +150,15 @@ def test_the_bundle_imports_alone_and_the_launcher_needs_no_torch(bundle: Path) 
         "pagekeeper_vllm.bundle; print('torch' in sys.modules)"
     )
     result = subprocess.run(
-        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(bundle)!r}); {script}"],
+        # -S: no site-packages, so nothing of this checkout's environment stands in for a
+        # module the bundle lacks; the standard library and the bundle alone.
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(bundle)!r}); {script}",
+        ],
         capture_output=True,
         text=True,
         check=True,
