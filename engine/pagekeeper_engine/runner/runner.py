@@ -56,7 +56,7 @@ from pagekeeper_engine.runner.kv_cache import (
 )
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
-from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.step_results import FatalOnFailure, HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -287,41 +287,47 @@ class ModelRunner:
         """
         return self.launch(out).result()
 
-    def launch(self, out: SchedulerOutput) -> PendingStep:
+    def launch(self, out: SchedulerOutput) -> PendingStep | FatalOnFailure:
         """`execute` without the wait: the step is enqueued on the device (and handed to the
-        other ranks first). Under tensor parallelism a step that runs out of memory cannot be
-        retried (the other ranks are inside its collectives): EngineOutOfMemoryError ends the
-        engine, naming the rank."""
-        if self.followers is not None:
-            self.followers.send(out)
+        other ranks first). Under tensor parallelism every failure of the step, here or while
+        its tokens come back, ends the engine (`step_failure`)."""
         self._num_launched += 1
         try:
+            if self.followers is not None:
+                self.followers.send(out)
             if self._num_launched == self._fault_step:
                 raise InjectedStepFaultError(
                     f"rank {self.tp.rank}: fault injected in step {self._num_launched} "
                     f"({INJECT_STEP_FAULT_ENV})"
                 )
-            return self._launch(out)
-        except torch.OutOfMemoryError as exc:
-            detail = str(exc)
+            pending = self._launch(out)
         except FatalEngineError:
             raise
         except Exception as exc:
-            if self.tp.size == 1:
+            if self.tp.size > 1:
+                raise self.step_failure(exc) from exc
+            if not isinstance(exc, torch.OutOfMemoryError):
                 raise
-            raise TensorParallelStepError(
-                f"tensor-parallel rank {self.tp.rank}: a step failed "
-                f"({type(exc).__name__}: {exc}); the other ranks cannot go on without it"
-            ) from exc
-        if self.tp.size > 1:
-            raise EngineOutOfMemoryError(
-                f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "
-                f"which the other ranks cannot retry with it: {detail}"
-            )
+            detail = str(exc)
+        else:
+            return pending if self.tp.size == 1 else FatalOnFailure(pending, self.step_failure)
         # Leaving the except block dropped the traceback, and with it the frames that held the
         # step's tensors; only now can their memory go back to the allocator and the device.
         self.release_cached_memory()
         raise DeviceOutOfMemoryError("step", detail)
+
+    def step_failure(self, exc: Exception) -> FatalEngineError:
+        """What a failed step means under tensor parallelism: the other ranks are inside its
+        collectives (or past them), so no rank can fail it alone or retry it and go on."""
+        if isinstance(exc, torch.OutOfMemoryError):
+            return EngineOutOfMemoryError(
+                f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "
+                f"which the other ranks cannot retry with it: {exc}"
+            )
+        return TensorParallelStepError(
+            f"tensor-parallel rank {self.tp.rank}: a step failed "
+            f"({type(exc).__name__}: {exc}); the other ranks cannot go on without it"
+        )
 
     def release_cached_memory(self) -> None:
         """Hands the caching allocator's wholly free segments back to the device."""
