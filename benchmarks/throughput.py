@@ -15,6 +15,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import random
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.runner.parallel import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.runner.runner import ModelRunner
 
@@ -133,7 +135,8 @@ def build_engine(
     config = EngineConfig(**{**w_nano, **settings})
     stop_ranks()
     if config.tensor_parallel_size > 1:
-        runner, workers = start_tensor_parallel(config, tempfile.mkdtemp(prefix="tp-bench-"))
+        directory = tempfile.mkdtemp(prefix="tp-bench-")
+        runner, workers = start_tensor_parallel(config, directory, end_on_rank_failure)
         _RANKS.append(workers)
     else:
         runner = ModelRunner(config, progress=False)
@@ -170,6 +173,13 @@ def build_engine(
 
 
 _RANKS: list[WorkerRanks] = []  # the other ranks of the engine built last
+
+
+def end_on_rank_failure(failure: RankFailedError) -> None:
+    """A worker rank died: the run's figures are void, and rank 0 may wait for good inside a
+    collective that rank never joins, so the benchmark ends here (on the watchdog's thread)."""
+    print(f"  {failure}; the benchmark stops", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def stop_ranks() -> None:

@@ -5,7 +5,14 @@ here, never in the front end's process. Out of memory, the process says why in
 `--termination-log-path` (the operator reads it) before it exits 1: at start-up when the memory
 budget cannot hold one max-model-len request, the GPU has less free memory than asked for, or
 the profile itself ran out of memory; at run time when out-of-memory errors repeat past
-`--max-consecutive-ooms`. Any other failure to load exits 1 with the reason in the log.
+`--max-consecutive-ooms`. Any other fatal error at run time (`faults.FatalEngineError`) exits 1
+with `engine core failed: <reason>` there, unless a tensor-parallel rank that failed wrote its
+own. Any other failure to load exits 1 with the reason in the log.
+
+Under tensor parallelism a worker rank that ends unasked is reported on the watchdog's thread
+(`RankFailureHandler`): the loop gives up at its next turn. Rank 0 inside a collective that the
+dead rank never joins cannot get there (NCCL waits out its timeout), so after a grace period
+that thread tells the front ends, writes the termination message and ends the process itself.
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.faults import FatalEngineError, RankFailedError
 from pagekeeper_engine.memory.oom import (
     OOMKind,
     OOMPhase,
@@ -26,8 +36,14 @@ from pagekeeper_engine.memory.oom import (
 )
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
 
+if TYPE_CHECKING:
+    from pagekeeper_engine.core.engine_core import EngineCore
+
 logger = logging.getLogger("pagekeeper_engine.core")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# How long the loop may take to give up after a rank died before the process is ended around
+# it: a step in flight on gloo fails at once, and the core's sockets linger at most 2 s.
+RANK_FAILURE_GRACE_S = 5.0
 
 
 def report_oom_exit(config: EngineConfig, phase: OOMPhase, detail: str) -> None:
@@ -35,6 +51,67 @@ def report_oom_exit(config: EngineConfig, phase: OOMPhase, detail: str) -> None:
     logger.critical("exiting: out of memory at %s: %s", phase, detail)
     kind: OOMKind = "gpu" if config.device == "cuda" else "host"
     write_termination_log(kind, phase, detail, Path(config.termination_log_path))
+
+
+def report_fatal(config: EngineConfig, error: FatalEngineError) -> None:
+    """Log why the engine ends at run time and write it where the operator reads it."""
+    if error.is_out_of_memory:
+        report_oom_exit(config, "runtime", str(error))
+        return
+    logger.critical("exiting: %s", error)
+    if isinstance(error, RankFailedError) and error.wrote_termination_message:
+        return  # the rank that failed said why; its message stays
+    write_termination_text(f"engine core failed: {error}", Path(config.termination_log_path))
+
+
+def _end_process(code: int) -> None:
+    """End the process from any thread, whatever the main thread is waiting in."""
+    logging.shutdown()
+    os._exit(code)
+
+
+class RankFailureHandler:
+    """What the core's process does when a tensor-parallel rank ends unasked (see the module
+    docstring); called on the thread that watches the workers (`runner.parallel`). `exit` ends
+    the process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: CoreAddresses,
+        num_clients: int,
+        *,
+        grace_s: float = RANK_FAILURE_GRACE_S,
+        exit: Callable[[int], object] = _end_process,
+    ) -> None:
+        self.core: EngineCore | None = None  # none yet while the model loads
+        self.finished = threading.Event()  # the process's own path has ended
+        self._failure: RankFailedError | None = None
+        self._config = config
+        self._addresses = addresses
+        self._num_clients = num_clients
+        self._grace_s = grace_s
+        self._exit = exit
+
+    def attach(self, core: EngineCore) -> None:
+        """The loop is built: it hears of a rank's failure from now on (or at once)."""
+        self.core = core
+        if self._failure is not None:
+            core.fail(self._failure)
+
+    def __call__(self, failure: RankFailedError) -> None:
+        self._failure = failure
+        core = self.core
+        if core is not None:
+            core.fail(failure)
+        if self.finished.wait(self._grace_s):
+            return
+        from pagekeeper_engine.core.engine_core import announce_fatal  # noqa: PLC0415
+
+        logger.critical("rank 0 is still in a collective %.0f s later; ending it", self._grace_s)
+        announce_fatal(self._addresses, self._num_clients, str(failure))
+        report_fatal(self._config, failure)
+        self._exit(1)
 
 
 def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_clients: int) -> None:
@@ -54,6 +131,20 @@ def _serve(
     num_clients: int,
     is_parent_alive: Callable[[], bool],
 ) -> int:
+    on_rank_failure = RankFailureHandler(config, addresses, num_clients)
+    try:
+        return _load_and_serve(config, addresses, num_clients, is_parent_alive, on_rank_failure)
+    finally:
+        on_rank_failure.finished.set()
+
+
+def _load_and_serve(
+    config: EngineConfig,
+    addresses: CoreAddresses,
+    num_clients: int,
+    is_parent_alive: Callable[[], bool],
+    on_rank_failure: RankFailureHandler,
+) -> int:
     import torch  # noqa: PLC0415  (the front end's process never imports torch)
 
     from pagekeeper_engine.core.engine import LLMEngine  # noqa: PLC0415
@@ -67,7 +158,9 @@ def _serve(
     try:
         try:
             if config.tensor_parallel_size > 1:
-                runner, workers = start_tensor_parallel(config, addresses.directory)
+                runner, workers = start_tensor_parallel(
+                    config, addresses.directory, on_rank_failure
+                )
             else:
                 runner = ModelRunner(config)
         except torch.OutOfMemoryError as exc:
@@ -84,6 +177,7 @@ def _serve(
         return 1
     engine = LLMEngine(config, runner, runner.eos_token_ids)
     core = EngineCore(engine, addresses, num_clients, is_parent_alive=is_parent_alive)
+    on_rank_failure.attach(core)
     try:
         core.send_ready(
             Ready(
@@ -109,12 +203,7 @@ def _serve(
     finally:
         core.close()
         if workers is not None:
-            workers.stop(graceful=core.fatal_error is None)
-    if core.fatal_error is not None and core.is_fatal_out_of_memory:
-        report_oom_exit(config, "runtime", core.fatal_error)
-    elif core.fatal_error is not None:
-        logger.critical("exiting: %s", core.fatal_error)
-        write_termination_text(
-            f"engine core failed: {core.fatal_error}", Path(config.termination_log_path)
-        )
+            workers.stop(graceful=core.fatal is None)
+    if core.fatal is not None:
+        report_fatal(config, core.fatal)
     return code

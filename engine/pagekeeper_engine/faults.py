@@ -25,6 +25,18 @@ class TensorParallelStepError(FatalEngineError):
     """A step failed on one tensor-parallel rank."""
 
 
+class RankFailedError(FatalEngineError):
+    """Another tensor-parallel rank ended while the engine ran, which no rank can go on without.
+
+    `wrote_termination_message`: that rank said why in the termination message before it
+    exited, and no other rank may overwrite it.
+    """
+
+    def __init__(self, reason: str, *, wrote_termination_message: bool = False) -> None:
+        super().__init__(reason)
+        self.wrote_termination_message = wrote_termination_message
+
+
 class InjectedStepFaultError(RuntimeError):
     """The failure `INJECT_STEP_FAULT_ENV` asks for (an ordinary step failure by itself)."""
 

@@ -33,6 +33,7 @@ class FakeCore:
     client: CoreClient
     thread: threading.Thread
     exit_codes: list[int]
+    addresses: CoreAddresses
 
 
 def ready_for(engine: LLMEngine, max_num_in_flight: int | None = None) -> Ready:
@@ -75,7 +76,7 @@ async def fake_core(
         thread.start()
         await client.wait_ready()
         try:
-            yield FakeCore(engine, core, client, thread, exit_codes)
+            yield FakeCore(engine, core, client, thread, exit_codes, addresses)
         finally:
             if thread.is_alive():
                 client.shutdown_core()

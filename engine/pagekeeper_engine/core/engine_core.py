@@ -9,8 +9,9 @@ loop sends them every `HEARTBEAT_INTERVAL_S` as a heartbeat.
 
 The loop ends on `Shutdown` (exit 0), when the process that started it is gone (exit 1: the
 pod's front end died), or on a `FatalEngineError` (out-of-memory errors past the engine's limit,
-any step failure under tensor parallelism): a `Fatal` message to every front end, `fatal_error`
-set, exit 1.
+any step failure under tensor parallelism, a tensor-parallel rank that died: `fail`, from any
+thread): a `Fatal` message to every front end, `fatal` set, exit 1. `announce_fatal` sends the
+same message from a thread of its own where the loop cannot get there.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class EngineCore:
         is_parent_alive: Callable[[], bool] = lambda: True,
     ) -> None:
         self.engine = engine
-        self.fatal_error: str | None = None
-        self.is_fatal_out_of_memory = False
+        self.fatal: FatalEngineError | None = None
+        self._failure: FatalEngineError | None = None  # set by `fail`, from any thread
         self._is_parent_alive = is_parent_alive
         self._context = zmq.Context()
         self._inbox = self._context.socket(zmq.PULL)
@@ -91,8 +92,18 @@ class EngineCore:
         self._last_parent_check_s = time.monotonic()
         self._is_stopping = False
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the loop gave up (None: it did not)."""
+        return None if self.fatal is None else str(self.fatal)
+
     def send_ready(self, ready: Ready) -> None:
         self._broadcast(ready)
+
+    def fail(self, error: FatalEngineError) -> None:
+        """End the loop at its next turn as if a step had raised `error`; safe from any thread
+        (an idle loop turns at least every `HEARTBEAT_INTERVAL_S`)."""
+        self._failure = error
 
     def close(self) -> None:
         self._inbox.close(linger=0)
@@ -108,6 +119,9 @@ class EngineCore:
         while not self._is_stopping:
             if engine.has_work() or poller.poll(int(HEARTBEAT_INTERVAL_S * 1000)):
                 self._receive_all()
+            if self._failure is not None:
+                self._give_up(self._failure)
+                return 1
             if self._is_stopping:
                 break
             now = time.monotonic()
@@ -123,7 +137,7 @@ class EngineCore:
             try:
                 outputs = engine.step()
             except FatalEngineError as exc:
-                self._give_up(str(exc), is_out_of_memory=exc.is_out_of_memory)
+                self._give_up(exc)
                 return 1
             except Exception:  # a scheduler bug: fail what is in flight, keep serving
                 logger.exception("engine step raised; failing every request in flight")
@@ -212,11 +226,10 @@ class EngineCore:
             outputs.append(EngineOutput(request_id, [], True, "abort", 0, 0, 0, error=reason))
         return outputs
 
-    def _give_up(self, reason: str, *, is_out_of_memory: bool) -> None:
-        logger.critical("giving up: %s", reason)
-        self.fatal_error = reason
-        self.is_fatal_out_of_memory = is_out_of_memory
-        self._broadcast(Fatal(reason))
+    def _give_up(self, error: FatalEngineError) -> None:
+        logger.critical("giving up: %s", error)
+        self.fatal = error
+        self._broadcast(Fatal(str(error)))
 
     def _broadcast(self, message: FromCore) -> None:
         for index in range(len(self._outboxes)):
@@ -224,3 +237,21 @@ class EngineCore:
 
     def _send(self, client_index: int, message: FromCore) -> None:
         self._outboxes[client_index].send(self._encode(message), copy=False)
+
+
+def announce_fatal(addresses: CoreAddresses, num_clients: int, reason: str) -> None:
+    """Send `Fatal(reason)` to every front end over sockets of this call's own, so any thread
+    may, whatever the loop's sockets are doing."""
+    context = zmq.Context()
+    data = from_core_codec().encode(Fatal(reason))
+    try:
+        for index in range(num_clients):
+            outbox = context.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.LINGER, LINGER_MS)
+            outbox.connect(addresses.outbox(index))
+            outbox.send(data, zmq.NOBLOCK)
+            outbox.close()
+    except zmq.ZMQError as exc:  # the front end is gone too; its process watch ends it
+        logger.warning("could not tell the front ends: %s", exc)
+    finally:
+        context.term()

@@ -34,6 +34,7 @@ from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,
     FatalEngineError,
     InjectedStepFaultError,
+    RankFailedError,
     TensorParallelStepError,
     injected_fault_step,
 )
@@ -61,11 +62,20 @@ from pagekeeper_engine.runner.step_results import FatalOnFailure, HostResultBuff
 logger = logging.getLogger(__name__)
 
 
+# How long a failed step on rank 0 waits to learn whether a peer's death caused it: a peer's
+# dropped connection fails rank 0's collective a moment before the peer's exit can be seen.
+PEER_FAILURE_WAIT_S = 2.0
+
+
 class StepFollowers(Protocol):
     """The other tensor-parallel ranks, as rank 0 drives them."""
 
     def send(self, out: SchedulerOutput) -> None:
         """Hand them the step rank 0 is about to run."""
+        ...
+
+    def failure(self, timeout_s: float) -> RankFailedError | None:
+        """The first of them that ended unasked, waiting up to `timeout_s` for one."""
         ...
 
 
@@ -318,7 +328,12 @@ class ModelRunner:
 
     def step_failure(self, exc: Exception) -> FatalEngineError:
         """What a failed step means under tensor parallelism: the other ranks are inside its
-        collectives (or past them), so no rank can fail it alone or retry it and go on."""
+        collectives (or past them), so no rank can fail it alone or retry it and go on. On rank
+        0, a step that failed because another rank ended names that rank's reason."""
+        if self.followers is not None:
+            cause = self.followers.failure(PEER_FAILURE_WAIT_S)
+            if cause is not None:
+                return cause
         if isinstance(exc, torch.OutOfMemoryError):
             return EngineOutOfMemoryError(
                 f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "

@@ -3,8 +3,9 @@
 It joins rank 0's rendezvous, builds its shard of the model and KV cache in lockstep with the
 other ranks, then runs every step rank 0 sends, until told to stop. It ends with its parent: a
 thread waits on the parent's sentinel and exits the process when the engine core is gone, even
-from inside a collective. Out of memory, it writes the classified reason, naming its rank, to
-the termination log before it exits 1.
+from inside a collective. Before it exits 1 it writes the reason, naming its rank, to the
+termination log (classified where it ran out of memory; a failure to load is only logged) and
+sends it to rank 0 (`RankReport`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -30,12 +31,17 @@ from pagekeeper_engine.memory.oom import (
     write_termination_log,
     write_termination_text,
 )
-from pagekeeper_engine.runner.parallel import EXIT_SHARED_REFUSAL, WorkerSpec, step_decoder
+from pagekeeper_engine.runner.parallel import (
+    EXIT_SHARED_REFUSAL,
+    WorkerSpec,
+    send_report,
+    step_decoder,
+)
 
 logger = logging.getLogger("pagekeeper_engine.worker")
 
 
-def run_worker(spec: WorkerSpec) -> None:
+def run_worker(spec: WorkerSpec, reports: Connection) -> None:
     """The process's target: exit 0 when told to stop, non-zero when it cannot go on."""
     logging.basicConfig(
         level=logging.INFO,
@@ -44,7 +50,7 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's front end coordinates shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core ignores it; a worker may be stopped
     _exit_with_parent()
-    sys.exit(_serve(spec))
+    sys.exit(_serve(spec, reports))
 
 
 def _exit_with_parent() -> None:
@@ -60,13 +66,21 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _report_oom(spec: WorkerSpec, phase: OOMPhase, reason: str) -> None:
+def _report_oom(spec: WorkerSpec, reports: Connection, phase: OOMPhase, reason: str) -> None:
     logger.critical("exiting: out of memory at %s: %s", phase, reason)
     kind: OOMKind = "gpu" if spec.config.device == "cuda" else "host"
-    write_termination_log(kind, phase, reason, Path(spec.config.termination_log_path))
+    wrote = write_termination_log(kind, phase, reason, Path(spec.config.termination_log_path))
+    send_report(reports, reason, wrote_termination_message=wrote)
 
 
-def _serve(spec: WorkerSpec) -> int:
+def _report_fatal(spec: WorkerSpec, reports: Connection, reason: str) -> None:
+    logger.critical("exiting: %s", reason)
+    path = Path(spec.config.termination_log_path)
+    wrote = write_termination_text(f"engine core failed: {reason}", path)
+    send_report(reports, reason, wrote_termination_message=wrote)
+
+
+def _serve(spec: WorkerSpec, reports: Connection) -> int:
     from pagekeeper_engine.distributed.group import (  # noqa: PLC0415
         TensorParallelGroup,
         join_rendezvous,
@@ -87,10 +101,12 @@ def _serve(spec: WorkerSpec) -> int:
         return EXIT_SHARED_REFUSAL
     except torch.OutOfMemoryError as exc:
         detail = f"out of memory while loading and profiling the model: {exc}"
-        _report_oom(spec, "startup", f"tensor-parallel rank {spec.rank}: {detail}")
+        _report_oom(spec, reports, "startup", f"tensor-parallel rank {spec.rank}: {detail}")
         return 1
-    except Exception:
+    except Exception as exc:
         logger.exception("could not load the shard of %s", config.model)
+        reason = f"could not load its shard: {type(exc).__name__}: {exc}"
+        send_report(reports, reason, wrote_termination_message=False)
         return 1
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -105,11 +121,10 @@ def _serve(spec: WorkerSpec) -> int:
                 return 0
             runner.launch(out)
     except EngineOutOfMemoryError as exc:
-        _report_oom(spec, "runtime", str(exc))
+        _report_oom(spec, reports, "runtime", str(exc))
         return 1
     except FatalEngineError as exc:
-        logger.critical("exiting: %s", exc)
-        write_termination_text(f"engine core failed: {exc}", Path(spec.config.termination_log_path))
+        _report_fatal(spec, reports, str(exc))
         return 1
     finally:
         inbox.close(linger=0)

@@ -1,6 +1,7 @@
 """The server with `--tensor-parallel-size 2` on the CPU: the same greedy text as one process,
-through the openai client; a rank's death or a step failing on either rank ends it with a clear
-message and exit 1; a clean stop logs no error."""
+through the openai client; a rank's death or a step failing on either rank ends it with exit 1,
+the failed rank's reason told to the front end (`Fatal`, 503 to the client) and written as the
+termination message; a clean stop logs no error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from openai import APIError, OpenAI
+from openai import APIError, APIStatusError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekeeper_engine.faults import INJECT_STEP_FAULT_ENV
@@ -71,9 +72,11 @@ def test_metrics_carry_each_ranks_blocks(tp_server: Server) -> None:
 
 
 def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
     server = start_server(
         long_checkpoint, tmp_path, "--tensor-parallel-size", "2",
         "--max-model-len", str(LONG_CONTEXT), "--num-gpu-blocks-override", "1024",
+        "--termination-log-path", str(termination),
     )  # fmt: skip
     try:
         (pid,) = worker_pids(server).values()
@@ -104,7 +107,10 @@ def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_pat
     finally:
         server.stop()
     log = server.log.read_text(errors="replace")
-    assert f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9" in log, log[-3000:]
+    killed = f"tensor-parallel rank 1 (pid {pid}) was killed by signal 9"
+    assert f"{killed}; the engine cannot run without it" in log, log[-3000:]
+    assert f"the engine core gave up: {killed}\n" in log  # Fatal reached the front end
+    assert termination.read_text() == f"engine core failed: {killed}\n"
 
 
 def test_the_core_killed_takes_its_ranks_with_it(checkpoint: Checkpoint, tmp_path: Path) -> None:
@@ -135,7 +141,7 @@ def test_a_fatal_step_error_on_either_rank_ends_the_server(
     )  # fmt: skip
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(APIError):
+        with pytest.raises(APIStatusError) as failed:
             client.completions.create(
                 model=MODEL_NAME,
                 prompt="tell me",
@@ -148,13 +154,17 @@ def test_a_fatal_step_error_on_either_rank_ends_the_server(
     finally:
         server.stop()
     log = server.log.read_text(errors="replace")
-    failed = (
+    reason = (
         f"tensor-parallel rank {rank}: a step failed (InjectedStepFaultError: rank {rank}: "
-        f"fault injected in step 3"
+        f"fault injected in step 3 ({INJECT_STEP_FAULT_ENV})); the other ranks cannot go on "
+        "without it"
     )
-    assert failed in log, log[-3000:]
-    assert "step failed; failing requests" not in log  # never caught as one failed step
-    assert termination.read_text().startswith("engine core failed: tensor-parallel rank ")
+    # rank 0 names the rank that failed, never its own echo of a peer's dropped connection
+    exited = "" if rank == 0 else r"tensor-parallel rank 1 \(pid \d+\) exited \(1\): "
+    assert re.search(rf"the engine core gave up: {exited}{re.escape(reason)}\n", log), log[-3000:]
+    assert failed.value.status_code == 503 and reason in failed.value.message, failed.value
+    assert "step failed; failing requests" not in log, log[-3000:]  # never one failed step
+    assert termination.read_text() == f"engine core failed: {reason}\n"
 
 
 def test_a_clean_drain_logs_no_error(checkpoint: Checkpoint, tmp_path: Path) -> None:
