@@ -167,8 +167,9 @@ def test_a_fatal_step_error_on_either_rank_ends_the_server(
     assert termination.read_text() == f"engine core failed: {reason}\n"
 
 
-def test_a_clean_drain_logs_no_error(checkpoint: Checkpoint, tmp_path: Path) -> None:
-    server = start_server(checkpoint.path, tmp_path)
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_clean_drain_logs_no_error(checkpoint: Checkpoint, tmp_path: Path, size: int) -> None:
+    server = start_server(checkpoint.path, tmp_path, "--tensor-parallel-size", str(size))
     assert greedy(server, "hello there")[0]
     assert server.stop() == 0
     log = server.log.read_text(errors="replace")
