@@ -17,6 +17,7 @@ allocator settings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -32,13 +33,13 @@ from pagekeeper_engine.config import EngineConfig, parse_args
 from pagekeeper_engine.engine_process import LOG_FORMAT, run_engine_core
 from pagekeeper_engine.memory.allocator import AllocatorSettings, read_alloc_settings
 from pagekeeper_engine.messages import CoreAddresses
+from pagekeeper_engine.process_watch import exit_code, watch_parent, watch_processes
 
 logger = logging.getLogger("pagekeeper_engine")
 T = TypeVar("T")
 
 USAGE = "usage: pagekeeper-engine serve MODEL [flags]   (pagekeeper-engine serve --help)"
 CORE_STOP_TIMEOUT_S = 30.0  # the core aborts what is left and exits well within this
-PARENT_CHECK_INTERVAL_S = 0.5
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -52,27 +53,21 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
 
 
 def _watch(process: BaseProcess, gone: asyncio.Event, what: str) -> None:
-    """Set `gone` when `process` exits (its sentinel becomes readable)."""
+    """Set `gone` when `process` exits, and log how it did."""
     loop = asyncio.get_running_loop()
 
-    async def reap() -> None:
-        # the sentinel can turn readable a moment before the exit status can be collected
-        await asyncio.to_thread(process.join, CORE_STOP_TIMEOUT_S)
-        code = process.exitcode
+    def on_exit(process: BaseProcess) -> None:
+        code = exit_code(process)  # the shutdown's own join reaps it
         if code == 0:  # a clean stop, as after a drain
             logger.info("%s exited with code 0", what)
-        elif code is None:  # reaped by the shutdown's own join, which reports a failure
+        elif code is None:  # reaped that moment by the shutdown, which reports a failure
             logger.info("%s exited", what)
         else:
             logger.error("%s exited with code %s", what, code)
-        gone.set()
+        with contextlib.suppress(RuntimeError):  # the loop already ended: nobody waits
+            loop.call_soon_threadsafe(gone.set)
 
-    def on_exit() -> None:
-        loop.remove_reader(process.sentinel)
-        reaping.append(loop.create_task(reap()))
-
-    reaping: list[asyncio.Task[None]] = []
-    loop.add_reader(process.sentinel, on_exit)
+    watch_processes([process], on_exit, name=f"watch-{process.name}")
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -187,20 +182,16 @@ def run_frontend(
     async def main() -> int:
         stop, gone = asyncio.Event(), asyncio.Event()
         _stop_on_signals(stop)
-        parent_pid = os.getppid()
+        loop = asyncio.get_running_loop()
 
-        async def watch_parent() -> None:
-            while os.getppid() == parent_pid:
-                await asyncio.sleep(PARENT_CHECK_INTERVAL_S)
+        def on_parent_exit() -> None:
             logger.error("the supervising front end is gone; exiting")
-            gone.set()
+            with contextlib.suppress(RuntimeError):  # the loop already ended: nobody waits
+                loop.call_soon_threadsafe(gone.set)
 
-        watching = asyncio.ensure_future(watch_parent())
+        watch_parent(on_parent_exit)
         options = FrontendOptions(client_index, addresses, allocator_settings, metrics_dir)
-        try:
-            return await serve_frontend(config, options, stop, gone)
-        finally:
-            watching.cancel()
+        return await serve_frontend(config, options, stop, gone)
 
     sys.exit(run_event_loop(main()))
 

@@ -35,6 +35,7 @@ from pagekeeper_engine.memory.oom import (
     write_termination_text,
 )
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
+from pagekeeper_engine.process_watch import watch_parent
 
 if TYPE_CHECKING:
     from pagekeeper_engine.core.engine_core import EngineCore
@@ -121,8 +122,9 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_clients:
     # process must keep stepping until the front end has drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent_pid = os.getppid()
-    sys.exit(_serve(config, addresses, num_clients, lambda: os.getppid() == parent_pid))
+    parent_gone = threading.Event()
+    watch_parent(parent_gone.set)
+    sys.exit(_serve(config, addresses, num_clients, lambda: not parent_gone.is_set()))
 
 
 def _serve(

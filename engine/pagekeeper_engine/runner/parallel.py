@@ -27,7 +27,7 @@ import multiprocessing
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 import msgspec
@@ -40,6 +40,7 @@ from pagekeeper_engine.distributed.group import TensorParallelGroup, serve_rende
 from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.model.hf_config import load_model_config
 from pagekeeper_engine.model.shard import check_divisible
+from pagekeeper_engine.process_watch import watch_processes
 from pagekeeper_engine.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,7 @@ class WorkerRanks:
             report_sender.close()  # the worker holds the only sending end
             self.processes.append(process)
             self._reports.append(reports)
-        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
-        self._watchdog.start()
+        watch_processes(self.processes, self._on_exit, name="tp-watchdog")
 
     def send(self, out: SchedulerOutput) -> None:
         data = self._encode(out)
@@ -164,25 +164,19 @@ class WorkerRanks:
         for reports in self._reports:
             reports.close()
 
-    def _watch(self) -> None:
-        pending = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        while pending:
-            for sentinel in wait(list(pending)):
-                assert isinstance(sentinel, int)
-                rank = pending.pop(sentinel)
-                if self._stopping.is_set():
-                    continue
-                failure = self._describe_exit(rank)
-                if failure is None:
-                    continue
-                logger.critical("%s; the engine cannot run without it and exits", failure)
-                for other in self.processes:
-                    if other.is_alive():
-                        other.kill()
-                self._failure = failure
-                self._failed.set()
-                self._on_failure(failure)
-                return
+    def _on_exit(self, process: BaseProcess) -> None:
+        if self._stopping.is_set() or self._failed.is_set():
+            return
+        failure = self._describe_exit(self.processes.index(process) + 1)
+        if failure is None:
+            return
+        logger.critical("%s; the engine cannot run without it and exits", failure)
+        for other in self.processes:
+            if other.is_alive():
+                other.kill()
+        self._failure = failure
+        self._failed.set()
+        self._on_failure(failure)
 
     def _describe_exit(self, rank: int) -> RankFailedError | None:
         """Worker `rank`'s unasked exit as the engine's failure (None: nothing to report)."""

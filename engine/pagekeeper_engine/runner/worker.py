@@ -11,12 +11,10 @@ sends it to rank 0 (`RankReport`).
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import sys
-import threading
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from pagekeeper_engine.memory.oom import (
     write_termination_log,
     write_termination_text,
 )
+from pagekeeper_engine.process_watch import watch_parent
 from pagekeeper_engine.runner.parallel import (
     EXIT_SHARED_REFUSAL,
     WorkerSpec,
@@ -54,16 +53,13 @@ def run_worker(spec: WorkerSpec, reports: Connection) -> None:
 
 
 def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    assert parent is not None, "a worker is started by the engine core"
-
-    def watch() -> None:
-        wait([parent.sentinel])
+    def on_parent_exit() -> None:
+        # the main thread may wait inside a collective for good: end the process from here
         logger.error("the engine core is gone; exiting")
         logging.shutdown()
         os._exit(1)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    watch_parent(on_parent_exit)
 
 
 def _report_oom(spec: WorkerSpec, reports: Connection, phase: OOMPhase, reason: str) -> None:
