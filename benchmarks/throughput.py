@@ -36,8 +36,8 @@ from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.faults import RankFailedError
-from pagekeeper_engine.runner.parallel import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.runner.runner import ModelRunner
 
 

@@ -73,7 +73,7 @@ def _end_process(code: int) -> None:
 
 class RankFailureHandler:
     """What the core's process does when a tensor-parallel rank ends unasked (see the module
-    docstring); called on the thread that watches the workers (`runner.parallel`). `exit` ends
+    docstring); called on the rank watchdog's thread (`executor.watchdog`). `exit` ends
     the process."""
 
     def __init__(
@@ -151,9 +151,9 @@ def _load_and_serve(
 
     from pagekeeper_engine.core.engine import LLMEngine  # noqa: PLC0415
     from pagekeeper_engine.core.engine_core import EngineCore  # noqa: PLC0415
+    from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel  # noqa: PLC0415
     from pagekeeper_engine.memory.budget import MemoryBudgetError  # noqa: PLC0415
     from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError  # noqa: PLC0415
-    from pagekeeper_engine.runner.parallel import WorkerRanks, start_tensor_parallel  # noqa: PLC0415
     from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415
 
     workers: WorkerRanks | None = None

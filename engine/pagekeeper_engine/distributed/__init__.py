@@ -1,2 +1,2 @@
 """The collectives of tensor parallelism (`group`); how tensors split is `model/shard.py`, and
-the rank processes are `runner/parallel.py` and `runner/worker.py`."""
+the rank processes are `executor/`."""

@@ -10,7 +10,7 @@ device (the next step's placeholder inputs gather from them there) and travel to
 
 Under tensor parallelism there is one runner per rank, each over its shard of the model and of
 every KV block (`model/shard.py`). Rank 0's runner, in the engine core, hands each step to
-`followers` (the other ranks, `runner/parallel.py`) before it runs it; every rank then runs the
+`followers` (the other ranks, `executor/workers.py`) before it runs it; every rank then runs the
 same forward in lockstep, rank 0 samples, and the sampled ids are broadcast so every rank's next
 step reads the same placeholders.
 """

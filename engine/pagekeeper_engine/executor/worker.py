@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: rank r > 0 of one engine (`runner/parallel.py` starts it).
+"""A tensor-parallel worker: rank r > 0 of one engine (`executor.workers` starts it).
 
 It joins rank 0's rendezvous, builds its shard of the model and KV cache in lockstep with the
 other ranks, then runs every step rank 0 sends, until told to stop. It ends with its parent: a
@@ -20,6 +20,13 @@ from pathlib import Path
 import torch
 import zmq
 
+from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
+from pagekeeper_engine.executor.protocol import (
+    EXIT_SHARED_REFUSAL,
+    WorkerSpec,
+    send_report,
+    step_decoder,
+)
 from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.memory.budget import MemoryBudgetError
 from pagekeeper_engine.memory.oom import (
@@ -30,12 +37,7 @@ from pagekeeper_engine.memory.oom import (
     write_termination_text,
 )
 from pagekeeper_engine.process_watch import watch_parent
-from pagekeeper_engine.runner.parallel import (
-    EXIT_SHARED_REFUSAL,
-    WorkerSpec,
-    send_report,
-    step_decoder,
-)
+from pagekeeper_engine.runner.runner import ModelRunner
 
 logger = logging.getLogger("pagekeeper_engine.worker")
 
@@ -77,12 +79,6 @@ def _report_fatal(spec: WorkerSpec, reports: Connection, reason: str) -> None:
 
 
 def _serve(spec: WorkerSpec, reports: Connection) -> int:
-    from pagekeeper_engine.distributed.group import (  # noqa: PLC0415
-        TensorParallelGroup,
-        join_rendezvous,
-    )
-    from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415
-
     config = spec.config
     size = config.tensor_parallel_size
     device = torch.device("cpu")
