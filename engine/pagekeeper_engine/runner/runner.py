@@ -21,7 +21,6 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -34,13 +33,11 @@ from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,
     FatalEngineError,
     InjectedStepFaultError,
-    RankFailedError,
-    TensorParallelStepError,
     injected_fault_step,
 )
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
-from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError, EngineOutOfMemoryError
+from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.gemv_choice import GemvChoice, choose_gemv
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
@@ -56,27 +53,15 @@ from pagekeeper_engine.runner.kv_cache import (
     resolve_kv_cache_dtype,
 )
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
+from pagekeeper_engine.runner.step_faults import (
+    FatalOnFailure,
+    StepFollowers,
+    tensor_parallel_failure,
+)
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
-from pagekeeper_engine.runner.step_results import FatalOnFailure, HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)
-
-
-# How long a failed step on rank 0 waits to learn whether a peer's death caused it: a peer's
-# dropped connection fails rank 0's collective a moment before the peer's exit can be seen.
-PEER_FAILURE_WAIT_S = 2.0
-
-
-class StepFollowers(Protocol):
-    """The other tensor-parallel ranks, as rank 0 drives them."""
-
-    def send(self, out: SchedulerOutput) -> None:
-        """Hand them the step rank 0 is about to run."""
-        ...
-
-    def failure(self, timeout_s: float) -> RankFailedError | None:
-        """The first of them that ended unasked, waiting up to `timeout_s` for one."""
-        ...
 
 
 class ModelRunner:
@@ -327,22 +312,8 @@ class ModelRunner:
         raise DeviceOutOfMemoryError("step", detail)
 
     def step_failure(self, exc: Exception) -> FatalEngineError:
-        """What a failed step means under tensor parallelism: the other ranks are inside its
-        collectives (or past them), so no rank can fail it alone or retry it and go on. On rank
-        0, a step that failed because another rank ended names that rank's reason."""
-        if self.followers is not None:
-            cause = self.followers.failure(PEER_FAILURE_WAIT_S)
-            if cause is not None:
-                return cause
-        if isinstance(exc, torch.OutOfMemoryError):
-            return EngineOutOfMemoryError(
-                f"tensor-parallel rank {self.tp.rank} ran out of device memory in a step, "
-                f"which the other ranks cannot retry with it: {exc}"
-            )
-        return TensorParallelStepError(
-            f"tensor-parallel rank {self.tp.rank}: a step failed "
-            f"({type(exc).__name__}: {exc}); the other ranks cannot go on without it"
-        )
+        """What a failed step means under tensor parallelism (`step_faults`)."""
+        return tensor_parallel_failure(self.tp.rank, self.followers, exc)
 
     def release_cached_memory(self) -> None:
         """Hands the caching allocator's wholly free segments back to the device."""

@@ -8,13 +8,11 @@ buffers suffice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagekeeper_engine.core.outputs import RunnerOutput
-from pagekeeper_engine.faults import FatalEngineError
 
 
 @dataclass
@@ -37,23 +35,6 @@ class PendingStep:
                 token_ids[i] = int(token_col[row])
                 logprobs[i] = logprob_col[row]
         return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
-
-
-@dataclass
-class FatalOnFailure:
-    """A tensor-parallel step on its way to the host: a failure to bring its tokens back (a
-    device error surfaces at the wait) ends the engine as a failure to launch it would."""
-
-    pending: PendingStep
-    to_fatal: Callable[[Exception], FatalEngineError]
-
-    def result(self) -> RunnerOutput:
-        try:
-            return self.pending.result()
-        except FatalEngineError:
-            raise
-        except Exception as exc:
-            raise self.to_fatal(exc) from exc
 
 
 class HostResultBuffers:
