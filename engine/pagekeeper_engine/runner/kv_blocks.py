@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
+import torch
+
+from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.memory.budget import (
     KVLayout,
     MemoryBudget,
@@ -23,73 +26,68 @@ from pagekeeper_engine.memory.budget import (
     num_cpu_kv_blocks,
 )
 from pagekeeper_engine.memory.cuda import CudaMemoryReader
-from pagekeeper_engine.memory.profile import ProfileShapes, size_kv_cache
-
-if TYPE_CHECKING:
-    from pagekeeper_engine.runner.runner import ModelRunner
+from pagekeeper_engine.memory.profile import ProfileShapes, ProfileTarget, size_kv_cache
 
 logger = logging.getLogger(__name__)
 
 
-def decide_num_gpu_blocks(runner: ModelRunner) -> tuple[int, RankBudgets | None]:
+def decide_num_gpu_blocks(
+    target: ProfileTarget,
+    config: EngineConfig,
+    tp: TensorParallelGroup,
+    device: torch.device,
+    layout: KVLayout,
+    shapes: ProfileShapes,
+    free_at_start: int | None,
+) -> tuple[int, RankBudgets | None]:
     """The block count every rank allocates, and the measured budgets behind it (None when the
-    count was given or on the CPU)."""
-    config = runner.config
+    count was given or on the CPU). `target` is the runner the profile steps (on a GPU, whose
+    free bytes before it allocated anything are `free_at_start`)."""
     if config.num_gpu_blocks_override is not None:
         num_blocks = check_num_blocks(
             config.num_gpu_blocks_override,
-            runner.block_size,
-            runner.max_model_len,
+            layout.block_size,
+            shapes.max_model_len,
             "--num-gpu-blocks-override",
         )
         return num_blocks, None
-    if runner.device.type == "cpu":
+    if device.type == "cpu":
         host_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         num_blocks = num_cpu_kv_blocks(
             max_num_seqs=config.max_num_seqs,
-            max_model_len=runner.max_model_len,
-            block_size=runner.block_size,
-            bytes_per_block=runner.bytes_per_block,
+            max_model_len=shapes.max_model_len,
+            block_size=layout.block_size,
+            bytes_per_block=layout.bytes_per_block,
             host_memory_bytes=host_memory,
         )
-        gathered = runner.tp.all_gather_object(num_blocks)
+        gathered = tp.all_gather_object(num_blocks)
         return min(n for n in gathered if isinstance(n, int)), None
-    budgets = measure_rank_budgets(runner)
+    assert free_at_start is not None, "a GPU's free memory is read before anything is loaded"
+    budgets = measure_rank_budgets(target, config, tp, device, layout, shapes, free_at_start)
     return budgets.num_blocks, budgets
 
 
-def measure_rank_budgets(runner: ModelRunner) -> RankBudgets:
+def measure_rank_budgets(
+    target: ProfileTarget,
+    config: EngineConfig,
+    tp: TensorParallelGroup,
+    device: torch.device,
+    layout: KVLayout,
+    shapes: ProfileShapes,
+    free_at_start: int,
+) -> RankBudgets:
     """Profile this rank, then exchange the outcomes; MemoryBudgetError names every failing
     rank."""
-    cfg = runner.model_config
-    layout = KVLayout(
-        cfg.num_layers,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        runner.block_size,
-        runner.kv_cache_dtype.itemsize,
-    )
-    shapes = ProfileShapes(
-        runner.max_num_batched_tokens,
-        runner.config.max_num_seqs,
-        runner.max_model_len,
-        runner.block_size,
-    )
     outcome: MemoryBudget | str
     try:
         outcome = size_kv_cache(
-            runner,
-            CudaMemoryReader(runner.device),
-            shapes,
-            layout,
-            runner.config,
-            runner.free_at_start,
+            target, CudaMemoryReader(device), shapes, layout, config, free_at_start
         )
     except MemoryBudgetError as exc:
         outcome = str(exc)
-    gathered = runner.tp.all_gather_object(outcome)
+    gathered = tp.all_gather_object(outcome)
     budgets = combine_rank_budgets([o if isinstance(o, MemoryBudget) else str(o) for o in gathered])
-    if len(budgets.per_rank) > 1 and runner.tp.is_first:
+    if len(budgets.per_rank) > 1 and tp.is_first:
         logger.info(
             "KV blocks per rank %s: every rank allocates %d (rank %d's)",
             [b.num_blocks for b in budgets.per_rank],

@@ -1,4 +1,4 @@
-"""The KV cache's element type and the bytes of one block, as the runner allocates them."""
+"""The KV cache's element type and the shape of one block, as the runner allocates them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from pagekeeper_engine.attention.base import UNSCALED, KVScales
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.memory.budget import KVLayout
 from pagekeeper_engine.model.hf_config import ModelConfig
 
 
@@ -28,10 +29,15 @@ def resolve_kv_cache_dtype(
     return torch.float8_e4m3fn
 
 
+def kv_layout(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """One block across every layer of (this rank's shard of) the model."""
+    cfg = model_config
+    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype.itemsize)
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across every layer, keys and values."""
-    per_token = 2 * model_config.num_layers * model_config.kv_size * dtype.itemsize
-    return per_token * block_size
+    return kv_layout(model_config, block_size, dtype).bytes_per_block
 
 
 def describe_kv_scales(scales: list[KVScales], cache_dtype: torch.dtype) -> str:

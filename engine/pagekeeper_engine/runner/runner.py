@@ -38,6 +38,7 @@ from pagekeeper_engine.faults import (
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
+from pagekeeper_engine.memory.profile import ProfileShapes
 from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.gemv_choice import GemvChoice, choose_gemv
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
@@ -47,11 +48,7 @@ from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
-from pagekeeper_engine.runner.kv_cache import (
-    describe_kv_scales,
-    kv_bytes_per_block,
-    resolve_kv_cache_dtype,
-)
+from pagekeeper_engine.runner.kv_cache import describe_kv_scales, kv_layout, resolve_kv_cache_dtype
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_faults import (
     FatalOnFailure,
@@ -92,6 +89,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.tp.size > 1:
             self.device = torch.device("cuda", self.tp.rank)  # one GPU per rank
+        self.free_at_start: int | None = None  # the device's free bytes before anything of ours
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -149,9 +147,8 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
-        self.bytes_per_block = kv_bytes_per_block(
-            self.model_config, self.block_size, self.kv_cache_dtype
-        )
+        self.kv_layout = kv_layout(self.model_config, self.block_size, self.kv_cache_dtype)
+        self.bytes_per_block = self.kv_layout.bytes_per_block
         self.inputs = StepInputBuilder(
             self.device,
             block_size=self.block_size,
@@ -169,7 +166,12 @@ class ModelRunner:
         self._previous_rows: dict[str, int] = {}
         self._results = HostResultBuffers(self.device, config.max_num_seqs)
 
-        self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(self)
+        shapes = ProfileShapes(
+            self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
+        )
+        self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(
+            self, config, self.tp, self.device, self.kv_layout, shapes, self.free_at_start
+        )
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
         # Zero-filled so a kernel that reads a whole block never meets NaN garbage.
         self.kv_pool = torch.zeros(
