@@ -83,10 +83,24 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         followers: StepFollowers | None = None,
     ):
+        """Set up in stages, each on what the ones before it left: the device, the model, the
+        memory a step works in and the budget it leaves, the KV cache, the warm-up. Under
+        tensor parallelism every rank takes the same stages in lockstep (the budget, the block
+        count and the graphs run collectives)."""
         self.config = config
         self.tp = tp if tp is not None else TensorParallelGroup()
         self.followers = followers
-        self.device = torch.device(config.device)
+        self.memory_budget: RankBudgets | None = None
+        self._scratch: torch.Tensor | None = None
+        self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
+        self._set_up_device()
+        vocab_size = self._load(progress)
+        self._set_up_memory(vocab_size)
+        self._allocate_kv_cache()
+        self._warm_up()
+
+    def _set_up_device(self) -> None:
+        self.device = torch.device(self.config.device)
         if self.device.type == "cuda" and self.tp.size > 1:
             self.device = torch.device("cuda", self.tp.rank)  # one GPU per rank
         self.free_at_start: int | None = None  # the device's free bytes before anything of ours
@@ -95,12 +109,14 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             self.free_at_start = torch.cuda.mem_get_info(self.device)[0]
-        self.memory_budget: RankBudgets | None = None
-        self._scratch: torch.Tensor | None = None
-        self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
         self.allocator_monitor = (
             CudaAllocatorMonitor(self.device) if self.device.type == "cuda" else None
         )
+
+    def _load(self, progress: bool) -> int:
+        """The model's configuration, this rank's shard of its weights, and the limits; the
+        whole model's vocabulary size."""
+        config = self.config
         model_dir = Path(config.model)
         full_config = load_model_config(model_dir)
         # This rank's part of the model (all of it at size 1): the KV pool, the workspace and
@@ -128,6 +144,12 @@ class ModelRunner:
         # this rank's slice); the workspace, the sampler's rows and the KV pool must not carve
         # the rest of those segments, which would stay reserved and never be used.
         self.release_cached_memory()
+        return full_config.vocab_size
+
+    def _set_up_memory(self, vocab_size: int) -> None:
+        """The memory every step works in, allocated once, then the budget it leaves for the
+        KV cache (measured on a GPU: it counts these buffers as activations)."""
+        config = self.config
         # The forward pass's static home, before the profile: it is part of the activations.
         self.workspace = Workspace(
             WorkspaceShape.for_model(
@@ -141,10 +163,7 @@ class ModelRunner:
         # Sampling's rows, beside the workspace and before the profile: part of the activations.
         # Only rank 0 samples; the other ranks' buffers are empty.
         self.sampler_buffers = SamplerBuffers(
-            config.max_num_seqs,
-            full_config.vocab_size if self.tp.is_first else 0,
-            self.dtype,
-            self.device,
+            config.max_num_seqs, vocab_size if self.tp.is_first else 0, self.dtype, self.device
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
         self.kv_layout = kv_layout(self.model_config, self.block_size, self.kv_cache_dtype)
@@ -165,13 +184,16 @@ class ModelRunner:
         self._fault_step = injected_fault_step(self.tp.rank, os.environ)
         self._previous_rows: dict[str, int] = {}
         self._results = HostResultBuffers(self.device, config.max_num_seqs)
-
         shapes = ProfileShapes(
             self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(
             self, config, self.tp, self.device, self.kv_layout, shapes, self.free_at_start
         )
+
+    def _allocate_kv_cache(self) -> None:
+        """The device pool of `num_gpu_blocks`, bound to the layers, and the swap pool."""
+        config = self.config
         # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
         # Zero-filled so a kernel that reads a whole block never meets NaN garbage.
         self.kv_pool = torch.zeros(
@@ -198,6 +220,9 @@ class ModelRunner:
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.bytes_per_block,
         )
+
+    def _warm_up(self) -> None:
+        """On a GPU: the batch-1 GEMV choice, timed over the bound cache, then the graphs."""
         self.gemv_choices: list[GemvChoice] = []
         if self.device.type == "cuda":  # timed over the bound cache, before the graphs
             with self.tp.local_only():  # each rank times its own shard's compute
