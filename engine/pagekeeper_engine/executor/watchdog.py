@@ -38,7 +38,8 @@ class RankWatchdog:
         self._stopping = threading.Event()
         self._failed = threading.Event()
         self._failure: RankFailedError | None = None
-        watch_processes(self._processes, self._on_exit, name="tp-watchdog")
+        # ends once every worker has ended
+        self.thread = watch_processes(self._processes, self._on_exit, name="tp-watchdog")
 
     def stop(self) -> None:
         """The workers are being stopped: their exits from now on are asked for."""
