@@ -18,7 +18,7 @@ from multiprocessing.process import BaseProcess
 
 from pagekeeper_engine.executor.protocol import EXIT_SHARED_REFUSAL, read_report
 from pagekeeper_engine.faults import RankFailedError
-from pagekeeper_engine.process_watch import watch_processes
+from pagekeeper_engine.process_watch import exit_code, watch_processes
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class RankWatchdog:
     def _describe_exit(self, rank: int) -> RankFailedError | None:
         """Worker `rank`'s unasked exit as the engine's failure (None: nothing to report)."""
         process = self._processes[rank - 1]
-        process.join(1.0)  # reap it: its exit code is unknown until then
-        code = process.exitcode
+        code = exit_code(process)
         if code == EXIT_SHARED_REFUSAL:
             return None  # rank 0 refuses the same budget and says why
         how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
