@@ -33,7 +33,7 @@ from typing import IO
 
 from pagekeeper_engine.memory.oom import TERMINATION_LOG, write_termination_log
 from pagekeeper_vllm.output import LineSplitter, OOMEvent, OOMPhase, OutputWatcher
-from pagekeeper_vllm.reports import METRICS_DIR_ENV, read_reports
+from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, read_reports
 from pagekeeper_vllm.series import OOMTally, render_metrics
 
 logger = logging.getLogger("pagekeeper_vllm.launch")
@@ -96,12 +96,19 @@ class Launcher:
         self.stop_line: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
 
-    def scrape(self) -> str:
-        if self.metrics_dir is None:
-            return ""
+    def _read_reports(self) -> list[ProcessReport]:
+        """The live processes' reports, counted into the OOM tally (which keeps the dead's)."""
+        assert self.metrics_dir is not None
         reports = read_reports(self.metrics_dir)
         with self.lock:
             self.tally.update(reports)
+        return reports
+
+    def scrape(self) -> str:
+        if self.metrics_dir is None:
+            return ""
+        reports = self._read_reports()
+        with self.lock:
             return render_metrics(reports, self.tally, self.model_name)
 
     def _on_line(self, line: str) -> None:
@@ -110,9 +117,8 @@ class Launcher:
             self.watcher.feed_line(line)
             became_ready = self.watcher.is_ready and not was_ready
         if became_ready and self.metrics_dir is not None:
-            reports = read_reports(self.metrics_dir)
+            self._read_reports()
             with self.lock:
-                self.tally.update(reports)
                 self.tally.mark_ready()
 
     def _pump(self, source: IO[bytes], sink: IO[bytes]) -> None:
