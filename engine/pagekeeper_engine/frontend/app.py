@@ -7,6 +7,7 @@ the engine and tokenizer once they exist. /health answers 200 only while the eng
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from pagekeeper_engine.frontend.errors import (
     read_json_object,
 )
 from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
+from pagekeeper_engine.frontend.prompt_encoder import PromptEncoder
 from pagekeeper_engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,10 +70,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.require_serving()  # refuse before reading the body while loading or draining
     body = await read_json_object(request)
     req = _validate(CompletionRequest, body, state)
-    engine, tokenizer = state.require_serving()
+    engine, tokenizer, encoder = state.require_serving()
+    # a batch's texts are pending together, so they go to the tokenizer in one call
+    encoded = await asyncio.gather(*(_prompt_ids(encoder, p) for p in req.prompt))
     prompt_ids = []
-    for i, prompt in enumerate(req.prompt):
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    for i, ids in enumerate(encoded):
         param = "prompt" if len(req.prompt) == 1 else f"prompt[{i}]"
         if not ids:
             raise bad_request("the prompt encodes to no tokens", param)
@@ -99,7 +102,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.require_serving()
     body = await read_json_object(request)
     req = _validate(ChatCompletionRequest, body, state)
-    engine, tokenizer = state.require_serving()
+    engine, tokenizer, encoder = state.require_serving()
     try:
         text = tokenizer.apply_chat_template(
             req.template_messages(), add_generation_prompt=req.add_generation_prompt
@@ -107,7 +110,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from exc
     # The template already wrote any BOS token.
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = await encoder.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_request("the messages render to no tokens", "messages")
     check_prompt(ids, state.max_model_len, tokenizer.vocab_size, "messages")
@@ -120,6 +123,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await respond(
         request, state, engine, job, renderer, req.stream, req.include_usage, arrival_s
     )
+
+
+async def _prompt_ids(encoder: PromptEncoder, prompt: str | list[int]) -> list[int]:
+    return await encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def _params(

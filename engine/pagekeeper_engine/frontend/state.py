@@ -16,6 +16,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.frontend.client import EngineClient
 from pagekeeper_engine.frontend.errors import APIError
 from pagekeeper_engine.frontend.metrics import ServerMetrics
+from pagekeeper_engine.frontend.prompt_encoder import PromptEncoder
 from pagekeeper_engine.frontend.tokenizer import Tokenizer
 from pagekeeper_engine.messages import LoopStats
 
@@ -39,6 +40,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     engine: EngineClient | None = None
     tokenizer: Tokenizer | None = None
+    encoder: PromptEncoder | None = None  # the tokenizer's prompt encoding, off the loop
     max_model_len: int = 0
     max_num_in_flight: int = 0  # sequences admitted at once (the core's limits)
     phase: Phase = Phase.LOADING
@@ -66,6 +68,7 @@ class ServerState:
         limits = engine.ready.limits
         self.engine = engine
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
         self.max_model_len = limits.max_model_len
         self.max_num_in_flight = limits.max_num_in_flight
         if self.phase is Phase.LOADING:
@@ -81,8 +84,9 @@ class ServerState:
     def read_stats(self) -> LoopStats | None:
         return self.engine.stats() if self.engine is not None else None
 
-    def require_serving(self) -> tuple[EngineClient, Tokenizer]:
-        """The engine and tokenizer, or the 503 that says why requests are not taken now."""
+    def require_serving(self) -> tuple[EngineClient, Tokenizer, PromptEncoder]:
+        """The engine, tokenizer and prompt encoder, or the 503 that says why requests are not
+        taken now."""
         if self.phase is Phase.DRAINING:
             self.metrics.count_rejected("draining")
             raise APIError(
@@ -91,14 +95,19 @@ class ServerState:
                 code="draining",
                 retry_after_s=RETRY_AFTER_DRAINING_S,
             )
-        if self.phase is Phase.LOADING or self.engine is None or self.tokenizer is None:
+        if (
+            self.phase is Phase.LOADING
+            or self.engine is None
+            or self.tokenizer is None
+            or self.encoder is None
+        ):
             self.metrics.count_rejected("loading")
             raise APIError(
                 503, "model is still loading", code="loading", retry_after_s=RETRY_AFTER_LOADING_S
             )
         if not self.engine.is_alive():
             raise APIError(503, "engine loop is not running", code="engine_dead")
-        return self.engine, self.tokenizer
+        return self.engine, self.tokenizer, self.encoder
 
     def reserve(self, num_seqs: int) -> None:
         """Count `num_seqs` sequences in flight, or raise 429 when the queue bound is reached."""

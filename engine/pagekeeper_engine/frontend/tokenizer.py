@@ -140,6 +140,14 @@ class Tokenizer:
         the template already wrote the BOS token."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_batch(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """`encode` of each text in one call, which releases the GIL and runs on the
+        tokenizer's own threads (`PromptEncoder` calls it off the event loop)."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
