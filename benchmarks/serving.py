@@ -41,7 +41,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import serving_workload as wl
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import SHAPES, prefill_flops
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
@@ -145,20 +145,24 @@ def start_server(
 async def stream_completion(
     session: aiohttp.ClientSession, plan: wl.ClientPlan, index: int, prompt: list[int], n: int
 ) -> wl.RequestRecord:
-    body = wl.completion_body(plan.model, prompt, n)
+    body = wl.completion_body(plan.model, prompt, n, stream=plan.stream, as_text=plan.as_text)
     record = wl.RequestRecord(index, n, send_s=time.monotonic())
     try:
         async with session.post(f"{plan.url}/v1/completions", json=body) as response:
             record.status = response.status
             if response.status != 200:
                 record.error = await response.text()
+            elif not plan.stream:
+                text = await response.text()
+                record.end_s = time.monotonic()
+                record.on_body(text)
             else:
                 async for line in response.content:
                     if line.startswith(b"data: "):
                         record.on_event(line[6:].decode().strip(), time.monotonic())
     except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
-    record.end_s = time.monotonic()
+    record.end_s = record.end_s or time.monotonic()
     return record
 
 
@@ -235,6 +239,7 @@ def run_online(
     plans = wl.client_plans(
         level, requests, args.seed, url=url, model=args.model_name,
         timeout_s=args.request_timeout, num_processes=args.client_processes,
+        stream=args.stream, as_text=args.prompt_format == "text",
     )  # fmt: skip
     procs = [
         ctx.Process(target=client_process, args=(w, plan, next_index, go, messages))
@@ -279,6 +284,22 @@ def run_offline(
         run_closed(engine, warm, level.concurrency, f"warm-{level.label}")
         results.append(run_closed(engine, work, level.concurrency, level.label))
     return env, results
+
+
+def measure_matmul_rate() -> float:
+    """The bf16 matmul rate (FLOP/s), measured with the GPU free (the server stopped)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kernels import measure_matmul_rate as measure  # noqa: PLC0415 (imports torch)
+
+    return float(measure())
+
+
+def first_wave_floor_ms(
+    config: dict[str, Any], work: wl.ChatWorkload, c: int, rate: float
+) -> float:
+    """The least TTFT the last of a closed loop's first C requests can see: all C prompts
+    arrive at once, so the last first token waits for every one of their prefills."""
+    return prefill_flops(config, (len(p) for p in work.prompts[:c])) / rate * 1e3
 
 
 def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -> dict[str, Any]:
@@ -341,6 +362,13 @@ def parse_args() -> argparse.Namespace:
     ]:  # fmt: skip
         add(flag, type=int, default=default)
     add("--prefix-sharing", action="store_true", help="groups of 16 share a 1,024-token prefix")
+    add(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="text: prompts as words the server tokenizes (one token each), as most clients send",
+    )
+    add("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE or one body")
     add("--max-model-len", type=int, default=None, help=f"default {MAX_MODEL_LEN} or the model's")
     add("--gpu-memory-utilization", type=float, default=0.9)
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -402,7 +430,8 @@ def main() -> None:
             for level, requests in runs:
                 row: dict[str, Any] = {"level": level.label, "concurrency": level.concurrency}
                 row["rate"] = level.rate
-                row["online"] = wl.summarize(run_online(url, level, requests, args))
+                records = run_online(url, level, requests, args)
+                row["online"] = wl.summarize(records, first_wave=level.concurrency or 0)
                 status, text = http_get(f"{url}/metrics")
                 row["memory"] = wl.memory_metrics(text) if status == 200 else {"error": text}
                 print(wl.format_online(row), flush=True)
@@ -412,6 +441,17 @@ def main() -> None:
                 report["server"] = {"start_s": server.start_s, "exit_code": server.stop()}
         if server is not None and server.proc.returncode != 0:
             print(f"the server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        if args.device == "cuda" and args.url is None:
+            rate = report["matmul_flop_s"] = measure_matmul_rate()
+            for row, (level, (work, _)) in zip(report["levels"], runs, strict=True):
+                if level.concurrency is not None:
+                    floor = first_wave_floor_ms(config, work, level.concurrency, rate)
+                    row["first_wave_floor_ms"] = floor
+                    print(
+                        f"{row['level']:>6} first wave: TTFT p99 "
+                        f"{row['online']['ttft_first_wave_ms']['p99'] or 0:,.0f} ms; its prefill "
+                        f"alone takes {floor:,.0f} ms at the measured {rate / 1e12:.0f} TFLOP/s"
+                    )
         if args.offline:
             closed = [run for run in runs if run[0].concurrency is not None]
             report["offline_env"], results = run_offline(model_dir, settings, closed)

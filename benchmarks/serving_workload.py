@@ -97,6 +97,8 @@ class ClientPlan:
     num_streams: int  # closed loop: requests this process keeps in flight; 0 in open loop
     arrivals: list[tuple[int, float]]  # open loop: (request index, seconds after the start)
     timeout_s: float
+    stream: bool = True
+    as_text: bool = False  # prompts as text for the server to tokenize, not as token ids
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:
@@ -177,16 +179,26 @@ def client_plans(
     ]
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
+def prompt_text(prompt: list[int]) -> str:
+    """The text the benchmark's word tokenizer (`serving.write_word_tokenizer`: token i is the
+    word "t{i}") encodes to exactly these ids."""
+    return " ".join(f"t{i}" for i in prompt)
+
+
+def completion_body(
+    model: str, prompt: list[int], max_tokens: int, *, stream: bool = True, as_text: bool = False
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": prompt,
+        "prompt": prompt_text(prompt) if as_text else prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
-        "stream": True,
+        "stream": stream,
         "temperature": TEMPERATURE,
-        "stream_options": {"include_usage": True},
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 @dataclass
@@ -228,6 +240,10 @@ class RequestRecord:
                 "cached_tokens", 0
             )
 
+    def on_body(self, data: str) -> None:
+        """Apply a whole (non-streaming) response body: its usage; no chunk times."""
+        self.on_event(json.dumps({"usage": json.loads(data).get("usage")}), self.end_s)
+
     @property
     def failure(self) -> str | None:
         """Why the request counts as failed, or None."""
@@ -243,6 +259,7 @@ class RequestRecord:
 
     @property
     def ttft_s(self) -> float | None:
+        """Seconds to the first chunk with text; None without a stream (`on_body`)."""
         return self.chunk_s[0] - self.send_s if self.chunk_s else None
 
     @property
@@ -286,9 +303,12 @@ def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], first_wave: int = 0) -> dict[str, Any]:
     """Rates over the wall time from the first send to the last end; latencies of the requests
-    that succeeded; every failure counted by kind, with the first error of each kind kept."""
+    that succeeded; every failure counted by kind, with the first error of each kind kept.
+
+    `first_wave`: a closed loop's first C requests (indexes below it), sent all at once, whose
+    prompts queue behind each other; their TTFT and the rest's are also given apart."""
     assert records, "a summary of no requests"
     ok = [r for r in records if r.failure is None]
     failures = Counter(r.failure for r in records if r.failure is not None)
@@ -311,6 +331,13 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "total_tok_s": (num_prompt + num_output) / wall_s,
         "requests_s": len(ok) / wall_s,
         "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_first_wave_ms": distribution_ms(
+            [r.ttft_s for r in ok if r.ttft_s is not None and r.index < first_wave]
+        ),
+        "ttft_after_first_wave_ms": distribution_ms(
+            [r.ttft_s for r in ok if r.ttft_s is not None and r.index >= first_wave]
+        ),
+        "first_wave": first_wave,
         "itl_ms": distribution_ms([g for r in ok for g in r.inter_token_gaps()]),
         "e2e_ms": distribution_ms([r.end_s - r.send_s for r in ok]),
         "num_itl_exact": sum(r.has_token_counts for r in ok),
@@ -394,7 +421,9 @@ def format_online(row: dict[str, Any]) -> str:
         f"{row['level']:>6} online: {s['num_ok']}/{s['num_requests']} ok in {s['wall_s']:.1f} s,"
         f" {s['output_tok_s']:,.0f} output tok/s; failures: {failures}; {s['num_short']} short;"
         f" {s['num_cached_tokens']:,} of {s['num_prompt_tokens']:,} prompt tokens cached;"
-        f" {s['num_itl_exact']} requests timed per token\n        allocator reserved - allocated"
+        f" {s['num_itl_exact']} requests timed per token\n        TTFT p50/p90/p99 ms: all"
+        f" {_ms(s['ttft_ms'])}, first wave of {s['first_wave']} {_ms(s['ttft_first_wave_ms'])},"
+        f" after it {_ms(s['ttft_after_first_wave_ms'])}\n        allocator reserved - allocated"
         f" {_num(memory.get('reserved_minus_allocated_bytes'), ',.1f', 2**20)} MiB (fragmentation"
         f" gauge {_num(memory.get('fragmentation_bytes'), ',.1f', 2**20)} MiB), fragmentation"
         f" buffer {_num(memory.get('fragmentation_buffer_bytes'), ',.1f', 2**20)} MiB,"

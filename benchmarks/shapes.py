@@ -6,6 +6,7 @@ what real weights cost (BENCHMARKS.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -57,3 +58,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": [128001, 128008, 128009],
     },
 }
+
+
+def weight_bytes_per_step(cfg: dict[str, Any]) -> int:
+    """Weights a decode step must read: every layer's matrices and the LM head (bf16)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q_size = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv_size = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    return 2 * int(cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden)
+
+
+def prefill_flops(cfg: dict[str, Any], prompt_lens: Iterable[int]) -> float:
+    """FLOPs to prefill prompts of these lengths from scratch: every layer's matmuls for each
+    token (not the LM head, which runs once per prompt) and causal attention."""
+    lens = list(prompt_lens)
+    matmul_params = weight_bytes_per_step(cfg) // 2 - cfg["vocab_size"] * cfg["hidden_size"]
+    attention = (
+        sum(n**2 for n in lens)
+        * 2
+        * cfg["num_attention_heads"]
+        * cfg["head_dim"]
+        * cfg["num_hidden_layers"]
+    )  # 2 matmuls x 2 FLOPs x L^2 / 2, causal
+    return float(2 * matmul_params * sum(lens) + attention)

@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import measure_copy_bandwidth, measure_matmul_rate
 
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import SHAPES, prefill_flops, weight_bytes_per_step
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -65,15 +65,6 @@ def w_nano(num_requests: int = 256) -> Workload:
     return Workload(prompts, [random.randint(100, 1024) for _ in range(num_requests)])
 
 
-def weight_bytes_per_step(cfg: dict[str, Any]) -> int:
-    """Weights a decode step must read: every layer's matrices and the LM head (bf16)."""
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    q_size = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv_size = cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
-    return 2 * int(cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden)
-
-
 def physical_floor(
     cfg: dict[str, Any],
     work: Workload,
@@ -89,16 +80,8 @@ def physical_floor(
         n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
     )
     decode_bytes = weight_bytes_per_step(cfg) * max(work.output_lens) + kv_reads * kv_per_token
-    matmul_params = weight_bytes_per_step(cfg) // 2 - cfg["vocab_size"] * cfg["hidden_size"]
-    attention = (
-        sum(len(p) ** 2 for p in work.prompts)
-        * 2
-        * cfg["num_attention_heads"]
-        * cfg["head_dim"]
-        * cfg["num_hidden_layers"]
-    )  # 2 matmuls x 2 FLOPs x L^2 / 2, causal
-    prefill_flops = 2 * matmul_params * work.num_prompt_tokens + attention
-    return float(decode_bytes / bandwidth + prefill_flops / rate)
+    prefill = prefill_flops(cfg, (len(p) for p in work.prompts))
+    return float(decode_bytes / bandwidth + prefill / rate)
 
 
 def write_checkpoint(shape: str, root: Path) -> Path:

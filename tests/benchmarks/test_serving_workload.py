@@ -7,18 +7,21 @@ import itertools
 import json
 import random
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.serving_workload import (
     PREFIX_LEN,
+    ChatWorkload,
     EngineSettings,
     Level,
     RequestRecord,
     StepSample,
     client_plans,
     compare,
+    completion_body,
     decode_step_time,
     format_offline,
     format_online,
@@ -32,6 +35,7 @@ from benchmarks.serving_workload import (
     w_chat,
 )
 from pagekeeper_engine.config import parse_args
+from pagekeeper_engine.frontend.tokenizer import Tokenizer
 
 LENGTHS: dict[str, Any] = {"vocab_size": 4000, "prompt_lens": (64, 80), "output_lens": (32, 40)}
 
@@ -278,4 +282,63 @@ def test_compare_and_the_offline_line() -> None:
     line = format_offline({"level": "c8", "offline": offline, **ratios})
     assert (
         "online / offline 85%; decode step 10.00 ms (7 steps); ITL p50 / decode step 1.50x" in line
+    )
+
+
+def test_text_prompts_are_the_words_the_word_tokenizer_maps_back(tmp_path: Path) -> None:
+    from benchmarks.serving import write_word_tokenizer  # noqa: PLC0415
+
+    write_word_tokenizer(tmp_path, 500)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    prompt = [5, 499, 0, 17, 17, 230]
+    body = completion_body("bench", prompt, 9, as_text=True)
+    assert body["prompt"] == "t5 t499 t0 t17 t17 t230"
+    assert tokenizer.encode(body["prompt"]) == prompt
+    assert completion_body("bench", prompt, 9)["prompt"] == prompt
+
+
+def test_a_non_streaming_body_carries_usage_and_no_first_token_time() -> None:
+    streaming = completion_body("bench", [1, 2], 4)
+    assert streaming["stream"] is True
+    assert streaming["stream_options"] == {"include_usage": True}
+    whole = completion_body("bench", [1, 2], 4, stream=False)
+    assert whole["stream"] is False and "stream_options" not in whole
+    record = RequestRecord(0, 4, send_s=1.0, end_s=3.0, status=200)
+    record.on_body(json.dumps({"choices": [{"text": "t1 t2 t3 t4"}], "usage": USAGE}))
+    assert record.failure is None
+    assert (record.num_output_tokens, record.num_cached_tokens) == (4, 16)
+    assert record.ttft_s is None and record.inter_token_gaps() == []
+    summary = summarize([record])
+    assert summary["output_tok_s"] == 2.0
+    assert summary["ttft_ms"]["p99"] is None and summary["e2e_ms"]["p50"] == 2000.0
+
+
+def test_ttft_of_the_first_wave_and_after_it_are_given_apart() -> None:
+    records = []
+    for index, ttft in enumerate([0.1, 0.2, 3.0, 4.0]):  # the first two are the first wave
+        record = streamed([(ttft, "t1"), (ttft + 0.5, " t2 t3 t4")])
+        record.index = index
+        records.append(record)
+    summary = summarize(records, first_wave=2)
+    assert summary["first_wave"] == 2
+    assert summary["ttft_first_wave_ms"]["p50"] == pytest.approx(150.0)
+    assert summary["ttft_after_first_wave_ms"]["p50"] == pytest.approx(3500.0)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(1600.0)
+    line = format_online({"level": "c2", "online": summary, "memory": memory_metrics(METRICS)})
+    assert "first wave of 2 150.0/190.0/199.0, after it 3,500.0/3,900.0/3,990.0" in line
+    assert summarize(records)["ttft_first_wave_ms"]["p50"] is None
+
+
+def test_the_first_wave_floor_is_its_prefill_flops_over_the_rate() -> None:
+    from benchmarks.serving import first_wave_floor_ms  # noqa: PLC0415
+    from benchmarks.shapes import SHAPES, prefill_flops  # noqa: PLC0415
+
+    cfg = SHAPES["llama-3.1-8b"]
+    work = ChatWorkload([[1] * 1000, [1] * 2000, [1] * 5000], [8, 8, 8])
+    # 8B: 6.98e9 matmul parameters a token (the LM head runs once a prompt, not counted)
+    per_token = 2 * (32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336))
+    attention = (1000**2 + 2000**2) * 2 * 32 * 128 * 32
+    assert prefill_flops(cfg, [1000, 2000]) == per_token * 3000 + attention
+    assert first_wave_floor_ms(cfg, work, 2, 1e15) == pytest.approx(
+        (per_token * 3000 + attention) / 1e15 * 1e3
     )
