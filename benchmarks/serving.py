@@ -239,7 +239,7 @@ def run_online(
     plans = wl.client_plans(
         level, requests, args.seed, url=url, model=args.model_name,
         timeout_s=args.request_timeout, num_processes=args.client_processes,
-        stream=args.stream, as_text=args.prompt_format == "text",
+        as_text=args.prompt_format == "text",
     )  # fmt: skip
     procs = [
         ctx.Process(target=client_process, args=(w, plan, next_index, go, messages))
@@ -368,7 +368,13 @@ def parse_args() -> argparse.Namespace:
         default="ids",
         help="text: prompts as words the server tokenizes (one token each), as most clients send",
     )
-    add("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE or one body")
+    add(
+        "--modes",
+        nargs="+",
+        choices=["stream", "whole"],
+        default=["stream"],
+        help="each level streamed (SSE), and/or answered in one body (a '-whole' level)",
+    )
     add("--max-model-len", type=int, default=None, help=f"default {MAX_MODEL_LEN} or the model's")
     add("--gpu-memory-utilization", type=float, default=0.9)
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -403,8 +409,9 @@ def main() -> None:
         args.max_num_seqs, args.block_size, args.max_num_batched_tokens,
         args.gpu_memory_utilization, args.enable_prefix_caching, args.enforce_eager,
     )  # fmt: skip
-    levels = [wl.Level(concurrency=c) for c in args.concurrency]
-    levels += [wl.Level(rate=r) for r in args.request_rate]
+    streams = [mode == "stream" for mode in args.modes]
+    levels = [wl.Level(concurrency=c, stream=s) for c in args.concurrency for s in streams]
+    levels += [wl.Level(rate=r, stream=s) for r in args.request_rate for s in streams]
     lengths = {
         "vocab_size": config["vocab_size"],
         "prompt_lens": (args.prompt_min, args.prompt_max),

@@ -74,14 +74,17 @@ class Level:
 
     concurrency: int | None = None
     rate: float | None = None
+    stream: bool = True  # False: each response in one body (the "-whole" levels)
 
     @property
     def label(self) -> str:
-        return f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate:g}"
+        load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate:g}"
+        return load if self.stream else f"{load}-whole"
 
     def seed(self, seed: int, part: str) -> str:
         """Each level draws its own requests: a level draws the same ones in any run, and no
-        level's prompts are in a prefix cache that another level filled."""
+        level's prompts are in a prefix cache that another level filled (a "-whole" level
+        draws apart from its streaming twin, from the same distribution)."""
         return f"{seed}/{part}-{self.label}"
 
 
@@ -97,7 +100,7 @@ class ClientPlan:
     num_streams: int  # closed loop: requests this process keeps in flight; 0 in open loop
     arrivals: list[tuple[int, float]]  # open loop: (request index, seconds after the start)
     timeout_s: float
-    stream: bool = True
+    stream: bool = True  # the level's
     as_text: bool = False  # prompts as text for the server to tokenize, not as token ids
 
 
@@ -173,6 +176,7 @@ def client_plans(
             warmup=list(zip(warm.prompts, warm.output_lens, strict=True))[w::num_procs],
             num_streams=concurrency // num_procs + (w < concurrency % num_procs),
             arrivals=arrivals[w::num_procs],
+            stream=level.stream,
             **common,
         )
         for w in range(num_procs)

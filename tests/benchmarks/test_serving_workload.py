@@ -89,6 +89,14 @@ def test_each_level_draws_its_own_requests_and_warm_up() -> None:
     assert rate_work.prompts[0] != work.prompts[0]
     assert len(level_workloads(closed, 0, 10, **LENGTHS)[0].prompts) == 10
     assert (closed.label, rate.label) == ("c32", "r2.5")
+    whole = Level(concurrency=32, stream=False)
+    assert whole.label == "c32-whole"
+    whole_work, _ = level_workloads(whole, 0, None, **LENGTHS)
+    assert whole_work.prompts[0] != work.prompts[0]  # no prefix-cache hits on its twin's
+    plans = client_plans(
+        whole, (whole_work, warm), 0, num_processes=2, url="u", model="m", timeout_s=1.0
+    )
+    assert [p.stream for p in plans] == [False, False]
 
 
 def test_poisson_arrivals_accumulate_seeded_exponential_gaps() -> None:
