@@ -10,7 +10,8 @@ either by a second (reduce) kernel or, given a buffer of split counters, by the 
 each (sequence, KV head) to finish inside the same launch: it counts the finished splits with
 one atomic, so at batch 1 a layer's attention is one launch instead of two. Split boundaries
 are derived from each sequence's own length inside the kernel, so the number of splits changes
-only speed, never the result.
+only speed, never the result. The number is a run-time argument, not a compile-time constant:
+one compiled kernel serves every count an eager step may choose.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 
 
-# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
-STEP_VARYING = ("block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride")
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py). The
+# split count is one: an eager step chooses it from its batch and its longest context, so as a
+# compile-time constant it would compile a variant per count in the middle of serving.
+STEP_VARYING = (
+    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits"
+)  # fmt: skip
 
 
 @triton.jit
@@ -77,8 +82,8 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
-    part_out_ptr,  # (B, num_heads, NUM_SPLITS, HEAD_DIM) fp32, unused when NUM_SPLITS == 1
-    part_lse_ptr,  # (B, num_heads, NUM_SPLITS) fp32 log2-sum-exp2 of the scaled scores
+    part_out_ptr,  # (B, num_heads, num_splits, HEAD_DIM) fp32, unused unless IS_SPLIT
+    part_lse_ptr,  # (B, num_heads, num_splits) fp32 log2-sum-exp2 of the scaled scores
     counters_ptr,  # (>= B * NUM_KV_HEADS,) int32 zeros, used when FUSED_REDUCE; left zero
     q_token_stride,
     q_head_stride,
@@ -87,13 +92,14 @@ def _paged_decode_kernel(
     block_table_stride,
     scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
     v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
+    num_splits,  # programs along the context (axis 2), >= 2 exactly when IS_SPLIT
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (FP8 widens to it natively)
@@ -104,7 +110,7 @@ def _paged_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split covers a whole number of BLOCK_N tiles of this sequence; trailing splits of a
     # short sequence may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -143,7 +149,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         # seq_len >= 1, so every real row saw at least one key and l_i > 0.
         out = acc * (v_scale / l_i)[:, None]
         out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
@@ -153,7 +159,7 @@ def _paged_decode_kernel(
         safe_l = tl.where(is_empty, 1.0, l_i)
         out = acc * (v_scale / safe_l)[:, None]
         lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(safe_l))
-        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # (GROUP_PAD,)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
         tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
         if FUSED_REDUCE:
@@ -163,7 +169,7 @@ def _paged_decode_kernel(
             counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
             num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
-            if num_done == NUM_SPLITS - 1:
+            if num_done == num_splits - 1:
                 _combine_splits(
                     part_out_ptr,
                     part_lse_ptr,
@@ -174,10 +180,10 @@ def _paged_decode_kernel(
                     offs_d,
                     out_token_stride,
                     out_head_stride,
+                    num_splits,
                     NUM_KV_HEADS * GROUP,
                     GROUP_PAD,
                     HEAD_DIM,
-                    NUM_SPLITS,
                 )
                 tl.store(counter, 0)  # zero again for the next launch (stream-ordered)
 
@@ -193,17 +199,17 @@ def _combine_splits(
     offs_d,  # (HEAD_DIM,)
     out_token_stride,
     out_head_stride,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     """out[seq, heads] = the splits' partial outputs weighted by their softmax mass."""
-    rows = (seq * NUM_HEADS + heads) * NUM_SPLITS  # (GROUP_PAD,) row of split 0
+    rows = (seq * NUM_HEADS + heads) * num_splits  # (GROUP_PAD,) row of split 0
     # Split 0 is never empty (seq_len >= 1), so each real head's max is finite; padding heads
     # get 0 and weigh nothing (their lse loads as -inf).
     m = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse = tl.load(
             part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
         )
@@ -211,7 +217,7 @@ def _combine_splits(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse = tl.load(
             part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
         )
@@ -229,24 +235,24 @@ def _combine_splits(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    part_out_ptr,  # (B, num_heads, NUM_SPLITS, HEAD_DIM) fp32
-    part_lse_ptr,  # (B, num_heads, NUM_SPLITS) fp32
+    part_out_ptr,  # (B, num_heads, num_splits, HEAD_DIM) fp32
+    part_lse_ptr,  # (B, num_heads, num_splits) fp32
     out_ptr,
     out_token_stride,
     out_head_stride,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s  # (SPLITS_PAD,)
+    s_mask = offs_s < num_splits
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s  # (SPLITS_PAD,)
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     # Split 0 is never empty (seq_len >= 1), so the max is finite.
     weights = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh exp2(-inf) = 0
@@ -352,13 +358,14 @@ def paged_decode(
         block_tables.stride(0),
         scale * LOG2_E * k_scale,
         v_scale,
+        num_splits,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        IS_SPLIT=num_splits > 1,
         FUSED_REDUCE=fused_reduce,
         DOT_PRECISION=dot_precision(q.dtype),
         KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
@@ -372,10 +379,10 @@ def paged_decode(
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            SPLITS_PAD=max(2, next_power_of_2(MAX_SPLITS)),
             num_warps=4,
         )
     return out

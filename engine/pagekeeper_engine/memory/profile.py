@@ -135,6 +135,17 @@ def decode_batch(num_seqs: int, shapes: ProfileShapes) -> ProfileBatch:
     return ProfileBatch(seqs, num_seqs)
 
 
+def long_decode_batch(shapes: ProfileShapes) -> ProfileBatch:
+    """One decode at the longest context the scratch blocks hold (at most max-model-len): the
+    shape whose attention splits its context, as a lone long request's decode does."""
+    num_blocks = min(
+        num_scratch_blocks(shapes), math.ceil(shapes.max_model_len / shapes.block_size)
+    )
+    pos = min(num_blocks * shapes.block_size, shapes.max_model_len) - 1
+    seq = ScheduledSeq("profile-long", [0], pos, list(range(num_blocks)), True, PROFILE_SAMPLING, 0)
+    return ProfileBatch([seq], 1)
+
+
 def worst_case_batches(shapes: ProfileShapes) -> list[ProfileBatch]:
     return [
         prefill_batch(shapes.max_num_batched_tokens, shapes),
@@ -143,15 +154,17 @@ def worst_case_batches(shapes: ProfileShapes) -> list[ProfileBatch]:
 
 
 def warmup_batches(shapes: ProfileShapes) -> list[ProfileBatch]:
-    """Shapes a serving day brings: partial chunks and smaller decode batches, interleaved so
-    that blocks freed by one shape are split by the next."""
+    """Shapes a serving day brings: partial chunks, smaller decode batches and a long decode,
+    interleaved so that blocks freed by one shape are split by the next. Running them also
+    compiles the kernels' variants before the first request (a split-context decode among
+    them), so none compiles while serving."""
     max_tokens = shapes.max_num_batched_tokens
     max_decodes = min(shapes.max_num_seqs, max_tokens)
     return [
         prefill_batch(max_tokens // 2 + 3, shapes),
         decode_batch(max(max_decodes // 3, 1), shapes),
         prefill_batch(max_tokens // 7 + 1, shapes),
-        decode_batch(1, shapes),
+        long_decode_batch(shapes),
         prefill_batch(max(max_tokens * 3 // 4, 1), shapes),
         decode_batch(max(max_decodes // 2, 1), shapes),
     ]

@@ -51,6 +51,12 @@ def test_warmup_mixes_smaller_shapes() -> None:
     ]
     worst = max(b.num_tokens for b in worst_case_batches(SHAPES))
     assert all(b.num_tokens <= worst for b in batches)
+    # the lone decode sits at the end of the longest context: max-model-len here ...
+    assert [(s.start_pos, s.block_ids) for s in batches[3].seqs] == [(15, [0, 1])]
+    # ... or as much as the scratch blocks hold
+    long = warmup_batches(ProfileShapes(40, 6, 1024, 8))[3]
+    assert [(s.start_pos, s.block_ids) for s in long.seqs] == [(47, [0, 1, 2, 3, 4, 5])]
+    assert num_scratch_blocks(ProfileShapes(40, 6, 1024, 8)) == 6
 
 
 class FakeDevice:

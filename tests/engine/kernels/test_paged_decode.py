@@ -226,3 +226,39 @@ def test_split_counters_must_cover_every_program(device: torch.device) -> None:
             torch.ones(2, dtype=torch.int32, device=device), 1.0, num_splits=2,
             split_counters=torch.zeros(3, dtype=torch.int32, device=device),
         )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_split_count_runs_on_one_compiled_kernel(
+    device: torch.device, generator: torch.Generator
+) -> None:
+    # An eager step picks its split count from its batch and longest context; a count that
+    # compiled its own kernel would stall serving for the compile the first time it comes up.
+    from triton import knobs  # noqa: PLC0415
+
+    seq_lens = [1, 300, 2049, 777]
+    cache = make_paged_cache(seq_lens, 16, 2, 128, torch.bfloat16, device, generator)
+    q = random_tensor((len(seq_lens), 8, 128), torch.bfloat16, device, generator)
+    ref = paged_decode_ref(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.1)
+    counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=device)
+
+    def run(num_splits: int) -> torch.Tensor:
+        return paged_decode(
+            q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.1,
+            num_splits=num_splits, split_counters=counters,
+        )  # fmt: skip
+
+    run(1)  # the unsplit kernel, compiled here
+    run(2)  # the split one
+    compiled: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        outs = {n: run(n) for n in (1, 3, 5, 8, 13, 32)}
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
+    for num_splits, out in outs.items():
+        error = relative_error(out, ref)
+        assert error < TOLERANCE[torch.bfloat16], f"{num_splits} splits: error {error:.2e}"
+    assert int(counters.abs().sum()) == 0, "the fused reduce leaves its counters zero"
