@@ -77,15 +77,18 @@ class Level:
     stream: bool = True  # False: each response in one body (the "-whole" levels)
 
     @property
+    def load_label(self) -> str:
+        return f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate:g}"
+
+    @property
     def label(self) -> str:
-        load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate:g}"
-        return load if self.stream else f"{load}-whole"
+        return self.load_label if self.stream else f"{self.load_label}-whole"
 
     def seed(self, seed: int, part: str) -> str:
-        """Each level draws its own requests: a level draws the same ones in any run, and no
-        level's prompts are in a prefix cache that another level filled (a "-whole" level
-        draws apart from its streaming twin, from the same distribution)."""
-        return f"{seed}/{part}-{self.label}"
+        """Each load draws its own requests: a level draws the same ones in any run, and no
+        level's prompts are in a prefix cache that another level filled. A "-whole" level
+        draws its streaming twin's requests (`level_workloads` keeps them out of its cache)."""
+        return f"{seed}/{part}-{self.load_label}"
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,13 @@ def level_workloads(
     default = OPEN_LOOP_REQUESTS if level.concurrency is None else 4 * level.concurrency
     work = w_chat(num_requests or default, level.seed(seed, "requests"), **lengths)
     warm = w_chat(level.concurrency or PREFIX_GROUP_SIZE, level.seed(seed, "warm-up"), **lengths)
+    if not level.stream:
+        # The same work as the streaming twin, none of it cached by the twin: a block's cache
+        # key chains every token before it, so a new first token misses every block.
+        lo, hi = token_id_range(lengths["vocab_size"])
+        work = ChatWorkload(
+            [[lo + (p[0] - lo + 1) % (hi - lo), *p[1:]] for p in work.prompts], work.output_lens
+        )
     return work, ChatWorkload(warm.prompts, [min(n, WARMUP_TOKENS) for n in warm.output_lens])
 
 

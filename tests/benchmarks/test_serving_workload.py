@@ -92,7 +92,12 @@ def test_each_level_draws_its_own_requests_and_warm_up() -> None:
     whole = Level(concurrency=32, stream=False)
     assert whole.label == "c32-whole"
     whole_work, _ = level_workloads(whole, 0, None, **LENGTHS)
-    assert whole_work.prompts[0] != work.prompts[0]  # no prefix-cache hits on its twin's
+    # the twin's work, each first token moved so no block hits the prefix cache the twin filled
+    assert whole_work.output_lens == work.output_lens
+    assert [p[1:] for p in whole_work.prompts] == [p[1:] for p in work.prompts]
+    assert all(a[0] != b[0] for a, b in zip(whole_work.prompts, work.prompts, strict=True))
+    lo, hi = token_id_range(LENGTHS["vocab_size"])
+    assert all(lo <= p[0] < hi for p in whole_work.prompts)
     plans = client_plans(
         whole, (whole_work, warm), 0, num_processes=2, url="u", model="m", timeout_s=1.0
     )
