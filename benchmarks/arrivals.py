@@ -165,7 +165,10 @@ def main() -> None:
     )  # fmt: skip
     # what serving.start_server reads of its arguments
     server_args = argparse.Namespace(
-        api_server_count=None, engine_arg=args.engine_arg, start_timeout=args.start_timeout
+        api_server_count=None,
+        engine_arg=args.engine_arg,
+        start_timeout=args.start_timeout,
+        server_cpus=None,
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = serving.prepare_model_dir(args, Path(tmp))

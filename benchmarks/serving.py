@@ -98,6 +98,16 @@ class Server:
         return self.proc.returncode
 
 
+def parse_cpus(text: str | None) -> set[int]:
+    """A CPU list as taskset writes it ("0-7,12"); empty for None."""
+    cpus: set[int] = set()
+    for part in (text or "").split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def http_get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -122,6 +132,8 @@ def start_server(
         argv += ["--api-server-count", str(args.api_server_count)]
     paths = [str(REPO / "engine"), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    if args.server_cpus:  # every process the server starts inherits the CPU set
+        argv = ["taskset", "-c", args.server_cpus, *argv]
     with log.open("wb") as sink:
         proc = subprocess.Popen(
             argv + args.engine_arg, stdout=sink, stderr=subprocess.STDOUT, env=env
@@ -205,6 +217,8 @@ async def run_client(
 def client_process(
     worker: int, plan: wl.ClientPlan, next_index: Any, go: Any, messages: Any
 ) -> None:
+    if plan.cpus:
+        os.sched_setaffinity(0, plan.cpus)
     try:
         records = asyncio.run(run_client(worker, plan, next_index, go, messages))
     except Exception:  # handed to the parent, which fails the run with it
@@ -239,7 +253,7 @@ def run_online(
     plans = wl.client_plans(
         level, requests, args.seed, url=url, model=args.model_name,
         timeout_s=args.request_timeout, num_processes=args.client_processes,
-        as_text=args.prompt_format == "text",
+        as_text=args.prompt_format == "text", cpus=parse_cpus(args.client_cpus),
     )  # fmt: skip
     procs = [
         ctx.Process(target=client_process, args=(w, plan, next_index, go, messages))
@@ -384,6 +398,8 @@ def parse_args() -> argparse.Namespace:
     add("--start-timeout", type=float, default=1200.0)
     add("--request-timeout", type=float, default=600.0, help="seconds without a byte")
     add("--server-log", default=None)
+    add("--server-cpus", default=None, help="CPUs the server may use (taskset's list: 0-9)")
+    add("--client-cpus", default=None, help="CPUs the client processes may use (10-15)")
     add("--json", default=None)
     args = parser.parse_args()
     for part, low in (("prompt", 64), ("output", 32)):  # an unset minimum follows a lower maximum

@@ -105,6 +105,7 @@ class ClientPlan:
     timeout_s: float
     stream: bool = True  # the level's
     as_text: bool = False  # prompts as text for the server to tokenize, not as token ids
+    cpus: set[int] = field(default_factory=set)  # the CPUs the process may use; empty: any
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:

@@ -355,3 +355,10 @@ def test_the_first_wave_floor_is_its_prefill_flops_over_the_rate() -> None:
     assert first_wave_floor_ms(cfg, work, 2, 1e15) == pytest.approx(
         (per_token * 3000 + attention) / 1e15 * 1e3
     )
+
+
+def test_cpu_lists_read_as_taskset_writes_them() -> None:
+    from benchmarks.serving import parse_cpus  # noqa: PLC0415
+
+    assert parse_cpus("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpus(None) == set() == parse_cpus("")
