@@ -29,7 +29,7 @@ from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
-from pagekeeper_engine.config import EngineConfig, parse_args, usable_cpus
+from pagekeeper_engine.config import EngineConfig, parse_args
 from pagekeeper_engine.engine_process import LOG_FORMAT, run_engine_core
 from pagekeeper_engine.memory.allocator import AllocatorSettings, read_alloc_settings
 from pagekeeper_engine.messages import CoreAddresses
@@ -209,11 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("bad allocator settings: %s", exc)
         return 2
     logger.info("CUDA caching allocator: %s", allocator_settings.describe())
-    logger.info(
-        "%d front-end process(es) (--api-server-count; %d usable CPUs)",
-        config.api_server_count,
-        usable_cpus(),
-    )
     run_dir = tempfile.mkdtemp(prefix="pagekeeper-")
     if config.api_server_count > 1:
         # read by prometheus-client when it is first imported, here and in each front end

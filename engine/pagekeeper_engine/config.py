@@ -7,8 +7,6 @@ neither torch nor anything heavy: the operator's contract test parses rendered a
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import re
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -26,11 +24,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # --max-waiting-requests says otherwise. Larger than the queue backlog alert's ratio
 # (waiting > 3 x running), so the alert can fire before 429s start.
 WAITING_PER_RUNNING_SLOT = 8
-# --api-server-count auto: a front end per this many usable CPUs, after one for each engine
-# process (the core's step loop and each tensor-parallel rank keep a CPU busy), at most
-# MAX_AUTO_API_SERVERS; one front end streams about 8-10k tokens a second (docs/benchmarks.md).
-CPUS_PER_API_SERVER = 2
-MAX_AUTO_API_SERVERS = 4
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -61,39 +54,6 @@ def _fragmentation_buffer(text: str) -> int | Literal["auto"]:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def cpu_quota(cpu_max: str) -> float | None:
-    """CPUs a cgroup v2 `cpu.max` line ("400000 100000", or "max 100000") allows; None: no
-    quota."""
-    quota, _, period = cpu_max.strip().partition(" ")
-    if quota == "max" or not period:
-        return None
-    return int(quota) / int(period)
-
-
-def usable_cpus(cpu_max_path: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """CPUs this process may run on: its affinity, bounded by its cgroup's quota (a
-    container's CPU limit), rounded up."""
-    num_cpus = len(os.sched_getaffinity(0))
-    try:
-        with open(cpu_max_path) as f:
-            quota = cpu_quota(f.read())
-    except (OSError, ValueError):  # no cgroup v2 file here, or one this parser cannot read
-        return num_cpus
-    return num_cpus if quota is None else max(1, min(num_cpus, math.ceil(quota)))
-
-
-def choose_api_server_count(num_cpus: int, tensor_parallel_size: int) -> int:
-    """--api-server-count auto: front ends for the CPUs left over by the engine processes."""
-    spare = num_cpus - tensor_parallel_size
-    return max(1, min(MAX_AUTO_API_SERVERS, spare // CPUS_PER_API_SERVER))
-
-
-def _api_server_count(text: str) -> int | Literal["auto"]:
-    if text == "auto":
-        return "auto"
-    return int(_bounded(int, 1, 64)(text))
 
 
 def _bounded(kind: type[int] | type[float], lo: float, hi: float | None, *, lo_open: bool = False):  # type: ignore[no-untyped-def]
@@ -292,12 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--api-server-count",
-        type=_api_server_count,
-        default="auto",
-        help="front-end processes (HTTP, tokenization, detokenization, SSE) sharing the port, "
-        "1-64; auto: one per 2 CPUs this process may use after one per GPU, from 1 to "
-        f"{MAX_AUTO_API_SERVERS} (a CPU limit counts). The engine core runs in a process of its "
-        "own either way",
+        type=_bounded(int, 1, 64),
+        default=1,
+        help="front-end processes (HTTP, tokenization, detokenization) sharing the port; the "
+        "engine core runs in a process of its own either way",
     )
     return parser
 
@@ -310,10 +268,6 @@ def parse_args(argv: list[str]) -> EngineConfig:
         parser.error(
             "argument --kv-cache-dtype: fp8 needs a CUDA GPU (the CPU has no FP8 path); "
             "use --kv-cache-dtype auto with --device cpu"
-        )
-    if namespace.api_server_count == "auto":
-        namespace.api_server_count = choose_api_server_count(
-            usable_cpus(), namespace.tensor_parallel_size
         )
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(namespace).items() if k in names})

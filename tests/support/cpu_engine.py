@@ -94,7 +94,7 @@ def engine_argv(checkpoint: Path, port: int, shape: EngineShape) -> list[str]:
         "--max-num-seqs", str(shape.max_num_seqs),
         "--num-gpu-blocks-override", str(shape.num_blocks),
         "--num-cpu-blocks-override", "0", "--swap-space", "0",
-        "--shutdown-timeout", "15", "--api-server-count", "1",
+        "--shutdown-timeout", "15",
     ]  # fmt: skip
 
 

@@ -68,7 +68,7 @@ def start_server(checkpoint: Path, workdir: Path, *extra_flags: str) -> Server:
         "--host", "127.0.0.1", "--port", str(port),
         "--block-size", "8", "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(MAX_NUM_SEQS), "--num-gpu-blocks-override", "64",
-        "--num-cpu-blocks-override", "16", "--api-server-count", "1",
+        "--num-cpu-blocks-override", "16",
         *extra_flags,
     ]  # fmt: skip
     env = dict(os.environ)
