@@ -467,7 +467,7 @@ def main() -> None:
         if args.device == "cuda" and args.url is None:
             rate = report["matmul_flop_s"] = measure_matmul_rate()
             for row, (level, (work, _)) in zip(report["levels"], runs, strict=True):
-                if level.concurrency is not None:
+                if level.concurrency is not None and level.stream:  # a TTFT needs a stream
                     floor = first_wave_floor_ms(config, work, level.concurrency, rate)
                     row["first_wave_floor_ms"] = floor
                     print(
