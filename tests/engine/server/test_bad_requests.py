@@ -238,3 +238,18 @@ def test_loading_phase_answers_503() -> None:
             assert [m["id"] for m in models["data"]] == [MODEL_NAME]
 
     asyncio.run(run())
+
+
+def test_the_arrivals_burst_malformed_bodies_are_refused_naming_their_field(server: Server) -> None:
+    # benchmarks/arrivals.py counts each of these as "refused" only on this answer; anything
+    # else would be counted lost
+    from benchmarks.arrivals import MALFORMED, Arrival, outcome  # noqa: PLC0415
+
+    for body, param in MALFORMED:
+        response = post(server, COMPLETIONS, body)
+        error = response.json()["error"]
+        assert outcome(Arrival("malformed", body, param), response.status_code, error, False) == (
+            "refused"
+        ), (body, response.text)
+        if param is not None:
+            assert_error(response, 400, param)
