@@ -140,6 +140,9 @@ def build_engine(
         "async_scheduling": args.async_scheduling,
         "safety": args.safety,
         "batch1_projections": [choice.describe() for choice in runner.gemv_choices],
+        "batch1_layer": (
+            runner.fusion_choice.describe() if runner.fusion_choice is not None else None
+        ),
     }
     print(
         f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
@@ -152,6 +155,8 @@ def build_engine(
     )
     for line in start["batch1_projections"]:
         print(f"  batch-1 {line}")
+    if start["batch1_layer"] is not None:
+        print(f"  batch-1 {start['batch1_layer']}")
     return LLMEngine(config, runner, runner.eos_token_ids), start
 
 

@@ -61,6 +61,29 @@ class KVScales(NamedTuple):
 UNSCALED = KVScales()
 
 
+@dataclass(frozen=True, eq=False)
+class QKNorm:
+    """An RMSNorm over each head of q and of k, before the rotary embedding (Qwen3)."""
+
+    q_weight: torch.Tensor  # (head_dim,) in q's dtype
+    k_weight: torch.Tensor  # (head_dim,)
+    eps: float
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New normed (q, k): (T, heads, head_dim) each, as the model's `RMSNorm` computes."""
+        return _rms_norm_heads(q, self.q_weight, self.eps), _rms_norm_heads(
+            k, self.k_weight, self.eps
+        )
+
+
+def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in fp32, the normalised value rounded to x's dtype before the weight multiply:
+    # `RMSNorm._norm` in model/layers.py, which the kernels match.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys and values into the cache, then attends over it."""
 
@@ -95,8 +118,14 @@ class AttentionBackend(ABC):
         scale: float,
         out: torch.Tensor | None = None,
         kv_scales: KVScales = UNSCALED,
+        qk_norm: QKNorm | None = None,
+        pdl: bool = False,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        """`forward` of rotary(q), rotary(k), v. A backend that can rotate inside its KV write
-        overrides this to save the separate rotation."""
+        """`forward` of rotary(q), rotary(k), v, or with `qk_norm` of rotary(norm(q)),
+        rotary(norm(k)), v. A backend that can norm and rotate inside its KV write overrides
+        this to save the separate launches; one whose kernels can launch as programmatic
+        dependents of the kernel before them does so with `pdl` (others ignore it)."""
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = rotary.forward_qk(positions, q, k)
         return self.forward(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales)

@@ -9,6 +9,7 @@ from pagekeeper_engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     KVScales,
+    QKNorm,
     RotaryTables,
 )
 from pagekeeper_engine.kernels import FP8_CACHE_DTYPE, is_interpreter
@@ -32,8 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
     launch (counters that the kernel leaves at zero, allocated on the first call, which the
     runner makes eagerly before any graph capture).
 
-    `forward_rotary` also applies the rotary embedding in the KV-write kernel (rotating q in
-    place), so a layer's rotary, KV write and decode attention are two launches, not four.
+    `forward_rotary` also applies the rotary embedding (and Qwen3's q/k norm) in the KV-write
+    kernel, norming and rotating q in place, so a layer's rotary, KV write and decode attention
+    are two launches, not four (six with the q/k norm).
     """
 
     name = "triton"
@@ -58,8 +60,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rotary(
         self,
-        q: torch.Tensor,  # (T, num_heads, head_dim), rotated in place
-        k: torch.Tensor,  # (T, num_kv_heads, head_dim), not rotated: the cache gets rotary(k)
+        q: torch.Tensor,  # (T, num_heads, head_dim), normed and rotated in place
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim), read only: the cache gets rotary(norm(k))
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
         positions: torch.Tensor,  # (T,) int64
         rotary: RotaryTables,
@@ -69,13 +71,20 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor | None = None,
         kv_scales: KVScales = UNSCALED,
+        qk_norm: QKNorm | None = None,
+        pdl: bool = False,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        """`forward` of rotary(q), rotary(k), v, with the rotation fused into the KV write."""
+        """`forward` of rotary(q), rotary(k), v (of the normed q and k with `qk_norm`), with
+        the norm and rotation fused into the KV write."""
         rotate_and_write_kv(
             q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
             kv_scales.k, kv_scales.v,
+            q_norm_weight=None if qk_norm is None else qk_norm.q_weight,
+            k_norm_weight=None if qk_norm is None else qk_norm.k_weight,
+            norm_eps=None if qk_norm is None else qk_norm.eps,
+            pdl=pdl,
         )  # fmt: skip
-        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales, pdl)
 
     def forward(
         self,
@@ -101,6 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor | None,
         kv_scales: KVScales,
+        pdl: bool = False,
     ) -> torch.Tensor:
         if out is None:
             out = torch.empty_like(q)
@@ -130,6 +140,7 @@ class TritonAttentionBackend(AttentionBackend):
                 num_stages=5 if is_fp8 else 3,
                 k_scale=kv_scales.k,
                 v_scale=kv_scales.v,
+                pdl=pdl,
             )
         if num_decodes < meta.num_seqs:
             paged_prefill(

@@ -18,6 +18,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # them and compute in the query's dtype.
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 CACHE_DTYPES = (*SUPPORTED_DTYPES, FP8_CACHE_DTYPE)
+# The sampler's race reads its Exp(1) draws as max(E, NOISE_FLOOR): an exact 0 draw would make
+# -log E = +inf, and +inf + -inf = NaN on a masked token. The kernel and its torch reference
+# (`runner/sampler.py`) take the same floor.
+NOISE_FLOOR = torch.finfo(torch.float32).tiny
 
 
 # Triton compiles a variant of a kernel for each new combination of "pointer is 16-byte aligned"
@@ -33,6 +37,14 @@ CACHE_DTYPES = (*SUPPORTED_DTYPES, FP8_CACHE_DTYPE)
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starts while the one before it finishes): native
+    kernels on Hopper (sm_90) and later."""
+    if device.type != "cuda" or is_interpreter():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def next_power_of_2(n: int) -> int:

@@ -5,6 +5,8 @@
 `rotate_and_write_kv` also applies the rotary embedding on the way: it rotates q in place and
 stores the rotated k, so a layer's rotary and KV write are one launch instead of two. Its
 rotation is `kernels/rotary.py`'s arithmetic (fp32 tables, fp32 math, rounded to the dtype).
+Given Qwen3's q/k norm weights it first normalises each head of q and k (`kernels/rms_norm.py`'s
+arithmetic), which saves that model two more launches a layer.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import triton.language as tl
 
 from pagekeeper_engine.kernels import check_device, check_heads, check_paged_cache
 from pagekeeper_engine.kernels import next_power_of_2 as _pow2
-from pagekeeper_engine.kernels.rotary import check_rotary_inputs, rotate_heads
+from pagekeeper_engine.kernels.rms_norm import rms_norm_halves
+from pagekeeper_engine.kernels.rotary import check_rotary_inputs, load_heads, store_rotated
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
 STEP_VARYING = ("slot_mapping_ptr", "positions_ptr")
@@ -71,6 +74,8 @@ def _rotary_kv_write_kernel(
     positions_ptr,
     cos_ptr,
     sin_ptr,
+    q_norm_weight_ptr,  # (head_dim,); read only when HAS_QK_NORM
+    k_norm_weight_ptr,
     q_token_stride,
     q_head_stride,
     k_token_stride,
@@ -79,32 +84,43 @@ def _rotary_kv_write_kernel(
     v_head_stride,
     k_inv_scale,
     v_inv_scale,
+    norm_eps,
     NUM_Q_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent: wait before any access
 ):
-    # One program per token: rotate its q heads in place, store rotated k and v at its slot.
+    # One program per token: (norm and) rotate its q heads in place, store rotated k and v at
+    # its slot. Every head of q is loaded before any is stored.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * HALF + offs_d)[None, :]  # (1, HALF) fp32
     sin = tl.load(sin_ptr + position * HALF + offs_d)[None, :]
     q_token = q_ptr + token * q_token_stride
-    rotate_heads(
-        q_token, q_token, q_head_stride, q_head_stride, cos, sin, 1.0, NUM_Q_HEADS, Q_HEADS_PAD,
-        HALF,
-    )  # fmt: skip
+    q1, q2 = load_heads(q_token, q_head_stride, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
+    if HAS_QK_NORM:
+        q1, q2 = rms_norm_halves(q1, q2, q_norm_weight_ptr, norm_eps, HALF)
+    store_rotated(q1, q2, q_token, q_head_stride, cos, sin, 1.0, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
     slot = tl.load(slot_mapping_ptr + token)
     # A negative slot marks a padding row (e.g. of a CUDA-graph batch): nothing to store.
     if slot >= 0:
         # The cache row of a slot is (num_kv_heads, head_dim), contiguous.
         dst = slot * (NUM_KV_HEADS * 2 * HALF)
-        k_token = k_ptr + token * k_token_stride
-        rotate_heads(
-            k_token, k_cache_ptr + dst, k_head_stride, 2 * HALF, cos, sin, k_inv_scale,
-            NUM_KV_HEADS, HEADS_PAD, HALF,
+        k1, k2 = load_heads(
+            k_ptr + token * k_token_stride, k_head_stride, NUM_KV_HEADS, HEADS_PAD, HALF
+        )
+        if HAS_QK_NORM:
+            k1, k2 = rms_norm_halves(k1, k2, k_norm_weight_ptr, norm_eps, HALF)
+        store_rotated(
+            k1, k2, k_cache_ptr + dst, 2 * HALF, cos, sin, k_inv_scale, NUM_KV_HEADS, HEADS_PAD,
+            HALF,
         )  # fmt: skip
         offs_h = tl.arange(0, HEADS_PAD)
         offs_full = tl.arange(0, 2 * HALF)
@@ -129,9 +145,14 @@ def rotate_and_write_kv(
     slot_mapping: torch.Tensor,  # (T,) int64; -1 skips the row's store (q is still rotated)
     k_scale: float = 1.0,  # the cache holds value / scale (an FP8 cache's checkpoint scales)
     v_scale: float = 1.0,
+    q_norm_weight: torch.Tensor | None = None,  # (head_dim,) in q's dtype: Qwen3's q/k norm
+    k_norm_weight: torch.Tensor | None = None,  # (head_dim,); given with q_norm_weight or not
+    norm_eps: float | None = None,  # given with the weights
+    pdl: bool = False,  # launch as a programmatic dependent of the kernel before (Hopper+)
 ) -> None:
     """Rotate q in place and store rotary(k[t]) / k_scale, v[t] / v_scale at slot
-    `slot_mapping[t]`, one launch."""
+    `slot_mapping[t]`, one launch. With the norm weights, q becomes rotary(norm(q)) and the
+    cache gets rotary(norm(k)): RMSNorm over each head, `norm_eps` inside the root."""
     assert k_scale > 0 and v_scale > 0, f"KV scales must be positive: {k_scale}, {v_scale}"
     _check_kv(k, v, k_cache, v_cache, slot_mapping)
     check_heads("q", q, int(k_cache.shape[2]), int(k_cache.shape[3]), k_cache.dtype)
@@ -139,6 +160,7 @@ def rotate_and_write_kv(
     check_device("q", q, k_cache.device)
     for name, tensor in (("positions", positions), ("cos", cos), ("sin", sin)):
         check_device(name, tensor, k_cache.device)
+    has_qk_norm = _check_qk_norm(q, q_norm_weight, k_norm_weight, norm_eps)
     num_tokens = int(k.shape[0])
     if num_tokens == 0:
         return
@@ -153,6 +175,8 @@ def rotate_and_write_kv(
         positions,
         cos,
         sin,
+        q_norm_weight if q_norm_weight is not None else cos,  # unread without the norm
+        k_norm_weight if k_norm_weight is not None else cos,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -161,13 +185,40 @@ def rotate_and_write_kv(
         v.stride(1),
         1.0 / k_scale,
         1.0 / v_scale,
+        norm_eps if norm_eps is not None else 0.0,
         NUM_Q_HEADS=q.shape[1],
         Q_HEADS_PAD=_pow2(q.shape[1]),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=_pow2(num_kv_heads),
         HALF=head_dim // 2,
+        HAS_QK_NORM=has_qk_norm,
+        USE_PDL=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
+
+
+def _check_qk_norm(
+    q: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    norm_eps: float | None,
+) -> bool:
+    """Check the optional q/k norm arguments; returns whether they are given."""
+    assert (q_norm_weight is None) == (k_norm_weight is None), (
+        "q_norm_weight and k_norm_weight must be given together or not at all"
+    )
+    if q_norm_weight is None or k_norm_weight is None:
+        assert norm_eps is None, "norm_eps is given without q_norm_weight and k_norm_weight"
+        return False
+    assert norm_eps is not None and norm_eps > 0, f"norm_eps must be positive, got {norm_eps}"
+    head_dim = int(q.shape[2])
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        assert weight.shape == (head_dim,), f"{name} shape {tuple(weight.shape)} != ({head_dim},)"
+        assert weight.dtype == q.dtype, f"{name} is {weight.dtype}, q is {q.dtype}"
+        assert weight.is_contiguous(), f"{name} must be contiguous"
+        check_device(name, weight, q.device)
+    return True
 
 
 def _check_kv(

@@ -39,7 +39,8 @@ MIN_TOKENS_PER_SPLIT = 256
 # split count is one: an eager step chooses it from its batch and its longest context, so as a
 # compile-time constant it would compile a variant per count in the middle of serving.
 STEP_VARYING = (
-    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits"
+    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits",
+    "min_split_tokens",
 )  # fmt: skip
 
 
@@ -93,6 +94,7 @@ def _paged_decode_kernel(
     scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
     v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
     num_splits,  # programs along the context (axis 2), >= 2 exactly when IS_SPLIT
+    min_split_tokens,  # FUSED_REDUCE: a sequence uses at most one split per this many tokens
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -103,14 +105,24 @@ def _paged_decode_kernel(
     FUSED_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (FP8 widens to it natively)
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent: wait before any access
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # With the reduce fused, a sequence shorter than the launch's splits were chosen for (a
+    # CUDA graph fixes them for its longest context) uses fewer: `live` of them, the others
+    # exit. One live split writes `out` directly, with no partials and no atomic.
+    live = num_splits
+    if FUSED_REDUCE:
+        live = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, min_split_tokens), 1))
     # Each split covers a whole number of BLOCK_N tiles of this sequence; trailing splits of a
     # short sequence may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, live), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -149,12 +161,16 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
     if not IS_SPLIT:
         # seq_len >= 1, so every real row saw at least one key and l_i > 0.
         out = acc * (v_scale / l_i)[:, None]
-        out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
-    else:
+    elif live == 1:
+        if split == 0:  # the whole sequence: l_i > 0 as above
+            out = acc * (v_scale / l_i)[:, None]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    elif split < live:
         is_empty = l_i == 0.0
         safe_l = tl.where(is_empty, 1.0, l_i)
         out = acc * (v_scale / safe_l)[:, None]
@@ -169,7 +185,7 @@ def _paged_decode_kernel(
             counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
             num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
-            if num_done == num_splits - 1:
+            if num_done == live - 1:
                 _combine_splits(
                     part_out_ptr,
                     part_lse_ptr,
@@ -181,6 +197,7 @@ def _paged_decode_kernel(
                     out_token_stride,
                     out_head_stride,
                     num_splits,
+                    live,
                     NUM_KV_HEADS * GROUP,
                     GROUP_PAD,
                     HEAD_DIM,
@@ -199,7 +216,8 @@ def _combine_splits(
     offs_d,  # (HEAD_DIM,)
     out_token_stride,
     out_head_stride,
-    num_splits,
+    num_splits,  # the partials' stride
+    num_live,  # how many of them this sequence wrote
     NUM_HEADS: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -209,7 +227,7 @@ def _combine_splits(
     # Split 0 is never empty (seq_len >= 1), so each real head's max is finite; padding heads
     # get 0 and weigh nothing (their lse loads as -inf).
     m = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    for s in range(num_splits):
+    for s in range(num_live):
         lse = tl.load(
             part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
         )
@@ -217,7 +235,7 @@ def _combine_splits(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    for s in range(num_splits):
+    for s in range(num_live):
         lse = tl.load(
             part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
         )
@@ -293,11 +311,16 @@ def paged_decode(
     split_counters: torch.Tensor | None = None,  # (>= B * num_kv_heads,) int32, all zero
     k_scale: float = 1.0,  # the cache holds value / scale: keys and values are that times it
     v_scale: float = 1.0,
+    min_split_tokens: int = MIN_TOKENS_PER_SPLIT,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its `seq_lens[b]` cached tokens.
 
     With `split_counters` (zeros, left zero) the splits are combined inside the one launch;
-    without, by a second kernel. Same arithmetic either way.
+    without, by a second kernel. Same arithmetic either way. With the fused reduce a sequence
+    uses at most one split per `min_split_tokens` of its length (at least one), so a launch
+    whose split count was chosen for a longer context wastes no work on a short one. `pdl`
+    launches it as a programmatic dependent of the kernel before it (Hopper and later).
     """
     _, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     num_heads = check_heads("q", q, num_kv_heads, head_dim, k_cache.dtype)
@@ -320,6 +343,7 @@ def paged_decode(
     check_device("out", out, k_cache.device)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} not a power of 2"
+    assert min_split_tokens >= 1, f"min_split_tokens {min_split_tokens} < 1"
     if split_counters is not None:
         check_index_tensor("split_counters", split_counters, 1, torch.int32)
         check_device("split_counters", split_counters, k_cache.device)
@@ -359,6 +383,7 @@ def paged_decode(
         scale * LOG2_E * k_scale,
         v_scale,
         num_splits,
+        min_split_tokens,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
@@ -369,8 +394,10 @@ def paged_decode(
         FUSED_REDUCE=fused_reduce,
         DOT_PRECISION=dot_precision(q.dtype),
         KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not fused_reduce:
         _reduce_splits_kernel[(num_seqs, num_heads)](

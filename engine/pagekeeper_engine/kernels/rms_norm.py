@@ -53,6 +53,30 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + head * out_head_stride + offs, out, mask=mask)
 
 
+@triton.jit
+def rms_norm_halves(
+    x1,  # (HEADS, HALF): the first half of each head's vector, in the input's dtype
+    x2,  # (HEADS, HALF): the second half
+    weight_ptr,  # (2 * HALF,) in the input's dtype
+    eps,
+    HALF: tl.constexpr,
+):
+    """Each head's norm, in halves as the rotary kernels hold a head; `_rms_norm_kernel`'s
+    arithmetic. Returns (first, second) in the input's dtype."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    sum_sq = tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)  # (HEADS,)
+    inv_rms = tl.rsqrt(sum_sq / (2 * HALF) + eps)[:, None]
+    offs_d = tl.arange(0, HALF)
+    weight1 = tl.load(weight_ptr + offs_d)[None, :].to(tl.float32)
+    weight2 = tl.load(weight_ptr + HALF + offs_d)[None, :].to(tl.float32)
+    # The product of two half-precision values is exact in fp32, so rounding it once is the
+    # half-precision multiply (and the interpreter, unlike the GPU, cannot multiply bf16).
+    normed1 = (x1f * inv_rms).to(x1.dtype).to(tl.float32)
+    normed2 = (x2f * inv_rms).to(x2.dtype).to(tl.float32)
+    return (weight1 * normed1).to(x1.dtype), (weight2 * normed2).to(x2.dtype)
+
+
 def rms_norm(
     x: torch.Tensor,  # (N, dim) or (N, heads, dim); rows and heads may be strided
     weight: torch.Tensor,  # (dim,)

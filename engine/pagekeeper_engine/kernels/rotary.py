@@ -16,6 +16,53 @@ from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power
 
 
 @triton.jit
+def load_heads(
+    src_ptr,  # this token's first head
+    head_stride,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """A token's heads as their two halves, (HEADS_PAD, HALF) each in the input's dtype; the
+    padding heads are zero."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < NUM_HEADS)[:, None]
+    first = src_ptr + offs_h[:, None] * head_stride + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def store_rotated(
+    x1,  # (HEADS_PAD, HALF): the first half of each head, in the input's dtype
+    x2,
+    dst_ptr,  # where the token's rotated heads go
+    dst_head_stride,
+    cos,  # (1, HALF) fp32
+    sin,
+    out_scale,  # fp32 multiplier after rounding to the input's dtype (an FP8 cache's 1 / scale)
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Rotate the two halves of each head in fp32, round to the input's dtype, store."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < NUM_HEADS)[:, None]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
+    # rounded to the input's dtype, then to the output's (an FP8 cache: one more narrowing)
+    out_ty = out_first.dtype.element_ty
+    first_half = (x1f * cos - x2f * sin).to(x1.dtype).to(tl.float32) * out_scale
+    second_half = (x2f * cos + x1f * sin).to(x1.dtype).to(tl.float32) * out_scale
+    tl.store(out_first, first_half.to(out_ty), mask=mask)
+    tl.store(out_first + HALF, second_half.to(out_ty), mask=mask)
+
+
+@triton.jit
 def rotate_heads(
     src_ptr,  # this token's first head
     dst_ptr,  # where its rotated heads go (src_ptr itself to rotate in place)
@@ -29,21 +76,9 @@ def rotate_heads(
     HALF: tl.constexpr,
 ):
     """Rotate the two halves of each of a token's heads, in fp32, rounded to the dtype."""
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HALF)
-    mask = (offs_h < NUM_HEADS)[:, None]
-    first = src_ptr + offs_h[:, None] * src_head_stride + offs_d[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)  # (HEADS_PAD, HALF)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
-    # rounded to the input's dtype, then to the output's (an FP8 cache: one more narrowing)
-    out_ty = out_first.dtype.element_ty
-    first_half = (x1f * cos - x2f * sin).to(x1.dtype).to(tl.float32) * out_scale
-    second_half = (x2f * cos + x1f * sin).to(x1.dtype).to(tl.float32) * out_scale
-    tl.store(out_first, first_half.to(out_ty), mask=mask)
-    tl.store(out_first + HALF, second_half.to(out_ty), mask=mask)
+    # Every head is loaded before any is stored, so dst may be src.
+    x1, x2 = load_heads(src_ptr, src_head_stride, NUM_HEADS, HEADS_PAD, HALF)
+    store_rotated(x1, x2, dst_ptr, dst_head_stride, cos, sin, out_scale, NUM_HEADS, HEADS_PAD, HALF)
 
 
 @triton.jit

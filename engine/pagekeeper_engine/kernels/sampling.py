@@ -2,8 +2,11 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """The sampler's last step, fused: each row's token and its log-probability in two launches.
 
-    token   = argmax_v (scores[v] * scale - log(noise[v]))   (ties: the lowest index)
+    token   = argmax_v (scores[v] * scale - log(max(noise[v], NOISE_FLOOR)))   (ties: lowest)
     logprob = raw[token] - logsumexp(raw)
+
+all in fp32, whatever the dtypes the operands are stored in: the logits may be read in the
+model's dtype (bf16 / fp16), widened in registers, so that no step copies them to fp32 first.
 
 Without noise it is the greedy argmax. With scale = 1 / T and noise E ~ Exp(1) it is the
 exponential race (the Gumbel-max trick: -log E is Gumbel-distributed), which samples exactly
@@ -26,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import check_like, next_power_of_2
+from pagekeeper_engine.kernels import NOISE_FLOOR, check_like, next_power_of_2
 
 BLOCK_V = 2048
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
@@ -60,22 +64,24 @@ def _chunk_partials_kernel(
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     HAS_NOISE: tl.constexpr,
+    NOISE_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < VOCAB
     raw = tl.load(raw_ptr + row * raw_row_stride + offs, mask=mask, other=float("-inf"))
+    raw = raw.to(tl.float32)
     raw_max = tl.max(raw, axis=0)
     # A chunk of -inf logits sums to exp(-inf) = 0 rather than to exp(-inf - -inf) = NaN.
     shift = tl.where(raw_max == float("-inf"), 0.0, raw_max)
     raw_sum = tl.sum(tl.exp(raw - shift), axis=0)
 
     score = tl.load(scores_ptr + row * scores_row_stride + offs, mask=mask, other=float("-inf"))
-    score = score * scale
+    score = score.to(tl.float32) * scale
     if HAS_NOISE:
         noise = tl.load(noise_ptr + row * noise_row_stride + offs, mask=mask, other=1.0)
-        score = score - tl.log(noise)
+        score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
     best = tl.max(score, axis=0)
     # `mask`: a padding lane never wins, even in a chunk whose scores are all -inf.
     best_index = tl.min(tl.where((score == best) & mask, offs, VOCAB), axis=0)
@@ -119,7 +125,7 @@ def _combine_chunks_kernel(
     # picks index 0, as torch.argmax does. Only an all-NaN row matches no chunk: the clamp keeps
     # the read below in bounds.
     token = tl.min(tl.where(chunk_best == best, chunk_index, VOCAB - 1), axis=0)
-    logprob = tl.load(raw_ptr + row * raw_row_stride + token) - lse
+    logprob = tl.load(raw_ptr + row * raw_row_stride + token).to(tl.float32) - lse
 
     tl.store(token_ids_ptr + row, token.to(tl.int64))
     tl.store(packed_ptr + row, token.to(tl.float64))
@@ -127,18 +133,22 @@ def _combine_chunks_kernel(
 
 
 def pick_tokens(
-    scores: torch.Tensor,  # (N, V) fp32: the logits after masks and top-k / top-p; may be raw
-    raw: torch.Tensor,  # (N, V) fp32: the model's unmodified logits
+    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype: the logits after masks and cuts, or raw
+    raw: torch.Tensor,  # (N, V) fp32, bf16 or fp16: the model's unmodified logits
     *,
     scale: float = 1.0,  # 1 / temperature
-    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each > 0
+    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
     block_v: int = BLOCK_V,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw. Ids below 2**53 are exact in float64."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
-    check_like("raw", raw, raw, torch.float32)
-    check_like("scores", scores, raw, torch.float32)
+    assert raw.dtype in LOGIT_DTYPES, f"raw is {raw.dtype}, expected one of {LOGIT_DTYPES}"
+    check_like("raw", raw, raw)
+    assert scores.dtype in (torch.float32, raw.dtype), (
+        f"scores is {scores.dtype}, expected torch.float32 or raw's {raw.dtype}"
+    )
+    check_like("scores", scores, raw, scores.dtype)
     if noise is not None:
         check_like("noise", noise, raw, torch.float32)
     assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
@@ -172,6 +182,7 @@ def pick_tokens(
         NUM_CHUNKS=num_chunks,
         BLOCK_V=block_v,
         HAS_NOISE=noise is not None,
+        NOISE_FLOOR=NOISE_FLOOR,
         num_warps=8,
     )
     _combine_chunks_kernel[(num_rows,)](

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # top-k and top-p make the sampler sort the whole vocabulary: its worst case.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+# The sampler's other paths (each its own kernel variant), which the warm-up also runs.
+GREEDY_SAMPLING = SamplingParams(temperature=0.0)
+PLAIN_SAMPLING = SamplingParams(temperature=1.0)
 
 
 class MemoryReader(Protocol):
@@ -125,24 +128,31 @@ def prefill_batch(num_tokens: int, shapes: ProfileShapes) -> ProfileBatch:
     return ProfileBatch(seqs, shapes.max_num_seqs)
 
 
-def decode_batch(num_seqs: int, shapes: ProfileShapes) -> ProfileBatch:
-    """`num_seqs` one-token decodes, each at the end of its own first block."""
+def decode_batch(
+    num_seqs: int,
+    shapes: ProfileShapes,
+    sampling: Sequence[SamplingParams] = (PROFILE_SAMPLING,),
+) -> ProfileBatch:
+    """`num_seqs` one-token decodes, each at the end of its own first block, sampled with the
+    `sampling` settings in turn."""
     pos = min(shapes.block_size, shapes.max_model_len) - 1
     seqs = [
-        ScheduledSeq(f"profile-{i}", [0], pos, [i], True, PROFILE_SAMPLING, 0)
+        ScheduledSeq(f"profile-{i}", [0], pos, [i], True, sampling[i % len(sampling)], 0)
         for i in range(num_seqs)
     ]
     return ProfileBatch(seqs, num_seqs)
 
 
-def long_decode_batch(shapes: ProfileShapes) -> ProfileBatch:
+def long_decode_batch(
+    shapes: ProfileShapes, sampling: SamplingParams = PROFILE_SAMPLING
+) -> ProfileBatch:
     """One decode at the longest context the scratch blocks hold (at most max-model-len): the
     shape whose attention splits its context, as a lone long request's decode does."""
     num_blocks = min(
         num_scratch_blocks(shapes), math.ceil(shapes.max_model_len / shapes.block_size)
     )
     pos = min(num_blocks * shapes.block_size, shapes.max_model_len) - 1
-    seq = ScheduledSeq("profile-long", [0], pos, list(range(num_blocks)), True, PROFILE_SAMPLING, 0)
+    seq = ScheduledSeq("profile-long", [0], pos, list(range(num_blocks)), True, sampling, 0)
     return ProfileBatch([seq], 1)
 
 
@@ -157,16 +167,17 @@ def warmup_batches(shapes: ProfileShapes) -> list[ProfileBatch]:
     """Shapes a serving day brings: partial chunks, smaller decode batches and a long decode,
     interleaved so that blocks freed by one shape are split by the next. Running them also
     compiles the kernels' variants before the first request (a split-context decode among
-    them), so none compiles while serving."""
+    them, and each of the sampler's paths: greedy, plain temperature, a mix of the two, and
+    top-k/top-p), so none compiles while serving."""
     max_tokens = shapes.max_num_batched_tokens
     max_decodes = min(shapes.max_num_seqs, max_tokens)
     return [
         prefill_batch(max_tokens // 2 + 3, shapes),
-        decode_batch(max(max_decodes // 3, 1), shapes),
+        decode_batch(max(max_decodes // 3, 1), shapes, [GREEDY_SAMPLING]),
         prefill_batch(max_tokens // 7 + 1, shapes),
-        long_decode_batch(shapes),
+        long_decode_batch(shapes, PLAIN_SAMPLING),
         prefill_batch(max(max_tokens * 3 // 4, 1), shapes),
-        decode_batch(max(max_decodes // 2, 1), shapes),
+        decode_batch(max(max_decodes // 2, 1), shapes, [GREEDY_SAMPLING, PLAIN_SAMPLING]),
     ]
 
 

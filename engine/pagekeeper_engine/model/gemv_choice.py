@@ -10,6 +10,10 @@ faster and its other tile 0.13 ms slower (docs/benchmarks.md, run 12). So the ru
 what runs: for each projection group in turn, a CUDA graph of the whole batch-1 forward with
 cuBLAS and with each GEMV tile, replays interleaved, and keeps the GEMV where the step is at
 least `1 - MARGIN` faster. Results are equal to rounding either way.
+
+Then the same timing decides the fused one-token layer (`model/row_fusion.py`: the norms, the
+residual adds and SwiGLU inside the GEMVs), with and without programmatic dependent launch
+where the GPU has it, against the layer as chosen above.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 
 from pagekeeper_engine.model.layers import Linear
+from pagekeeper_engine.model.row_fusion import RowFusion
 
 if TYPE_CHECKING:
     from pagekeeper_engine.kernels.gemv import GemvConfig
@@ -56,6 +61,24 @@ class GemvChoice:
             f"{self.name} ({self.out_features}x{self.in_features}): {pick} (batch-1 step "
             f"{self.gemv_step_us:.0f} us with the GEMV, {self.cublas_step_us:.0f} us with cuBLAS)"
         )
+
+
+@dataclass(frozen=True)
+class FusionChoice:
+    """Whether one-token steps run the fused layer, with the batch-1 forward's time under each
+    variant timed (None: the unfused layer)."""
+
+    step_us: dict[RowFusion | None, float]
+    chosen: RowFusion | None
+
+    def describe(self) -> str:
+        def name(fusion: RowFusion | None) -> str:
+            if fusion is None:
+                return "unfused"
+            return "fused with PDL" if fusion.pdl else "fused"
+
+        timed = ", ".join(f"{us:.0f} us {name(f)}" for f, us in self.step_us.items())
+        return f"one-token layer: {name(self.chosen)} (batch-1 step {timed})"
 
 
 def _groups(model: nn.Module) -> dict[tuple[str, int, int], list[Linear]]:
@@ -145,3 +168,36 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
 def _assign(linears: list[Linear], config: GemvConfig | None) -> None:
     for linear in linears:
         linear.gemv_config = config
+
+
+@torch.inference_mode()
+def choose_row_fusion(
+    set_fusion: Callable[[RowFusion | None], None],
+    forward: Callable[[], object],
+    pdl: bool,
+) -> FusionChoice:
+    """Time `forward` (a batch-1 forward) with the layer unfused, fused, and (`pdl`) fused with
+    programmatic dependent launch; keep the fastest fused variant where it is at least
+    `1 - MARGIN` faster than unfused, and leave it set through `set_fusion`."""
+    variants: list[RowFusion | None] = [None, RowFusion(pdl=False)]
+    if pdl:
+        variants.append(RowFusion(pdl=True))
+    graphs = []
+    for fusion in list(variants):
+        set_fusion(fusion)
+        try:
+            graphs.append(_capture(forward))
+        except RuntimeError as exc:  # a driver that cannot capture dependent launches
+            if fusion is None or not fusion.pdl:
+                raise
+            logger.warning("batch-1 layer: no programmatic dependent launch (%s)", exc)
+            variants.remove(fusion)
+    seconds = _best_replays(graphs)
+    del graphs
+    unfused, *fused = seconds
+    best_s, best = min(zip(fused, variants[1:], strict=True), key=lambda pair: pair[0])
+    chosen = best if best_s < MARGIN * unfused else None
+    set_fusion(chosen)
+    choice = FusionChoice({f: s * 1e6 for f, s in zip(variants, seconds, strict=True)}, chosen)
+    logger.info("batch-1 %s", choice.describe())
+    return choice

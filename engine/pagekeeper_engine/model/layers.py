@@ -7,8 +7,8 @@ checkpoint's separate tensors into their row slices.
 
 On CUDA the elementwise steps run as fused Triton kernels (`kernels/rms_norm.py`, `rotary.py`,
 `swiglu.py`: one launch each instead of 3-24 torch ops), and with the Triton attention backend
-the rotary embedding is applied inside its KV-write kernel; on the CPU the torch code below is
-the reference they are tested against.
+the rotary embedding (and Qwen3's q/k norm) is applied inside its KV-write kernel; on the CPU
+the torch code below is the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pagekeeper_engine.attention.base import (
     UNSCALED,
     AttentionBackend,
     AttentionMetadata,
+    QKNorm,
 )
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import RopeScaling
@@ -239,6 +240,14 @@ class PagedAttention(nn.Module):
         self.checkpoint_kv_scales = UNSCALED
         self.kv_scales = UNSCALED
 
+    @property
+    def qk_norm(self) -> QKNorm | None:
+        """Qwen3's per-head q and k norms, handed to the backend to apply before the rotary
+        embedding (both norms share `qk_norm_eps`)."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -248,30 +257,41 @@ class PagedAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """x: (T, H) -> out (T, H), which may be x (read once, by the qkv projection)."""
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x, out=workspace.rows("qkv", num_tokens))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm(q, out=q)  # in place, inside the qkv buffer
-            self.k_norm(k, out=k)
         attn = workspace.rows("attn", num_tokens)  # (T, q_size)
-        # The Triton backend rotates inside its KV write, saving a launch a layer.
+        self.attend(positions, qkv, meta, out=attn)
+        self.o_proj(attn, out=out)
+        self.tp.all_reduce_(out)
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        pdl: bool = False,
+    ) -> None:
+        """qkv: (T, q + 2 kv), the projection's output (q and k normed and rotated in place
+        there) -> out (T, q_size): the attention of q over the cache, after this step's keys
+        and values are written to it. `pdl`: see `AttentionBackend.forward_rotary`."""
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        num_tokens = qkv.shape[0]
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # The Triton backend norms and rotates inside its KV write, saving up to three launches
+        # a layer.
         self.backend.forward_rotary(
-            q,
-            k,
-            v,
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
             positions,
             self.rotary,
             self.k_cache,
             self.v_cache,
             meta,
             self.scale,
-            out=attn.view(num_tokens, self.num_heads, self.head_dim),
+            out=out.view(num_tokens, self.num_heads, self.head_dim),
             kv_scales=self.kv_scales,
+            qk_norm=self.qk_norm,
+            pdl=pdl,
         )
-        self.o_proj(attn, out=out)
-        self.tp.all_reduce_(out)

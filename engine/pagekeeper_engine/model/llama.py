@@ -30,6 +30,7 @@ from pagekeeper_engine.model.layers import (
     RotaryEmbedding,
     SwiGLU,
 )
+from pagekeeper_engine.model.row_fusion import RowFusion, forward_one_row
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 
@@ -124,6 +125,9 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, rotary, backend, dtype, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # Set by the runner's start-up choice (`model/gemv_choice.py`): one-token steps run
+        # the fused layer of `model/row_fusion.py`.
+        self.row_fusion: RowFusion | None = None
 
     def forward(
         self,
@@ -136,6 +140,15 @@ class DecoderModel(nn.Module):
         num_tokens = input_ids.shape[0]
         residual = workspace.rows("residual", num_tokens)
         self._embed(input_ids, out=residual)
+        if self.row_fusion is not None and num_tokens == 1 and not self.tp.is_active:
+            for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
+                norms = (layer.input_layernorm, layer.post_attention_layernorm)
+                attention, mlp = layer.self_attn, layer.mlp
+                forward_one_row(attention, mlp, norms, positions, meta, workspace, self.row_fusion)
+            hidden = workspace.rows("hidden", 1)
+            self.norm(residual, out=hidden)
+            return hidden
         for i, layer in enumerate(self.layers):
             layer(positions, meta, workspace, is_first=i == 0)
         hidden = workspace.rows("hidden", num_tokens)
@@ -211,6 +224,10 @@ class CausalLM(nn.Module):
             if isinstance(layer, DecoderLayer)
         ]
 
+    def set_row_fusion(self, fusion: RowFusion | None) -> None:
+        """Run one-token forwards through the fused layer (`model/row_fusion.py`), or not."""
+        self.model.row_fusion = fusion
+
     def bind_workspace(self, workspace: Workspace | None) -> None:
         """Run every later forward pass in `workspace` (None: one allocated per call)."""
         self.workspace = workspace
@@ -228,32 +245,27 @@ class CausalLM(nn.Module):
         return hidden
 
     def compute_logits(
-        self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """hidden: (N, hidden_size) -> fp32 logits (N, vocab_size). With `out` (a buffer in the
-        model's dtype and an fp32 one, each with at least N rows), written into their leading
-        rows: no allocation of the step's size. Under tensor parallelism every rank computes
-        its vocabulary shard and rank 0 gets them all; the other ranks get None."""
+        """hidden: (N, hidden_size) -> logits (N, vocab_size) in the model's dtype, as the
+        lm_head writes them (the sampler reads them so; `.float()` where fp32 is wanted). With
+        `out` (the model's dtype, at least N rows), written into its leading rows: no allocation
+        of the step's size. Under tensor parallelism every rank computes its vocabulary shard
+        and rank 0 gets them all; the other ranks get None."""
         if self.tp.is_active:
             return self._gather_logits(hidden, out)
         if out is None:
-            return functional.linear(hidden, self.lm_head_weight).float()
-        num_rows = hidden.shape[0]
-        low, full = out[0][:num_rows], out[1][:num_rows]
-        torch.mm(hidden, self.lm_head_weight.t(), out=low)
-        return full.copy_(low)
+            return functional.linear(hidden, self.lm_head_weight)
+        return torch.mm(hidden, self.lm_head_weight.t(), out=out[: hidden.shape[0]])
 
-    def _gather_logits(
-        self, hidden: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor | None:
+    def _gather_logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         gathered = self.tp.gather_rows(torch.mm(hidden, self.lm_head_weight.t()), None)
         if gathered is None:
             return None
-        low = gathered[:, : self.vocab_size]  # the last shard's padding rows cut off
+        logits = gathered[:, : self.vocab_size]  # the last shard's padding rows cut off
         if out is None:
-            return low.float()
-        num_rows = hidden.shape[0]
-        return out[1][:num_rows].copy_(out[0][:num_rows].copy_(low))
+            return logits
+        return out[: hidden.shape[0]].copy_(logits)
 
     # -- weights ---------------------------------------------------------------------------
 

@@ -35,12 +35,18 @@ from pagekeeper_engine.faults import (
     InjectedStepFaultError,
     injected_fault_step,
 )
+from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes
 from pagekeeper_engine.memory.swap import copy_blocks
-from pagekeeper_engine.model.gemv_choice import GemvChoice, choose_gemv
+from pagekeeper_engine.model.gemv_choice import (
+    FusionChoice,
+    GemvChoice,
+    choose_gemv,
+    choose_row_fusion,
+)
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
@@ -224,10 +230,14 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """On a GPU: the batch-1 GEMV choice, timed over the bound cache, then the graphs."""
         self.gemv_choices: list[GemvChoice] = []
+        self.fusion_choice: FusionChoice | None = None
         if self.device.type == "cuda":  # timed over the bound cache, before the graphs
+            forward = padding_forward(self.model, self.inputs, batch=1)
             with self.tp.local_only():  # each rank times its own shard's compute
-                self.gemv_choices = choose_gemv(
-                    self.model, padding_forward(self.model, self.inputs, batch=1)
+                self.gemv_choices = choose_gemv(self.model, forward)
+            if not self.tp.is_active:  # the fused layer adds partial sums unreduced
+                self.fusion_choice = choose_row_fusion(
+                    self.model.set_row_fusion, forward, supports_pdl(self.device)
                 )
         if self.uses_graphs:
             self.capture_graphs()
@@ -287,10 +297,10 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.meta)  # (T, H)
         rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(  # (num_sampled_rows, V); None on ranks > 0
-            hidden[rows], self.sampler_buffers.logits_out if self.tp.is_first else None
+            hidden[rows], self.sampler_buffers.logits if self.tp.is_first else None
         )
         if logits is not None:
-            params = [seqs[0].sampling] * num_sampled_rows
+            params = [seqs[i % len(seqs)].sampling for i in range(num_sampled_rows)]
             self.sampler(logits, params, [0] * num_sampled_rows)
 
     # -- one step ----------------------------------------------------------------------------
@@ -370,9 +380,9 @@ class ModelRunner:
         )
         if not step.sampled_seqs:
             return PendingStep(len(out.seqs), [], None, None)
-        logits = self.model.compute_logits(  # (N, V); None on ranks > 0
+        logits = self.model.compute_logits(  # (N, V), the model's dtype; None on ranks > 0
             hidden[step.sample_indices],
-            self.sampler_buffers.logits_out if self.tp.is_first else None,
+            self.sampler_buffers.logits if self.tp.is_first else None,
         )
         picked = [out.seqs[i] for i in step.sampled_seqs]
         if logits is None:  # rank > 0: rank 0 samples, and its ids come back here

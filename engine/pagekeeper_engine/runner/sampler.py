@@ -2,13 +2,15 @@
 
 Every path ends in one pick: token = argmax(scores * scale - log E), logprob = raw[token] -
 logsumexp(raw) under the model's unmodified logits; on CUDA that is two Triton launches
-(`kernels/sampling.py`). Greedy rows pick their masked logits with no noise. Random rows race:
-argmax(l / T - log E) with E ~ Exp(1) (the exponential race, or Gumbel-max trick) samples exactly
-from softmax(l / T) after the top-k / top-p cut. A batch of greedy rows, or of random rows with
-one temperature (the common cases), goes straight to the pick with scale 1 / T; a mixed batch
-builds its scores in torch first. A request with a seed gets its own generator seeded with
-`seed + num_output_tokens`, so its tokens do not depend on what else is in the batch or on
-preemption; the others share the engine's seeded generator.
+(`kernels/sampling.py`). The logits arrive in the model's dtype and the pick reads them so,
+computing in fp32: only scores that a mask or a cut rewrites are copied, once, to fp32 rows.
+Greedy rows pick their masked logits with no noise. Random rows race: argmax(l / T - log E) with
+E ~ Exp(1) (the exponential race, or Gumbel-max trick) samples exactly from softmax(l / T) after
+the top-k / top-p cut. A batch of greedy rows, or of random rows with one temperature (the
+common cases), goes straight to the pick with scale 1 / T; a mixed batch builds its scores in
+torch first. A request with a seed gets its own generator seeded with `seed +
+num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
+the others share the engine's seeded generator.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.kernels import NOISE_FLOOR
 
 
 @dataclass(frozen=True)
@@ -108,17 +111,19 @@ def apply_top_k_top_p(
 
 
 def pick_tokens_ref(
-    scores: torch.Tensor,  # (N, V) fp32
-    raw: torch.Tensor,  # (N, V) fp32: the model's unmodified logits
+    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype
+    raw: torch.Tensor,  # (N, V) fp32, bf16 or fp16: the model's unmodified logits
     *,
     scale: float = 1.0,
-    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws
+    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.sampling.pick_tokens` in plain torch: the CPU path and the kernel's reference."""
-    race = scores * scale
+    """`kernels.sampling.pick_tokens` in plain torch, in fp32: the CPU path and the kernel's
+    reference."""
+    race = scores.float() * scale
     if noise is not None:
-        race = race - noise.log()
+        race = race - noise.clamp(min=NOISE_FLOOR).log()
     token_ids = race.argmax(dim=-1)  # ties: the lowest index
+    raw = raw.float()
     logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
     return token_ids, torch.stack((token_ids.double(), logprobs.double()))
 
@@ -157,16 +162,16 @@ def _cut_top_k_top_p(
 
 class SamplerBuffers:
     """The rows a step's sampling works in, allocated once for `max_rows` sequences: the logits
-    in the model's dtype and in fp32, the Exp(1) draws, the scores the pick reads (masked,
-    scaled, cut), a mixed batch's random rows, and the cut's scratch. A step works in their
-    leading rows, so sampling leaves nothing of the batch's size in the caching allocator."""
+    in the model's dtype (`CausalLM.compute_logits` writes them), the Exp(1) draws, the fp32
+    scores the pick reads where a mask or a cut changes them, a mixed batch's random rows, and
+    the cut's scratch. A step works in their leading rows, so sampling leaves nothing of the
+    batch's size in the caching allocator."""
 
     def __init__(
         self, max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         self.max_rows = max_rows
-        self.logits_low = torch.empty(max_rows, vocab_size, dtype=dtype, device=device)
-        self.logits = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.empty(max_rows, vocab_size, dtype=dtype, device=device)
         self.noise = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
         self.scores = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
         self.rows = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
@@ -174,12 +179,8 @@ class SamplerBuffers:
 
     @property
     def nbytes(self) -> int:
-        planes = (self.logits_low, self.logits, self.noise, self.scores, self.rows)
+        planes = (self.logits, self.noise, self.scores, self.rows)
         return sum(t.nbytes for t in planes) + self.cut.nbytes
-
-    @property
-    def logits_out(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.logits_low, self.logits
 
 
 class Sampler:
@@ -203,7 +204,7 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,  # (N, V) fp32
+        logits: torch.Tensor,  # (N, V) fp32, bf16 or fp16
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> SamplerOutput:
@@ -220,7 +221,7 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # (N, V) fp32
+        logits: torch.Tensor,  # (N, V) fp32, bf16 or fp16
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +255,7 @@ class Sampler:
         buffers: SamplerBuffers,
     ) -> torch.Tensor:
         """Rows still short of min_tokens cannot pick a token that would stop them: the logits,
-        or their copy in `buffers.scores` with those tokens at -inf."""
+        or their fp32 copy in `buffers.scores` with those tokens at -inf."""
         masked = logits
         for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
             if num_out >= p.min_tokens:
@@ -275,26 +276,27 @@ class Sampler:
         num_output_tokens: Sequence[int],
         buffers: SamplerBuffers,
     ) -> torch.Tensor:
-        """(N, V) scores whose plain argmax is each row's pick: greedy rows keep their logits,
-        random rows get the race's l / T - log E (the fused path's arithmetic, in torch)."""
+        """(N, V) fp32 scores whose plain argmax is each row's pick: greedy rows keep their
+        logits, random rows get the race's l / T - log E (the fused path's arithmetic, in
+        torch)."""
         num_rows = masked.shape[0]
+        scores = buffers.scores[:num_rows]
+        if masked is not scores:
+            scores.copy_(masked)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         random_params = [params[i] for i in random_rows]
         device = masked.device
         rows = torch.tensor(random_rows, device=device)
         inv_temperature = torch.tensor([1.0 / p.temperature for p in random_params], device=device)
         scaled = buffers.rows[: len(random_rows)]  # (R, V)
-        torch.index_select(masked, 0, rows, out=scaled)
+        torch.index_select(scores, 0, rows, out=scaled)
         scaled.mul_(inv_temperature[:, None])
         noise = self._draw_noise(
             buffers.noise, random_params, [num_output_tokens[i] for i in random_rows]
         )
         if _has_cut(random_params):
             _cut_top_k_top_p(scaled, random_params, 1.0, buffers.cut)
-        scaled.sub_(noise.log_())  # the draws are spent here; log E > -inf, as clamped
-        scores = buffers.scores[:num_rows]
-        if masked is not scores:
-            scores.copy_(masked)
+        scaled.sub_(noise.clamp_(min=NOISE_FLOOR).log_())  # the draws are spent here
         return scores.index_copy_(0, rows, scaled)
 
     def _draw_noise(
@@ -303,8 +305,8 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> torch.Tensor:
-        """(R, V) Exp(1) draws in the leading rows of `plane`, each > 0: seeded rows from their
-        own generators."""
+        """(R, V) Exp(1) draws in the leading rows of `plane`, each >= 0: seeded rows from their
+        own generators. An exact 0 is possible: readers take max(E, NOISE_FLOOR)."""
         noise = plane[: len(params)]
         device = noise.device
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
@@ -323,5 +325,4 @@ class Sampler:
                     p.seed + num_output_tokens[i]
                 )
                 noise[i].exponential_(generator=generator)
-        # An exact 0 draw would make -log E = +inf, and +inf + -inf = NaN for a masked token.
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return noise

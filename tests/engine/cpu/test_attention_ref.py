@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pagekeeper_engine.attention.base import AttentionMetadata
+from pagekeeper_engine.attention.base import AttentionMetadata, QKNorm
 from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.attention.torch_ref import TorchRefBackend, write_kv_cache
+from pagekeeper_engine.model.layers import RMSNorm, RotaryEmbedding
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 16
 
@@ -88,3 +89,44 @@ def test_write_skips_padding_slots() -> None:
 
 def test_cpu_gets_the_reference_backend() -> None:
     assert get_backend("cpu").name == "torch_ref"
+
+
+def test_forward_rotary_norms_q_and_k_before_rotating() -> None:
+    """The reference path of Qwen3's q/k norm, bit for bit: the model's RMSNorm over each head,
+    then its rotary embedding, then `forward`."""
+    gen = torch.Generator().manual_seed(1)
+    dtype, num_tokens = torch.bfloat16, 5
+    q = (4 * torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)).to(dtype)
+    k = (4 * torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q_norm, k_norm = RMSNorm(HEAD_DIM, 1e-6, dtype=dtype), RMSNorm(HEAD_DIM, 1e-6, dtype=dtype)
+    q_norm.weight.copy_(torch.rand(HEAD_DIM, generator=gen) + 0.5)
+    k_norm.weight.copy_(torch.rand(HEAD_DIM, generator=gen) * 2 - 1)
+    rotary = RotaryEmbedding(HEAD_DIM, 16, 10000.0, None)
+    positions = torch.arange(num_tokens)
+    meta = AttentionMetadata(  # one prefill of 5 tokens in blocks 3 and 1
+        slot_mapping=torch.tensor([12, 13, 14, 15, 4]),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 1]], dtype=torch.int32),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        num_decode_seqs=0,
+    )
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    scale = HEAD_DIM**-0.5
+    expected = TorchRefBackend().forward(
+        rotary(positions, q_norm(q)), rotary(positions, k_norm(k)), v, ref_k_cache, ref_v_cache,
+        meta, scale,
+    )  # fmt: skip
+
+    out = TorchRefBackend().forward_rotary(
+        q, k, v, positions, rotary, k_cache, v_cache, meta, scale,
+        qk_norm=QKNorm(q_norm.weight, k_norm.weight, 1e-6),
+    )  # fmt: skip
+
+    assert torch.equal(out, expected)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    assert k_cache.abs().sum() > 0 and torch.equal(k_cache[0], torch.zeros_like(k_cache[0]))

@@ -10,6 +10,8 @@ import pytest
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.memory.budget import MemoryMeasurements
 from pagekeeper_engine.memory.profile import (
+    GREEDY_SAMPLING,
+    PLAIN_SAMPLING,
     PROFILE_SAMPLING,
     ProfileShapes,
     measure_memory,
@@ -51,6 +53,15 @@ def test_warmup_mixes_smaller_shapes() -> None:
     ]
     worst = max(b.num_tokens for b in worst_case_batches(SHAPES))
     assert all(b.num_tokens <= worst for b in batches)
+    # each of the sampler's paths: top-k/top-p, greedy, plain temperature, greedy and plain mixed
+    assert [{s.sampling for s in b.seqs} for b in batches] == [
+        {PROFILE_SAMPLING},
+        {GREEDY_SAMPLING},
+        {PROFILE_SAMPLING},
+        {PLAIN_SAMPLING},
+        {PROFILE_SAMPLING},
+        {GREEDY_SAMPLING, PLAIN_SAMPLING},
+    ]
     # the lone decode sits at the end of the longest context: max-model-len here ...
     assert [(s.start_pos, s.block_ids) for s in batches[3].seqs] == [(15, [0, 1])]
     # ... or as much as the scratch blocks hold

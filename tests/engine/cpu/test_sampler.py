@@ -138,3 +138,22 @@ def test_the_cut_in_chunks_of_rows_equals_the_cut_at_once() -> None:
     )
     assert torch.equal(in_place, whole)
     assert int(whole.isfinite().sum(-1)[1]) == 1  # top-k 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0.0)] * 4,
+        [SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.7)] * 2,
+        [SamplingParams(temperature=0.9, top_k=30, top_p=0.8)] * 4,
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, min_tokens=3)] * 2,
+    ],
+)
+def test_logits_in_the_models_dtype_pick_as_their_fp32_copy(
+    params: list[SamplingParams],
+) -> None:
+    low = torch.randn(4, 200, generator=torch.Generator().manual_seed(6)).bfloat16()
+    out = make_sampler(2)(low, params, [0, 1, 2, 3])
+    wide = make_sampler(2)(low.float(), params, [0, 1, 2, 3])
+    assert out.token_ids == wide.token_ids
+    assert out.logprobs == pytest.approx(wide.logprobs, rel=1e-6, abs=1e-6)

@@ -30,11 +30,11 @@ def test_the_runner_binds_one_workspace_at_its_token_budget(
     workspace = runner.workspace
     assert runner.model.workspace is workspace and workspace.max_tokens == 32
     assert workspace.nbytes == workspace.shape.num_elements * 4
-    # sampling's rows: logits in the model's dtype and in fp32, and the noise, per sequence
+    # sampling's rows, per sequence: logits (the model's dtype: fp32 here), noise, scores, a
+    # mixed batch's random rows
     rows = runner.sampler_buffers
     vocab = runner.model_config.vocab_size
-    # logits (model dtype: fp32 here, and fp32), noise, scores, a mixed batch's random rows
-    planes = runner.config.max_num_seqs * vocab * (4 + 4 + 4 + 4 + 4)
+    planes = runner.config.max_num_seqs * vocab * (4 + 4 + 4 + 4)
     chunk = rows.cut.num_rows
     assert rows.cut.nbytes == chunk * vocab * (4 + 8 + 4 + 4 + 1) + vocab * 8 + chunk * 4
     assert rows.nbytes == planes + rows.cut.nbytes
@@ -51,8 +51,8 @@ def test_logits_and_noise_live_in_the_sampling_rows(
     assert len(out.sampled_token_ids) == 2
     buffers = runner.sampler_buffers
     hidden = torch.zeros(2, runner.model_config.hidden_size)
-    logits = runner.model.compute_logits(hidden, buffers.logits_out)
-    assert logits.data_ptr() == buffers.logits.data_ptr()
+    logits = runner.model.compute_logits(hidden, buffers.logits)
+    assert logits is not None and logits.data_ptr() == buffers.logits.data_ptr()
     assert logits.shape == (2, runner.model_config.vocab_size)
     # Each path draws, masks, scales and cuts in the sampling rows: the draws land there.
     for params in (

@@ -11,7 +11,9 @@ import torch
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.model.layers import Linear
+from pagekeeper_engine.model.row_fusion import RowFusion
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import (
     GREEDY,
@@ -141,9 +143,22 @@ def test_batch1_gemv_tokens_equal_the_cpu_reference(checkpoint: Path) -> None:
     for name, module in runner.model.named_modules():
         if isinstance(module, Linear) and ".layers." in name:
             module.gemv_config = CANDIDATES[0]
-    runner.capture_graphs()
     expected = generate(make_runner(checkpoint), [9], num_steps=20)
-    assert generate(runner, [9], num_steps=20) == expected
+    # The layer as the projections' GEMVs alone, then fused (norms, residual adds and SwiGLU
+    # inside them), then fused with programmatic dependent launch where the GPU has it.
+    for fusion in (None, RowFusion(), RowFusion(pdl=supports_pdl(runner.device))):
+        runner.model.set_row_fusion(fusion)
+        runner.capture_graphs()
+        assert generate(runner, [9], num_steps=20) == expected, fusion
+
+
+def test_start_up_chooses_the_one_token_layer(checkpoint: Path) -> None:
+    runner = gpu_runner(checkpoint)
+    choice = runner.fusion_choice
+    assert choice is not None and runner.model.model.row_fusion == choice.chosen
+    assert None in choice.step_us and RowFusion() in choice.step_us
+    assert (RowFusion(pdl=True) in choice.step_us) == supports_pdl(runner.device)
+    assert all(us > 0 for us in choice.step_us.values())
 
 
 def staircase(runner: ModelRunner, prompt_lens: list[int], sampling: SamplingParams) -> None:
@@ -182,6 +197,30 @@ def test_new_batch_shapes_compile_no_new_kernel_variants(checkpoint: Path) -> No
     try:
         for sampling in (GREEDY, hot):
             staircase(runner, [3, 17, 1, 8, 12, 2, 6], sampling)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
+
+
+def test_a_started_runner_compiles_nothing_for_its_first_requests(checkpoint: Path) -> None:
+    # The start-up warm-up runs each sampler path (greedy, plain temperature, a mix, top-k/top-p)
+    # and the batch-1 choice runs the one-token layer: the first requests of every kind, mixed
+    # steps and lone decodes, find their kernels compiled.
+    from triton import knobs  # noqa: PLC0415
+
+    runner = gpu_runner(
+        checkpoint, max_num_seqs=8, num_gpu_blocks_override=None, gpu_memory_utilization=0.3
+    )
+    compiled: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for sampling in (
+            GREEDY,
+            SamplingParams(temperature=0.8),
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+        ):
+            staircase(runner, [3, 17, 1, 8], sampling)
+        generate(runner, [5], num_steps=6)
     finally:
         knobs.runtime.jit_post_compile_hook = None
     assert compiled == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from pagekeeper_engine.kernels.gemv import CANDIDATES, GemvConfig, gemv
+from pagekeeper_engine.kernels.gemv import CANDIDATES, Epilogue, GemvConfig, RowNorm, gemv
 from tests.engine.kernels.paged_cases import random_tensor
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -92,3 +92,109 @@ def test_gemv_refuses_an_output_over_its_input(device: torch.device) -> None:
     buffer = torch.zeros(1, 16, device=device)
     with pytest.raises(AssertionError, match="overlaps x"):
         gemv(buffer, torch.zeros(16, 16, device=device), out=buffer)
+
+
+def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm arithmetic (`model/layers.py`): fp32 statistics, the normed row
+    rounded to the dtype before the weight multiply."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(12, 96), (13, 100), (37, 129)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_with_the_input_norm_matches_norm_then_linear(
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    bias: bool,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    residual = 3.0 * random_tensor((1, k), dtype, device, generator)
+    before = residual.clone()
+    norm_weight = random_tensor((k,), dtype, device, generator)
+    weight = random_tensor((n, k), dtype, device, generator)
+    b = random_tensor((n,), dtype, device, generator) if bias else None
+
+    out = gemv(residual, weight, b, config=SMALL, norm=RowNorm(norm_weight, 1e-6))
+
+    normed = _rms_norm_ref(residual, norm_weight, 1e-6)
+    expected = functional.linear(normed.float(), weight.float(), None if b is None else b.float())
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max())
+    assert torch.equal(residual, before)  # x is only read
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(12, 96), (13, 100)])
+def test_gemv_adding_into_the_residual(
+    dtype: torch.dtype, n: int, k: int, device: torch.device, generator: torch.Generator
+) -> None:
+    x = random_tensor((1, k), dtype, device, generator)
+    weight = random_tensor((n, k), dtype, device, generator)
+    residual = random_tensor((1, n), dtype, device, generator)
+    before = residual.clone()
+
+    out = gemv(x, weight, out=residual, config=SMALL, epilogue=Epilogue.ADD)
+
+    assert out.data_ptr() == residual.data_ptr()
+    # y is rounded to the dtype first, then added: what a projection then a residual add give.
+    expected = (functional.linear(x.float(), weight.float()).to(dtype) + before).float()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        residual.float(), expected, rtol=tol, atol=tol * expected.abs().max()
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("i", "k"), [(12, 96), (13, 100), (37, 129)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_gemv_swiglu_matches_gate_up_then_swiglu(
+    dtype: torch.dtype,
+    i: int,
+    k: int,
+    with_norm: bool,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    x = random_tensor((1, k), dtype, device, generator)
+    weight = random_tensor((2 * i, k), dtype, device, generator)
+    norm = RowNorm(random_tensor((k,), dtype, device, generator), 1e-5) if with_norm else None
+
+    out = gemv(x, weight, config=SMALL, norm=norm, epilogue=Epilogue.SWIGLU)
+
+    source = x if norm is None else _rms_norm_ref(x, norm.weight, norm.eps)
+    gate, up = functional.linear(source.float(), weight.float()).to(dtype).split(i, dim=-1)
+    expected = (functional.silu(gate.float()).to(dtype).float() * up.float()).to(dtype).float()
+    assert out.shape == (1, i) and out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"epilogue": Epilogue.ADD}, "adds into"),
+        ({"epilogue": Epilogue.SWIGLU, "shape": (7, 16)}, "2I rows"),
+        ({"norm_shape": (8,)}, "norm weight shape"),
+    ],
+)
+def test_gemv_rejects_bad_fusions(
+    kwargs: dict[str, object], message: str, device: torch.device
+) -> None:
+    shape = kwargs.pop("shape", (8, 16))
+    norm_shape = kwargs.pop("norm_shape", None)
+    assert isinstance(shape, tuple)
+    norm = None
+    if isinstance(norm_shape, tuple):
+        norm = RowNorm(torch.ones(norm_shape, device=device), 1e-6)
+    with pytest.raises(AssertionError, match=message):
+        gemv(
+            torch.zeros(1, 16, device=device),
+            torch.zeros(shape, device=device),
+            norm=norm,
+            **kwargs,
+        )  # type: ignore[arg-type]

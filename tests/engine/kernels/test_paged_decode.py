@@ -179,6 +179,10 @@ def test_paged_decode_rejects_bad_inputs(change: str, message: str, device: torc
         (8, 1, 128, 32, torch.float16, 5),
     ],
 )
+# 1: every sequence uses every split it has tokens for, as the reduce kernel's launch does;
+# 32: the sequences of 1..129 tokens use 1, 1, 2, 3 and 5 live splits, the 1-token and
+# 17-token ones write `out` directly.
+@pytest.mark.parametrize("min_split_tokens", [1, 32])
 def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
     group: int,
     num_kv_heads: int,
@@ -186,6 +190,7 @@ def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
     block_size: int,
     dtype: torch.dtype,
     num_splits: int,
+    min_split_tokens: int,
     device: torch.device,
     generator: torch.Generator,
 ) -> None:
@@ -208,13 +213,18 @@ def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
         paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale, out=out,
             num_splits=num_splits, block_n=16, split_counters=counters,
+            min_split_tokens=min_split_tokens,
         )  # fmt: skip
         assert not out.isnan().any(), "some output element was never written"
         error = relative_error(out, ref)
         assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
         assert torch.equal(counters, torch.zeros_like(counters))
-    # Same partials, same combining order and arithmetic as the reduce kernel.
-    torch.testing.assert_close(out, two_launches, rtol=1e-6, atol=1e-6)
+    if min_split_tokens == 1:
+        # Same partials, same combining order and arithmetic as the reduce kernel; the compiler
+        # may contract the two kernels' multiply-adds differently, which moves a half-precision
+        # result by at most one unit in the last place (2 of 5,120 elements on an H200).
+        ulp = {torch.float32: 1e-6, torch.float16: 2**-10}[dtype]
+        torch.testing.assert_close(out, two_launches, rtol=ulp, atol=1e-6)
 
 
 def test_split_counters_must_cover_every_program(device: torch.device) -> None:

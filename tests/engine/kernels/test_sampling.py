@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels.sampling import BLOCK_V, pick_tokens
-from pagekeeper_engine.runner.sampler import pick_tokens_ref
+from pagekeeper_engine.runner import sampler as sampler_module
+from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
 SMALL_BLOCK_V = 16
@@ -66,6 +68,53 @@ def test_pick_matches_torch(
     check_against_ref(scores, raw, scale=1 / 0.7, noise=noise, block_v=block_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("has_noise", [False, True])
+@pytest.mark.parametrize("is_masked", [False, True])
+@pytest.mark.parametrize(("num_rows", "vocab_size"), [(3, 37), (4, 1000)])
+def test_low_precision_logits_pick_as_their_fp32_copy(
+    num_rows: int,
+    vocab_size: int,
+    is_masked: bool,
+    has_noise: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    # The model's logits in its dtype; scores are those logits themselves, or an fp32 copy
+    # with masked tokens (as a min_tokens mask or a top-k / top-p cut writes them).
+    raw = random_logits(num_rows, vocab_size, device, generator).to(dtype)
+    scores = raw
+    if is_masked:
+        drop = torch.rand(raw.shape, generator=generator, device=device) < 0.3
+        scores = raw.float().masked_fill(drop, float("-inf"))
+    noise = None
+    if has_noise:
+        noise = torch.empty(raw.shape, device=device).exponential_(generator=generator)
+    block_v = SMALL_BLOCK_V if vocab_size > BLOCK_V // 2 else BLOCK_V
+
+    token_ids = check_against_ref(scores, raw, scale=1 / 0.7, noise=noise, block_v=block_v)
+    wide_ids, wide_packed = pick_tokens(
+        scores.float(), raw.float(), scale=1 / 0.7, noise=noise, block_v=block_v
+    )
+
+    assert torch.equal(token_ids, wide_ids)
+    _, packed = pick_tokens(scores, raw, scale=1 / 0.7, noise=noise, block_v=block_v)
+    torch.testing.assert_close(packed[1], wide_packed[1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_zero_draw_is_read_at_the_floor(device: torch.device) -> None:
+    # A draw of exactly 0 races at -log(tiny) ~ 87.3, not +inf: two such draws still rank by
+    # their scores, and a masked token with one stays at -inf (not -inf + inf = NaN).
+    inf = float("inf")
+    scores = torch.tensor([[0.0, 1.0, -inf], [0.0, -inf, -80.0], [5.0, -inf, 0.0]], device=device)
+    noise = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 1.0]], device=device)
+
+    token_ids = check_against_ref(scores, torch.zeros_like(scores), noise=noise)
+
+    assert token_ids.tolist() == [1, 2, 0]
+
+
 def test_pick_over_strided_rows(device: torch.device, generator: torch.Generator) -> None:
     raw = random_logits(8, 300, device, generator)[::2]
     noise = torch.empty((8, 300), device=device).exponential_(generator=generator)[1::2]
@@ -112,6 +161,14 @@ def test_pick_of_no_rows(device: torch.device) -> None:
         (lambda d: dict.fromkeys(("raw", "scores"), torch.zeros((2, 0), device=d)), "empty"),
         (lambda d: {"scores": torch.zeros((2, 7), device=d)}, "scores shape"),
         (lambda d: {"scores": torch.zeros((2, 8), dtype=torch.float16, device=d)}, "float32"),
+        (lambda d: {"raw": torch.zeros((2, 8), dtype=torch.float64, device=d)}, "raw is"),
+        (
+            lambda d: {
+                "scores": torch.zeros((2, 8), dtype=torch.float16, device=d),
+                "raw": torch.zeros((2, 8), dtype=torch.bfloat16, device=d),
+            },
+            "scores is",
+        ),
         (lambda d: {"scores": torch.zeros((8, 2), device=d).t()}, "contiguous"),
         (lambda d: {"noise": torch.ones((3, 8), device=d)}, "noise shape"),
         (lambda d: {"scale": 0.0}, "scale"),
@@ -124,3 +181,36 @@ def test_pick_rejects_bad_inputs(bad: object, message: str, device: torch.device
     args = {"scores": torch.zeros((2, 8), device=device), "raw": torch.zeros((2, 8), device=device)}
     with pytest.raises(AssertionError, match=message):
         pick_tokens(**{**args, **bad(device)})
+
+
+SAMPLER_BATCHES = {
+    "greedy": [SamplingParams(temperature=0.0)] * 3,
+    "random": [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=5)] * 2,
+    "cut": [SamplingParams(temperature=0.8, top_k=20, top_p=0.9)] * 3,
+    "min_tokens": [SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=(2, 7))] * 2,
+    "mixed": [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_p=0.8)],
+}
+
+
+@pytest.mark.parametrize("batch", SAMPLER_BATCHES)
+def test_the_sampler_over_bf16_logits_picks_as_over_fp32(
+    batch: str, device: torch.device, generator: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every sampler path through the kernel (the CPU's sampler would take the reference): the
+    # model's bf16 logits as they come, or copied to fp32 first, give the same picks.
+    monkeypatch.setattr(sampler_module, "pick_tokens", pick_tokens)
+    params = SAMPLER_BATCHES[batch]
+    low = random_logits(len(params), 300, device, generator).bfloat16()
+    num_output_tokens = [1] * len(params)
+
+    def sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sampler = Sampler(device, seed=3, eos_token_ids=frozenset({5}))
+        return sampler.sample(logits, params, num_output_tokens)
+
+    token_ids, packed = sample(low)
+    wide_ids, wide_packed = sample(low.float())
+
+    assert torch.equal(token_ids, wide_ids)
+    torch.testing.assert_close(packed[1], wide_packed[1], rtol=1e-6, atol=1e-6)
+    if batch == "min_tokens":
+        assert not set(token_ids.tolist()) & {2, 5, 7}

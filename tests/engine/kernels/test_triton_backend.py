@@ -5,10 +5,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagekeeper_engine.attention.base import AttentionMetadata
+from pagekeeper_engine.attention.base import AttentionMetadata, QKNorm
 from pagekeeper_engine.attention.torch_ref import TorchRefBackend
 from pagekeeper_engine.attention.triton_backend import TritonAttentionBackend
-from pagekeeper_engine.kernels.reference import paged_attention_ref, rotary_ref, write_kv_ref
+from pagekeeper_engine.kernels.reference import (
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    write_kv_ref,
+)
 from tests.engine.kernels.paged_cases import (
     TOLERANCE,
     PagedCache,
@@ -164,6 +169,51 @@ def test_forward_rotary_equals_rotary_then_forward(
 
     tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(cache.k_cache, ref_k_cache, rtol=tol, atol=tol)
+    assert torch.equal(cache.v_cache, ref_v_cache)
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+# The interpreter's bf16 attention is wrong (relative error ~1e9, `forward` alone too).
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []),
+)
+def test_forward_rotary_with_qk_norm_matches_the_torch_backend(
+    dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    """Qwen3's q/k norm fused into the KV write against the reference path (norm, rotary, then
+    `forward`): the same cache and attention, and q normed and rotated in place."""
+    step = _mixed_step(16, 2, 4, 64, dtype, device, generator)
+    cache, meta = step.cache, step.meta
+    angles = torch.rand((400, 32), generator=generator, device=device) * 6
+    tables = _Tables(angles.cos(), angles.sin())
+    positions = torch.randint(0, 400, (step.q.shape[0],), generator=generator, device=device)
+    # Rows far from unit RMS and weights far from 1, so a missing norm cannot pass.
+    q, k = 4 * step.q, 4 * step.k
+    qk_norm = QKNorm(
+        q_weight=(torch.rand(64, generator=generator, device=device) + 0.5).to(dtype),
+        k_weight=(torch.rand(64, generator=generator, device=device) * 2 - 1).to(dtype),
+        eps=1e-6,
+    )
+    ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+    ref = TorchRefBackend().forward_rotary(
+        q.clone(), k.clone(), step.v, positions, tables, ref_k_cache, ref_v_cache, meta, 0.125,
+        qk_norm=qk_norm,
+    )  # fmt: skip
+    ref_q = rotary_ref(
+        rms_norm_ref(q, qk_norm.q_weight, 1e-6)[0], positions, tables.cos, tables.sin
+    )
+
+    out = TritonAttentionBackend(num_sms=4).forward_rotary(
+        q, k, step.v, positions, tables, cache.k_cache, cache.v_cache, meta, 0.125,
+        qk_norm=qk_norm,
+    )  # fmt: skip
+
+    # As in test_kv_write.py's q/k norm test: a few steps of the dtype at |x| < 8.
+    atol = {torch.float32: 1e-5, torch.float16: 2**-7, torch.bfloat16: 2**-3}[dtype]
+    torch.testing.assert_close(q, ref_q, rtol=0.0, atol=atol)
+    torch.testing.assert_close(cache.k_cache, ref_k_cache, rtol=0.0, atol=atol)
     assert torch.equal(cache.v_cache, ref_v_cache)
     error = relative_error(out, ref)
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"

@@ -55,11 +55,12 @@ def packed_steps() -> list[list[ScheduledSeq]]:
 
 
 def step_logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-    """Logits of every row of the step (None on ranks > 0)."""
+    """fp32 logits of every row of the step (None on ranks > 0)."""
     with torch.inference_mode():
         inputs = runner.prepare_inputs(seqs)
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return runner.model.compute_logits(hidden)
+        logits = runner.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
 
 
 def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
