@@ -261,28 +261,30 @@ def _reduce_splits_kernel(
     out_token_stride,
     out_head_stride,
     num_splits,
-    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
+    # One program per (sequence, KV head), combining as the fused reduce's last split does.
     seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_splits
-    row = (seq * NUM_HEADS + head) * num_splits + offs_s  # (SPLITS_PAD,)
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    # Split 0 is never empty (seq_len >= 1), so the max is finite.
-    weights = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh exp2(-inf) = 0
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(
-        out_ptr + seq * out_token_stride + head * out_head_stride + offs_d,
-        out.to(out_ptr.dtype.element_ty),
+    offs_g = tl.arange(0, GROUP_PAD)
+    heads = tl.program_id(1) * GROUP + offs_g
+    _combine_splits(
+        part_out_ptr,
+        part_lse_ptr,
+        out_ptr,
+        seq,
+        heads,
+        offs_g < GROUP,
+        tl.arange(0, HEAD_DIM),
+        out_token_stride,
+        out_head_stride,
+        num_splits,
+        num_splits,
+        NUM_KV_HEADS * GROUP,
+        GROUP_PAD,
+        HEAD_DIM,
     )
 
 
@@ -400,16 +402,17 @@ def paged_decode(
         **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not fused_reduce:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
+        _reduce_splits_kernel[(num_seqs, num_kv_heads)](
             part_out,
             part_lse,
             out,
             out.stride(0),
             out.stride(1),
             num_splits,
-            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            GROUP=group,
+            GROUP_PAD=max(16, next_power_of_2(group)),
             HEAD_DIM=head_dim,
-            SPLITS_PAD=max(2, next_power_of_2(MAX_SPLITS)),
             num_warps=4,
         )
     return out
