@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -147,7 +148,10 @@ def build_engine(
     print(
         f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
         + (
-            f"{len(runner.graphs.batch_sizes)} sizes captured in {start['graph_capture_s']:.1f} s, "
+            f"{len(runner.graphs.batch_sizes)} decode sizes and "
+            f"{len(runner.graphs.piecewise.token_sizes)} mixed-step sizes "
+            f"({runner.graphs.piecewise.num_graphs} pieces) captured in "
+            f"{start['graph_capture_s']:.1f} s, "
             f"{start['graph_pool_mib']:.0f} MiB"
             if runner.graphs is not None
             else "off (--enforce-eager)"
@@ -261,30 +265,45 @@ def profile_decode(engine: LLMEngine, batch: int, path: str | None) -> None:
 
 
 def mixed_step_cost(engine: LLMEngine, batch: int, prompt_len: int) -> dict[str, float]:
-    """Kernels launched and host / wall time of one mixed step (a `prompt_len`-token prefill
-    beside `batch` decodes) against a decode-only step of the same batch."""
+    """Host and wall time of one mixed step (a `prompt_len`-token prefill beside `batch`
+    decodes) against a decode-only step of the same batch, and the kernels each launches.
+
+    Times are medians of 5 steps timed without a profiler (host: until `step` returns with the
+    step enqueued; wall: until the device has run it); a sixth step of each kind runs under
+    torch.profiler for its kernel count only, since the profiler's own host overhead is several
+    times a step's."""
     for i in range(batch):
         prompt = [(7 * i + j) % 10000 for j in range(512)]
-        engine.add_request(f"mix-{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+        engine.add_request(f"mix-{i}", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(8):  # past the prefills: every request decodes from here on
         engine.step()
     costs: dict[str, float] = {}
     for kind in ("decode", "mixed"):
-        if kind == "mixed":
-            prompt = [(11 * j) % 10000 for j in range(prompt_len)]
-            engine.add_request("mix-prefill", prompt, SamplingParams(max_tokens=1))
-        torch.cuda.synchronize()
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        started = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as prof:
-            engine.step()
-            host_s = time.perf_counter() - started
+        host, wall = [], []
+        for round_ in range(6):
+            if kind == "mixed":
+                prompt = [(11 * j + round_) % 10000 for j in range(prompt_len)]
+                engine.add_request(f"mix-prefill-{round_}", prompt, SamplingParams(max_tokens=1))
             torch.cuda.synchronize()
-        wall_s = time.perf_counter() - started
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        costs[f"{kind}_kernels"] = len(kernels)
-        costs[f"{kind}_host_ms"] = host_s * 1e3
-        costs[f"{kind}_wall_ms"] = wall_s * 1e3
+            if round_ == 5:
+                activities = [
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+                with torch.profiler.profile(activities=activities) as prof:
+                    engine.step()
+                    torch.cuda.synchronize()
+                kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+                costs[f"{kind}_kernels"] = len(kernels)
+            else:
+                started = time.perf_counter()
+                engine.step()
+                host.append(time.perf_counter() - started)
+                torch.cuda.synchronize()
+                wall.append(time.perf_counter() - started)
+            engine.step()  # the step's tokens come back; a prefill request ends here
+        costs[f"{kind}_host_ms"] = statistics.median(host) * 1e3
+        costs[f"{kind}_wall_ms"] = statistics.median(wall) * 1e3
     print(
         f"  mixed step ({prompt_len}-token prefill + {batch} decodes): "
         f"{costs['mixed_kernels']:.0f} kernels, host {costs['mixed_host_ms']:.2f} ms, "

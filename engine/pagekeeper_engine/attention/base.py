@@ -85,11 +85,70 @@ def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 class AttentionBackend(ABC):
-    """Writes this step's keys and values into the cache, then attends over it."""
+    """Writes a step's keys and values into the cache (`write`), then attends over it
+    (`attend`).
+
+    The two halves are separate so that a caller can run them apart: `write` reads only
+    per-token tensors (the new keys, values, positions and `meta.slot_mapping`), so it may sit
+    inside a CUDA graph captured at a fixed token count, while `attend` reads the per-sequence
+    metadata, which changes from step to step (`runner/piecewise_graphs.py`).
+    """
 
     name: str
 
     @abstractmethod
+    def write(
+        self,
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNSCALED,
+    ) -> None:
+        """Store k / kv_scales.k and v / kv_scales.v at `meta.slot_mapping` (a negative slot
+        stores nothing)."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,  # (T, num_heads, head_dim): where the result goes
+        kv_scales: KVScales = UNSCALED,
+        pdl: bool = False,
+    ) -> torch.Tensor:  # (T, num_heads, head_dim)
+        """Causal attention of q over the cache as `meta` describes it (this step's keys already
+        written), in `out` when given (e.g. a view of the step's workspace). Only the rows in
+        `meta.query_start_loc`'s range get a result (a graph's padding rows have none)."""
+
+    def write_rotary(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim), normed and rotated in place
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim), read only: the cache gets its rotation
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        positions: torch.Tensor,  # (T,) int64
+        rotary: RotaryTables,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNSCALED,
+        qk_norm: QKNorm | None = None,
+        pdl: bool = False,
+    ) -> None:
+        """`write` of rotary(k) and v, and q rotated in place; with `qk_norm`, of
+        rotary(norm(k)) and q := rotary(norm(q)). A backend that can norm and rotate inside its
+        KV write overrides this to save the separate launches; one whose kernels can launch as
+        programmatic dependents of the kernel before them does so with `pdl` (others ignore
+        it)."""
+        normed_q, normed_k = (q, k) if qk_norm is None else qk_norm.apply(q, k)
+        rotated_q, rotated_k = rotary.forward_qk(positions, normed_q, normed_k)
+        q.copy_(rotated_q)
+        self.write(rotated_k, v, k_cache, v_cache, meta, kv_scales)
+
     def forward(
         self,
         q: torch.Tensor,  # (T, num_heads, head_dim)
@@ -99,15 +158,16 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor | None = None,  # (T, num_heads, head_dim): where the result goes
+        out: torch.Tensor | None = None,
         kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        """Store k and v at `meta.slot_mapping`, then return causal attention of q (in `out`
-        when given, e.g. a view of the step's workspace)."""
+        """Store k and v at `meta.slot_mapping`, then return causal attention of q."""
+        self.write(k, v, k_cache, v_cache, meta, kv_scales)
+        return self.attend(q, k_cache, v_cache, meta, scale, out, kv_scales)
 
     def forward_rotary(
         self,
-        q: torch.Tensor,  # (T, num_heads, head_dim), not yet rotated
+        q: torch.Tensor,  # (T, num_heads, head_dim), normed and rotated in place
         k: torch.Tensor,  # (T, num_kv_heads, head_dim), not yet rotated
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
         positions: torch.Tensor,  # (T,) int64
@@ -122,10 +182,8 @@ class AttentionBackend(ABC):
         pdl: bool = False,
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         """`forward` of rotary(q), rotary(k), v, or with `qk_norm` of rotary(norm(q)),
-        rotary(norm(k)), v. A backend that can norm and rotate inside its KV write overrides
-        this to save the separate launches; one whose kernels can launch as programmatic
-        dependents of the kernel before them does so with `pdl` (others ignore it)."""
-        if qk_norm is not None:
-            q, k = qk_norm.apply(q, k)
-        q, k = rotary.forward_qk(positions, q, k)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale, out, kv_scales)
+        rotary(norm(k)), v: `write_rotary`, then `attend`."""
+        self.write_rotary(
+            q, k, v, positions, rotary, k_cache, v_cache, meta, kv_scales, qk_norm, pdl
+        )
+        return self.attend(q, k_cache, v_cache, meta, scale, out, kv_scales, pdl)

@@ -79,21 +79,31 @@ class TorchRefBackend(AttentionBackend):
 
     name = "torch_ref"
 
-    def forward(
+    def write(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNSCALED,
+    ) -> None:
+        if kv_scales != UNSCALED:
+            k, v = k / kv_scales.k, v / kv_scales.v
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
         kv_scales: KVScales = UNSCALED,
+        pdl: bool = False,
     ) -> torch.Tensor:
         if kv_scales == UNSCALED:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
-        write_kv_cache(k / kv_scales.k, v / kv_scales.v, k_cache, v_cache, meta.slot_mapping)
         result = paged_attention_ref(q, k_cache, v_cache, meta, scale * kv_scales.k, out)
         return result.mul_(kv_scales.v)

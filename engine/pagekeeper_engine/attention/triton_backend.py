@@ -33,9 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
     launch (counters that the kernel leaves at zero, allocated on the first call, which the
     runner makes eagerly before any graph capture).
 
-    `forward_rotary` also applies the rotary embedding (and Qwen3's q/k norm) in the KV-write
-    kernel, norming and rotating q in place, so a layer's rotary, KV write and decode attention
-    are two launches, not four (six with the q/k norm).
+    `write_rotary` applies the rotary embedding (and Qwen3's q/k norm) in the KV-write kernel,
+    norming and rotating q in place, so a layer's rotary, KV write and decode attention are two
+    launches, not four (six with the q/k norm).
     """
 
     name = "triton"
@@ -58,24 +58,32 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return self._split_counters
 
-    def forward_rotary(
+    def write(
         self,
-        q: torch.Tensor,  # (T, num_heads, head_dim), normed and rotated in place
-        k: torch.Tensor,  # (T, num_kv_heads, head_dim), read only: the cache gets rotary(norm(k))
-        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        positions: torch.Tensor,  # (T,) int64
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNSCALED,
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales.k, kv_scales.v)
+
+    def write_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
         rotary: RotaryTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor | None = None,
         kv_scales: KVScales = UNSCALED,
         qk_norm: QKNorm | None = None,
         pdl: bool = False,
-    ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        """`forward` of rotary(q), rotary(k), v (of the normed q and k with `qk_norm`), with
-        the norm and rotation fused into the KV write."""
+    ) -> None:
+        """One launch: the norm and rotation fused into the KV write."""
         rotate_and_write_kv(
             q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
             kv_scales.k, kv_scales.v,
@@ -84,32 +92,16 @@ class TritonAttentionBackend(AttentionBackend):
             norm_eps=None if qk_norm is None else qk_norm.eps,
             pdl=pdl,
         )  # fmt: skip
-        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales, pdl)
 
-    def forward(
-        self,
-        q: torch.Tensor,  # (T, num_heads, head_dim)
-        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor | None = None,
-        kv_scales: KVScales = UNSCALED,
-    ) -> torch.Tensor:  # (T, num_heads, head_dim)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales.k, kv_scales.v)
-        return self._attend(q, k_cache, v_cache, meta, scale, out, kv_scales)
-
-    def _attend(
+    def attend(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor | None,
-        kv_scales: KVScales,
+        out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
         pdl: bool = False,
     ) -> torch.Tensor:
         if out is None:

@@ -257,11 +257,31 @@ class PagedAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """x: (T, H) -> out (T, H), which may be x (read once, by the qkv projection)."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, out=workspace.rows("qkv", num_tokens))
-        attn = workspace.rows("attn", num_tokens)  # (T, q_size)
-        self.attend(positions, qkv, meta, out=attn)
-        self.o_proj(attn, out=out)
+        self.project_and_write(positions, x, meta, workspace)
+        self.attend_cached(meta, workspace, x.shape[0])
+        self.project_out(workspace, out)
+
+    def project_and_write(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Workspace,
+    ) -> None:
+        """x: (T, H) -> the workspace's `qkv` rows, q normed and rotated there, and this step's
+        keys and values in the cache. Reads only per-token inputs (of `meta`, the slots)."""
+        qkv = self.qkv_proj(x, out=workspace.rows("qkv", x.shape[0]))
+        self.write(positions, qkv, meta)
+
+    def attend_cached(self, meta: AttentionMetadata, workspace: Workspace, num_tokens: int) -> None:
+        """The workspace's q rows -> its `attn` rows: attention over the cache as `meta`
+        describes it (this step's keys already written by `project_and_write`)."""
+        qkv = workspace.rows("qkv", num_tokens)
+        self.read(qkv, meta, out=workspace.rows("attn", num_tokens))
+
+    def project_out(self, workspace: Workspace, out: torch.Tensor) -> None:
+        """The workspace's `attn` rows -> out (T, H), all-reduced over the ranks."""
+        self.o_proj(workspace.rows("attn", out.shape[0]), out=out)
         self.tp.all_reduce_(out)
 
     def attend(
@@ -274,24 +294,51 @@ class PagedAttention(nn.Module):
     ) -> None:
         """qkv: (T, q + 2 kv), the projection's output (q and k normed and rotated in place
         there) -> out (T, q_size): the attention of q over the cache, after this step's keys
-        and values are written to it. `pdl`: see `AttentionBackend.forward_rotary`."""
+        and values are written to it. `pdl`: see `AttentionBackend.write_rotary`."""
+        self.write(positions, qkv, meta, pdl)
+        self.read(qkv, meta, out, pdl)
+
+    def _cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        return self.k_cache, self.v_cache
+
+    def write(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, pdl: bool = False
+    ) -> None:
+        """Norm (Qwen3) and rotate q in place in qkv; store rotary(norm(k)) and v."""
+        k_cache, v_cache = self._cache()
         num_tokens = qkv.shape[0]
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         # The Triton backend norms and rotates inside its KV write, saving up to three launches
         # a layer.
-        self.backend.forward_rotary(
+        self.backend.write_rotary(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             positions,
             self.rotary,
-            self.k_cache,
-            self.v_cache,
+            k_cache,
+            v_cache,
+            meta,
+            kv_scales=self.kv_scales,
+            qk_norm=self.qk_norm,
+            pdl=pdl,
+        )
+
+    def read(
+        self, qkv: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, pdl: bool = False
+    ) -> None:
+        """q of qkv (already normed and rotated) -> out (T, q_size)."""
+        k_cache, v_cache = self._cache()
+        num_tokens = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        self.backend.attend(
+            q,
+            k_cache,
+            v_cache,
             meta,
             self.scale,
             out=out.view(num_tokens, self.num_heads, self.head_dim),
             kv_scales=self.kv_scales,
-            qk_norm=self.qk_norm,
             pdl=pdl,
         )

@@ -11,6 +11,9 @@ or, for a caller that bound none, one allocated for the call.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional
@@ -22,16 +25,17 @@ from pagekeeper_engine.attention.base import (
     KVScales,
 )
 from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.model.decoder_layer import DecoderLayer
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import (
     Linear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
-    SwiGLU,
 )
 from pagekeeper_engine.model.row_fusion import RowFusion, forward_one_row
 from pagekeeper_engine.model.shard import ShardPlan
+from pagekeeper_engine.model.stages import ForwardStages
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 
 # Checkpoint tensor -> (our fused parameter, index of its row slice in pack order).
@@ -48,58 +52,6 @@ _KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
 _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and SwiGLU blocks around a residual stream."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        tp: TensorParallelGroup,
-    ):
-        super().__init__()
-        self.self_attn = PagedAttention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps if config.has_qk_norm else None,
-            rotary=rotary,
-            backend=backend,
-            dtype=dtype,
-            tp=tp,
-        )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, tp=tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype
-        )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        workspace: Workspace,
-        *,
-        is_first: bool,
-    ) -> None:
-        """Advance the workspace's (hidden, residual) rows by one layer, in place. The first
-        layer finds the embeddings in `residual` and nothing yet in `hidden`."""
-        num_tokens = positions.shape[0]
-        hidden = workspace.rows("hidden", num_tokens)
-        residual = workspace.rows("residual", num_tokens)
-        if is_first:
-            self.input_layernorm(residual, out=hidden)
-        else:
-            self.input_layernorm.forward_residual_(hidden, residual)
-        self.self_attn(positions, hidden, meta, workspace, out=hidden)
-        self.post_attention_layernorm.forward_residual_(hidden, residual)
-        self.mlp(hidden, workspace, out=hidden)
 
 
 class DecoderModel(nn.Module):
@@ -138,9 +90,9 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """(T, H) hidden states: a view of the workspace's `hidden` rows."""
         num_tokens = input_ids.shape[0]
-        residual = workspace.rows("residual", num_tokens)
-        self._embed(input_ids, out=residual)
         if self.row_fusion is not None and num_tokens == 1 and not self.tp.is_active:
+            residual = workspace.rows("residual", 1)
+            self._embed(input_ids, out=residual)
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)
                 norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -149,11 +101,42 @@ class DecoderModel(nn.Module):
             hidden = workspace.rows("hidden", 1)
             self.norm(residual, out=hidden)
             return hidden
-        for i, layer in enumerate(self.layers):
-            layer(positions, meta, workspace, is_first=i == 0)
+        return self.stages(input_ids, positions, meta, workspace).run(meta)
+
+    def stages(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Workspace,
+    ) -> ForwardStages:
+        """This forward pass cut at each layer's attention (`model/stages.py`); the dense stages
+        read `input_ids`, `positions` and `meta.slot_mapping` only."""
+        num_tokens = input_ids.shape[0]
+        residual = workspace.rows("residual", num_tokens)
         hidden = workspace.rows("hidden", num_tokens)
-        self.norm.forward_residual_(hidden, residual)
-        return hidden
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+        def first() -> None:
+            self._embed(input_ids, out=residual)
+            layers[0].before_attention(positions, meta, workspace, is_first=True)
+
+        def between(before: DecoderLayer, after: DecoderLayer) -> Callable[[], None]:
+            def dense() -> None:
+                before.after_attention(workspace, num_tokens)
+                after.before_attention(positions, meta, workspace, is_first=False)
+
+            return dense
+
+        def last() -> None:
+            layers[-1].after_attention(workspace, num_tokens)
+            self.norm.forward_residual_(hidden, residual)
+
+        def attention(layer: DecoderLayer) -> Callable[[AttentionMetadata], None]:
+            return lambda step_meta: layer.self_attn.attend_cached(step_meta, workspace, num_tokens)
+
+        dense = [first, *(between(a, b) for a, b in itertools.pairwise(layers)), last]
+        return ForwardStages(dense, [attention(layer) for layer in layers], hidden)
 
     def _embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """(T,) ids -> (T, H) embeddings; a rank holding a shard of the vocabulary looks up its
@@ -243,6 +226,14 @@ class CausalLM(nn.Module):
             workspace = Workspace(shape, self.lm_head_weight.dtype, input_ids.device)
         hidden: torch.Tensor = self.model(input_ids, positions, meta, workspace)
         return hidden
+
+    def stages(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> ForwardStages:
+        """`forward` over the bound workspace, cut at each layer's attention
+        (`model/stages.py`)."""
+        assert self.workspace is not None, "a staged forward runs in the bound workspace"
+        return self.model.stages(input_ids, positions, meta, self.workspace)
 
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None

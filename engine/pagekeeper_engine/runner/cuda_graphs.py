@@ -1,10 +1,12 @@
-"""CUDA graphs of decode steps (`DecodeGraphs`), replayed over the step-input buffers.
+"""A step's CUDA graphs (`StepGraphs`), replayed over the step-input buffers.
 
-The model's forward for decode-only batches of the captured sizes, recorded once after the KV
-cache is bound, in one private memory pool, largest first so the smaller graphs reuse its
-memory. The inputs are `step_inputs.StepInputBuilder`'s static buffers and the activations the
-model's workspace, so a replay reads and writes the addresses it was captured with. Padding rows
-write no KV (slot -1) and attend to one token of block 0, which the block pool never hands out.
+Decode-only batches of the captured sizes replay the whole forward pass from one graph; steps
+with a prefill chunk replay it in pieces around an eager attention (`piecewise_graphs.py`). All
+are recorded once after the KV cache is bound, in one private memory pool, largest first so the
+smaller graphs reuse its memory. The inputs are `step_inputs.StepInputBuilder`'s static
+buffers and the activations the model's workspace, so a replay reads and writes the addresses
+it was captured with. A decode graph's padding rows write no KV (slot -1) and attend to one
+token of block 0, which the block pool never hands out.
 The decode kernel's split count is fixed at capture by `choose_num_splits` at `max_model_len`;
 the kernel derives each split's range from the sequence's own length, so the graph is valid at
 any length.
@@ -21,7 +23,8 @@ import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.model.llama import CausalLM
-from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.piecewise_graphs import PiecewiseGraphs
+from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -40,30 +43,38 @@ def padding_forward(
 ) -> Callable[[], torch.Tensor]:
     """A decode forward of `batch` padding rows over the builder's buffers (it writes no KV),
     with the decode kernel's splits chosen for the longest sequence a graph may meet."""
-    step = builder.build([], pad_to=batch)
+    step = builder.build([], GraphPadding(batch, decode=True))
     meta = replace(step.meta, max_seq_len=builder.max_model_len)
     return lambda: model(step.input_ids, step.positions, meta)
 
 
-class DecodeGraphs:
-    """Captured decode forwards, one per batch size, replayed over the builder's buffers."""
+class StepGraphs:
+    """Captured decode forwards, one per batch size, and the piecewise graphs of mixed steps,
+    one set per row count; `padding_for` says which one a step takes."""
 
-    def __init__(self, model: CausalLM, builder: StepInputBuilder, batch_sizes: list[int]):
+    def __init__(
+        self,
+        model: CausalLM,
+        builder: StepInputBuilder,
+        batch_sizes: Sequence[int],
+        token_sizes: Sequence[int] = (),
+    ):
         self.model = model
         self.builder = builder
         self.batch_sizes = sorted(batch_sizes)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.piecewise = PiecewiseGraphs(model, builder, token_sizes)
         self.pool_bytes = 0
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record one graph per batch size; the model's KV cache must be bound."""
+        """Record every graph; the model's KV cache must be bound."""
         started = time.perf_counter()
         device = self.builder.device
         torch.cuda.empty_cache()  # so the reserved bytes below count the graphs' pool alone
         reserved_before = torch.cuda.memory_reserved(device)
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()  # one private pool, shared by every graph
         for batch in reversed(self.batch_sizes):
             forward = padding_forward(self.model, self.builder, batch)
             forward()  # compiles this shape's kernels
@@ -75,36 +86,44 @@ class DecodeGraphs:
         for batch, (graph, _) in self._graphs.items():
             # The first replay uploads the graph to the device: pay it here, not in a step. The
             # padding inputs are rebuilt first, so no KV slot is written.
-            self.builder.build([], pad_to=batch)
+            self.builder.build([], GraphPadding(batch, decode=True))
             graph.replay()
+        self.piecewise.capture(pool)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the warm-up runs' cached blocks; the private pool stays
         # The private pool's memory, held for as long as the graphs live.
         self.pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
         self.capture_seconds = time.perf_counter() - started
         logger.info(
-            "captured %d decode graphs (batch %d..%d) in %.1f s, %.1f MiB held",
+            "captured %d decode graphs (batch %d..%d) and %d piecewise graphs of mixed steps "
+            "(%d sizes, %d..%d tokens) in %.1f s, %.1f MiB held",
             len(self._graphs),
             self.batch_sizes[0],
             self.batch_sizes[-1],
+            self.piecewise.num_graphs,
+            len(self.piecewise.token_sizes),
+            self.piecewise.token_sizes[0] if self.piecewise.token_sizes else 0,
+            self.piecewise.token_sizes[-1] if self.piecewise.token_sizes else 0,
             self.capture_seconds,
             self.pool_bytes / 2**20,
         )
 
-    def batch_size_for(self, seqs: Sequence[ScheduledSeq]) -> int | None:
-        """The captured size to pad a decode-only step to; None runs the step eagerly."""
-        if not self._graphs or any(s.num_tokens != 1 for s in seqs):
+    def padding_for(self, seqs: Sequence[ScheduledSeq]) -> GraphPadding | None:
+        """The captured shape to pad a step to; None runs the step eagerly."""
+        if self._graphs and all(s.num_tokens == 1 for s in seqs):
+            for batch in self.batch_sizes:
+                if batch >= len(seqs):
+                    return GraphPadding(batch, decode=True)
             return None
-        for batch in self.batch_sizes:
-            if batch >= len(seqs):
-                return batch
-        return None
+        return self.piecewise.padding_for(seqs)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states (rows, H) of the step: replayed when it was padded for a graph."""
-        if step.graph_batch is None:
+        if step.padding is None:
             hidden: torch.Tensor = self.model(step.input_ids, step.positions, step.meta)
             return hidden
-        graph, hidden = self._graphs[step.graph_batch]
+        if not step.padding.decode:
+            return self.piecewise.forward(step)
+        graph, hidden = self._graphs[step.padding.rows]
         graph.replay()
         return hidden

@@ -52,9 +52,10 @@ from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
-from pagekeeper_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, padding_forward
+from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
 from pagekeeper_engine.runner.kv_cache import describe_kv_scales, kv_layout, resolve_kv_cache_dtype
+from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_faults import (
     FatalOnFailure,
@@ -181,7 +182,7 @@ class ModelRunner:
             max_num_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
         )
-        self.graphs: DecodeGraphs | None = None  # captured once the KV cache is bound
+        self.graphs: StepGraphs | None = None  # captured once the KV cache is bound
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
         # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
         # request's row in them: the next step's placeholder inputs come from there.
@@ -278,12 +279,15 @@ class ModelRunner:
         self._scratch = None
 
     def capture_graphs(self) -> int:
-        """Capture the decode graphs over the bound KV cache; their pool's bytes (0 when this
-        runner runs eagerly)."""
+        """Capture the decode and mixed-step graphs over the bound KV cache; their pool's
+        bytes (0 when this runner runs eagerly)."""
         if not self.uses_graphs:
             return 0
-        self.graphs = DecodeGraphs(
-            self.model, self.inputs, graph_batch_sizes(self.config.max_num_seqs)
+        self.graphs = StepGraphs(
+            self.model,
+            self.inputs,
+            graph_batch_sizes(self.config.max_num_seqs),
+            piecewise_token_sizes(self.max_num_batched_tokens),
         )
         self.graphs.capture()
         return self.graphs.pool_bytes
@@ -307,9 +311,9 @@ class ModelRunner:
 
     def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
         """Pack the step's sequences (decodes first) into tensors and attention metadata; a
-        decode-only step that a captured graph fits is padded to the graph's batch size."""
-        pad_to = None if self.graphs is None else self.graphs.batch_size_for(seqs)
-        return self.inputs.build(seqs, pad_to)
+        step that a captured graph fits is padded to the graph's shape."""
+        padding = None if self.graphs is None else self.graphs.padding_for(seqs)
+        return self.inputs.build(seqs, padding)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply the step's swaps, run the forward pass, sample where asked, and wait.
@@ -366,8 +370,8 @@ class ModelRunner:
             self.swap_blocks(out.blocks_to_swap_in, to_cpu=False)
         if not out.seqs:
             return PendingStep(0, [], None, None)
-        pad_to = None if self.graphs is None else self.graphs.batch_size_for(out.seqs)
-        step = self.inputs.build(out.seqs, pad_to, self._previous_rows)
+        padding = None if self.graphs is None else self.graphs.padding_for(out.seqs)
+        step = self.inputs.build(out.seqs, padding, self._previous_rows)
         if step.placeholder_rows is not None:
             assert self._previous_sampled is not None and step.placeholder_sources is not None
             # the tokens the previous step sampled, into this step's input rows (in place: a

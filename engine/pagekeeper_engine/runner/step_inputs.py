@@ -5,7 +5,9 @@ lengths, block tables, sampled rows) is computed with numpy, written into one pi
 and moved to the device in a single copy, into a device buffer that is reused every step. Each
 field is a typed view at an offset that depends only on the step's (rows, sequences, block-table
 width), so a decode step padded to a captured batch size lands at exactly the addresses its CUDA
-graph was captured with (`cuda_graphs.py`). Rows whose input token is not known on the host yet
+graph was captured with (`cuda_graphs.py`). The per-row fields (input ids, positions, slots)
+come first: any step padded to a captured row count finds them where that row count's piecewise
+graphs read them (`piecewise_graphs.py`). Rows whose input token is not known on the host yet
 (`PLACEHOLDER_TOKEN_ID`, asynchronous scheduling) are listed with the row of the previous step's
 sampled ids that holds it; the runner gathers them on the device.
 """
@@ -26,6 +28,17 @@ from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 _ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
 
 
+@dataclass(frozen=True)
+class GraphPadding:
+    """How a step is padded to a captured graph's shape. `rows`: the token rows. A decode graph
+    (`decode`) also gives each padding row a sequence of its own and every sequence the full
+    block-table width; a piecewise graph pads only the rows (its attention runs eagerly on the
+    step's own sequences)."""
+
+    rows: int
+    decode: bool
+
+
 @dataclass
 class StepInputs:
     """The packed tensors of one step, on the runner's device."""
@@ -35,7 +48,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # (N,) int64: rows of the hidden states to compute logits for
     sampled_seqs: list[int]  # (N,) index into the step's seqs of each sampled row
-    graph_batch: int | None = None  # the captured batch size this step was padded to
+    padding: GraphPadding | None = None  # the captured shape this step was padded to
     # (P,) int64 each: rows of input_ids still to fill, and the rows of the previous step's
     # sampled ids that hold their tokens; None when every input is known
     placeholder_rows: torch.Tensor | None = None
@@ -102,13 +115,13 @@ class StepInputBuilder:
     def build(
         self,
         seqs: Sequence[ScheduledSeq],
-        pad_to: int | None = None,
+        padding: GraphPadding | None = None,
         previous_rows: Mapping[str, int] | None = None,
     ) -> StepInputs:
-        """Pack `seqs` (decodes first). With `pad_to`, the seqs are all one-token decodes and
-        the step is padded to that many rows at the full block-table width, for a graph.
-        `previous_rows`: request id -> row of the previous step's sampled ids, for the
-        placeholder inputs."""
+        """Pack `seqs` (decodes first), padded for a graph with `padding`: padding rows store
+        no KV (slot -1). A decode graph's seqs are all one-token decodes, padded to that many
+        sequences at the full block-table width. `previous_rows`: request id -> row of the
+        previous step's sampled ids, for the placeholder inputs."""
         bs = self.block_size
         num_seqs = len(seqs)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
@@ -117,11 +130,14 @@ class StepInputBuilder:
         ends = starts + num_tokens
         self._check(seqs, num_tokens, ends, num_blocks)
         total = int(num_tokens.sum())
-        if pad_to is None:
-            rows, padded_seqs, width = total, num_seqs, int(num_blocks.max())
-        else:
-            assert total == num_seqs <= pad_to, "a graph step holds one-token decodes only"
-            rows, padded_seqs, width = pad_to, pad_to, self.max_width
+        rows, padded_seqs, width = total, num_seqs, int(num_blocks.max(initial=0))
+        is_decode_graph = padding is not None and padding.decode
+        if padding is not None and padding.decode:
+            assert total == num_seqs <= padding.rows, "a decode graph holds one-token decodes"
+            rows, padded_seqs, width = padding.rows, padding.rows, self.max_width
+        elif padding is not None:
+            assert total <= padding.rows, f"{total} rows do not fit a graph of {padding.rows}"
+            rows = padding.rows
 
         query_start_loc = np.arange(padded_seqs + 1, dtype=np.int32) + (total - num_seqs)
         query_start_loc[: num_seqs + 1] = 0
@@ -178,7 +194,7 @@ class StepInputBuilder:
             block_tables=views["block_tables"].view(padded_seqs, width),
             max_query_len=int(num_tokens.max(initial=1)),
             max_seq_len=int(ends.max(initial=1)),
-            num_decode_seqs=num_decode_seqs if pad_to is None else pad_to,
+            num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
         )
         return StepInputs(
             input_ids=views["input_ids"],
@@ -186,7 +202,7 @@ class StepInputBuilder:
             meta=meta,
             sample_indices=views["sample_indices"],
             sampled_seqs=sampled_seqs.tolist(),
-            graph_batch=pad_to,
+            padding=padding,
             placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
             placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
         )

@@ -15,6 +15,7 @@ from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.model.row_fusion import RowFusion
 from pagekeeper_engine.runner.runner import ModelRunner
+from pagekeeper_engine.runner.step_inputs import GraphPadding
 from tests.engine.checkpoints import (
     GREEDY,
     make_runner,
@@ -103,13 +104,57 @@ def test_graph_replay_equals_eager(checkpoint: Path) -> None:
     graphed = gpu_runner(checkpoint, **fields)
     eager = gpu_runner(checkpoint, enforce_eager=True, **fields)
     assert eager.graphs is None and graphed.graphs is not None
-    assert graphed.graphs.batch_size_for([seq("x", [1], 3, [1])] * 11) == 16
+    assert graphed.graphs.padding_for([seq("x", [1], 3, [1])] * 11) == GraphPadding(16, decode=True)
 
     assert generate(graphed, prompt_lens, num_steps=8) == generate(eager, prompt_lens, 8)
     # The same KV was written (splits differ, so not bit for bit), and the padding rows of the
     # graph wrote nothing: block 0 is still zero.
     torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5)
     assert graphed.kv_pool[:, :, 0].count_nonzero() == 0
+
+
+def generate_staggered(runner: ModelRunner, prompt_lens: list[int], num_steps: int) -> list[int]:
+    """Greedy tokens when request i arrives at step i: from the second step on, every step
+    mixes the earlier requests' decodes with one prompt's prefill. All sampled tokens, in order."""
+    tables = block_tables(prompt_lens, num_steps)
+    prompts = [tokens(n, offset=i) for i, n in enumerate(prompt_lens)]
+    outputs: list[list[int]] = [[] for _ in prompt_lens]
+    sampled = []
+    for step in range(num_steps):
+        scheduled = [
+            seq(f"r{i}", [outputs[i][-1]], prompt_lens[i] + len(outputs[i]) - 1, tables[i],
+                num_output_tokens=len(outputs[i]))
+            for i in range(min(step, len(prompts)))
+        ]  # fmt: skip
+        if step < len(prompts):
+            scheduled.append(seq(f"r{step}", prompts[step], 0, tables[step]))
+        padding = None if runner.graphs is None else runner.graphs.padding_for(scheduled)
+        if runner.graphs is not None and step < len(prompts):
+            total = sum(s.num_tokens for s in scheduled)
+            assert padding == GraphPadding(max(16, 1 << (total - 1).bit_length()), decode=False)
+        out = runner.execute(SchedulerOutput(seqs=scheduled, num_batched_tokens=0))
+        for s, token in zip(scheduled, out.sampled_token_ids, strict=True):
+            assert token is not None
+            outputs[int(s.request_id[1:])].append(token)
+            sampled.append(token)
+    return sampled
+
+
+def test_mixed_steps_replayed_in_pieces_equal_eager(checkpoint: Path) -> None:
+    # Prompts of 5..47 tokens join one a step beside the earlier ones' decodes: 6..53 rows a
+    # step, padded to the 16-, 32- and 64-row piecewise graphs.
+    prompt_lens = [5, 13, 21, 9, 30, 47]
+    fields = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "num_gpu_blocks_override": 80}
+    graphed = gpu_runner(checkpoint, **fields)
+    eager = gpu_runner(checkpoint, enforce_eager=True, **fields)
+    assert graphed.graphs is not None and graphed.graphs.piecewise.token_sizes == [16, 32, 64]
+    # Capturing and first replays ran on padding rows only: nothing reached the KV cache.
+    assert graphed.kv_pool.count_nonzero() == 0
+
+    expected = generate_staggered(eager, prompt_lens, num_steps=10)
+    assert generate_staggered(graphed, prompt_lens, num_steps=10) == expected
+    torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5)
+    assert graphed.kv_pool[:, :, 0].count_nonzero() == 0  # padding rows stored nothing
 
 
 def test_graph_is_valid_past_the_lengths_it_was_captured_at(checkpoint: Path) -> None:

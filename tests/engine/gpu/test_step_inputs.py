@@ -1,13 +1,17 @@
 """The packing of a step into the builder's one buffer, including a decode step padded to a
-CUDA-graph batch. Pure host arithmetic: it runs on the CPU too, so CI checks the graph layout."""
+CUDA-graph batch and a mixed step padded to a piecewise graph's rows. Pure host arithmetic: it
+runs on the CPU too, so CI checks the graph layouts."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from pagekeeper_engine.runner.cuda_graphs import graph_batch_sizes
-from pagekeeper_engine.runner.step_inputs import StepInputBuilder
+from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
+from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, _layout
 from tests.engine.checkpoints import seq
 
 
@@ -30,8 +34,8 @@ def test_graph_batch_sizes() -> None:
 
 def test_decode_step_padded_to_a_graph_batch() -> None:
     seqs = [seq("a", [11], 9, [4, 7]), seq("b", [12], 0, [3]), seq("c", [13], 16, [1, 2, 5])]
-    step = builder().build(seqs, pad_to=4)
-    assert step.graph_batch == 4
+    step = builder().build(seqs, GraphPadding(4, decode=True))
+    assert step.padding == GraphPadding(4, decode=True)
     assert step.input_ids.tolist() == [11, 12, 13, 0]
     assert step.positions.tolist() == [9, 0, 16, 0]
     # The padding row stores no KV (-1) and attends to one token of block 0.
@@ -56,7 +60,7 @@ def test_mixed_step_is_packed_exactly() -> None:
         seq("q", [7, 8, 9], 0, [5]),
     ]
     step = builder().build(seqs)
-    assert step.graph_batch is None
+    assert step.padding is None
     assert step.input_ids.tolist() == [50, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert step.positions.tolist() == [9, 6, 7, 8, 9, 10, 11, 0, 1, 2]
     assert step.meta.slot_mapping.tolist() == [57, 22, 23, 0, 1, 2, 3, 40, 41, 42]
@@ -65,6 +69,44 @@ def test_mixed_step_is_packed_exactly() -> None:
     assert (step.meta.max_query_len, step.meta.max_seq_len, step.meta.num_decode_seqs) == (6, 12, 1)
     assert step.sample_indices.tolist() == [0, 9] and step.sampled_seqs == [0, 2]
     assert [t.dtype for t in (step.input_ids, step.meta.seq_lens)] == [torch.int64, torch.int32]
+
+
+def test_piecewise_token_sizes() -> None:
+    assert piecewise_token_sizes(8) == []  # below the smallest size: every mixed step eager
+    assert piecewise_token_sizes(100) == [16, 32, 64, 100]
+    assert piecewise_token_sizes(1024) == [16, 32, 64, 128, 256, 512, *range(576, 1025, 64)]
+    sizes = piecewise_token_sizes(8192)
+    assert sizes[-9:] == list(range(4096, 8193, 512))
+    assert len(sizes) == 5 + 1 + 8 * 4  # 16..256, 512, eight an octave to 8,192
+    # Above 512 rows a step pads by at most an eighth of its rows.
+    assert all(b / a <= 1.125 for a, b in itertools.pairwise(sizes[5:]))
+    assert piecewise_token_sizes(65536)[-1] == 8192  # capped: larger steps run eagerly
+
+
+def test_mixed_step_padded_to_a_piecewise_graph() -> None:
+    seqs = [seq("d", [50], 9, [4, 7]), seq("q", [7, 8, 9], 0, [5])]
+    step = builder().build(seqs, GraphPadding(8, decode=False))
+    assert step.padding == GraphPadding(8, decode=False)
+    # Padding rows embed token 0 at position 0 and store no KV.
+    assert step.input_ids.tolist() == [50, 7, 8, 9, 0, 0, 0, 0]
+    assert step.positions.tolist() == [9, 0, 1, 2, 0, 0, 0, 0]
+    assert step.meta.slot_mapping.tolist() == [57, 40, 41, 42, -1, -1, -1, -1]
+    # The attention, run eagerly, sees the step's own sequences: no padding sequence.
+    assert step.meta.query_start_loc.tolist() == [0, 1, 4]
+    assert step.meta.seq_lens.tolist() == [10, 3]
+    assert step.meta.block_tables.tolist() == [[4, 7], [5, 0]]
+    assert (step.meta.num_decode_seqs, step.meta.max_query_len) == (1, 3)
+    assert step.sample_indices.tolist() == [0, 3]
+
+
+def test_per_row_fields_sit_where_the_row_count_puts_them() -> None:
+    # A piecewise graph reads input ids, positions and slots at the addresses it was captured
+    # with: their offsets depend on the padded row count alone, not on the sequences.
+    captured = _layout(num_rows=64, num_seqs=0, width=0, num_sampled=0)
+    for num_seqs, width, sampled, placeholders in [(1, 1, 1, 0), (8, 5, 8, 8), (3, 2, 0, 1)]:
+        layout = _layout(64, num_seqs, width, sampled, placeholders)
+        for field in ("input_ids", "positions", "slot_mapping"):
+            assert layout[field] == captured[field]
 
 
 def test_a_step_beyond_the_buffer_gets_its_own() -> None:
