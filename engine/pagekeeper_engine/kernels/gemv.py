@@ -18,7 +18,11 @@ launch against a few hundred bytes of work), so the GEMV can take them in:
   `kernels/rms_norm.py` does): the pre-attention and pre-MLP norms need no launch of their own.
 - `Epilogue.ADD`: `out` is the residual stream and receives out + y (y rounded first, as a
   separate projection and the residual-add norm would): the o and down projections update the
-  residual in place, each program its own columns.
+  residual in place, each program its own columns. With `sum_squares_out` each program also
+  writes the sum of the squares of the values it stored to its own fp32 entry: the partial sums
+  of the statistic the next projection's norm needs. Given them as `RowNorm.sum_squares`, that
+  GEMV adds them up (in one fixed order: the result does not vary from run to run) instead of
+  every one of its programs passing over x before its first product.
 - `Epilogue.SWIGLU`: W is the fused (2I, K) gate/up matrix; a program computes its columns of
   both halves and stores silu(gate) * up (`kernels/swiglu.py`'s arithmetic), so the (1, 2I)
   intermediate is never written.
@@ -43,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device
+from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -72,10 +76,13 @@ class Epilogue(enum.IntEnum):
 
 @dataclass(frozen=True)
 class RowNorm:
-    """The RMSNorm the GEMV applies to x first: its (K,) weight and epsilon."""
+    """The RMSNorm the GEMV applies to x first: its (K,) weight and epsilon, and optionally the
+    partial sums of x's squares, a (P,) fp32 tensor whose total is the statistic (a residual-
+    adding GEMV's `sum_squares_out`); without them each program passes over x for it."""
 
     weight: torch.Tensor
     eps: float
+    sum_squares: torch.Tensor | None = None
 
 
 @triton.jit
@@ -113,6 +120,9 @@ def _gemv_kernel(
     bias_ptr,
     norm_w_ptr,
     y_ptr,  # the output; with EPILOGUE == ADD also the addend (the residual stream)
+    sum_sq_in_ptr,  # NORM_GIVEN: partial sums of x's squares (fp32)
+    sum_sq_out_ptr,  # SUM_SQUARES_OUT: one entry a program, its stored values' squares
+    num_parts,  # NORM_GIVEN: entries of sum_sq_in_ptr
     N,  # output columns (I for SWIGLU, whose weight has 2I rows)
     K,
     w_row_stride,
@@ -124,7 +134,10 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
+    NORM_GIVEN: tl.constexpr,  # NORM with the statistic summed from sum_sq_in_ptr
+    PARTS_PAD: tl.constexpr,  # a power of two >= num_parts
     EPILOGUE: tl.constexpr,
+    SUM_SQUARES_OUT: tl.constexpr,  # EPILOGUE == ADD: accumulate the stored values' squares
     USE_PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,7 +154,11 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     inv_rms = 1.0
-    if NORM:
+    if NORM_GIVEN:
+        offs_p = tl.arange(0, PARTS_PAD)
+        parts = tl.load(sum_sq_in_ptr + offs_p, mask=offs_p < num_parts, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
+    elif NORM:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0).to(tl.float32)
@@ -165,7 +182,11 @@ def _gemv_kernel(
     out_dtype = y_ptr.dtype.element_ty
     if EPILOGUE == 1:
         addend = tl.load(y_ptr + cols, mask=col_mask, other=0.0)
-        tl.store(y_ptr + cols, y.to(out_dtype) + addend, mask=col_mask)
+        stored = y.to(out_dtype) + addend
+        tl.store(y_ptr + cols, stored, mask=col_mask)
+        if SUM_SQUARES_OUT:  # masked columns loaded 0 and added 0: they add nothing
+            value = stored.to(tl.float32)
+            tl.store(sum_sq_out_ptr + tl.program_id(0), tl.sum(value * value, axis=0))
     elif EPILOGUE == 2:
         gate = y.to(out_dtype).to(tl.float32)
         up = tl.sum(acc_up, axis=1).to(out_dtype)
@@ -186,10 +207,13 @@ def gemv(
     config: GemvConfig | None = None,
     norm: RowNorm | None = None,
     epilogue: Epilogue = Epilogue.STORE,
+    sum_squares_out: torch.Tensor | None = None,  # (programs(N, config),) fp32, with ADD
     pdl: bool = False,
 ) -> torch.Tensor:
     """x W^T (+ bias) for one row of x (normed first with `norm`), through `epilogue`, into
-    `out` (allocated when not given, except for ADD, which needs its addend)."""
+    `out` (allocated when not given, except for ADD, which needs its addend); with
+    `sum_squares_out`, the ADD epilogue also writes the partial sums of the squares of the new
+    `out` there, one per program."""
     assert x.dim() == 2 and x.shape[0] == 1, f"x must be (1, K), got shape {tuple(x.shape)}"
     assert weight.dim() == 2, f"weight must be (N, K), got shape {tuple(weight.shape)}"
     rows, k = weight.shape
@@ -215,6 +239,16 @@ def gemv(
         assert norm.weight.dtype == x.dtype, f"norm weight is {norm.weight.dtype}, x is {x.dtype}"
         assert norm.weight.is_contiguous(), "norm weight must be contiguous"
         check_device("norm weight", norm.weight, x.device)
+        if norm.sum_squares is not None:
+            _check_statistic("norm sum_squares", norm.sum_squares, x.device)
+    cfg = config or CANDIDATES[0]
+    if sum_squares_out is not None:
+        assert epilogue == Epilogue.ADD, "sum_squares_out goes with Epilogue.ADD"
+        _check_statistic("sum_squares_out", sum_squares_out, x.device)
+        assert sum_squares_out.shape[0] == programs(n, cfg), (
+            f"sum_squares_out has {sum_squares_out.shape[0]} entries for {programs(n, cfg)} "
+            "programs"
+        )
     if out is None:
         assert epilogue != Epilogue.ADD, "Epilogue.ADD adds into `out`: give it"
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -225,14 +259,17 @@ def gemv(
     # Every program reads all of x while others write out: the two must not overlap.
     x_end, out_end = x.data_ptr() + k * x.element_size(), out.data_ptr() + n * out.element_size()
     assert out_end <= x.data_ptr() or x_end <= out.data_ptr(), "out overlaps x"
-    cfg = config or CANDIDATES[0]
     extra = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    num_parts = 0 if norm is None or norm.sum_squares is None else norm.sum_squares.shape[0]
+    _gemv_kernel[(programs(n, cfg),)](
         x,
         weight,
         bias if bias is not None else weight,
         norm.weight if norm is not None else weight,
         out,
+        norm.sum_squares if norm is not None and norm.sum_squares is not None else out,
+        sum_squares_out if sum_squares_out is not None else out,
+        num_parts,
         n,
         k,
         weight.stride(0),
@@ -244,10 +281,27 @@ def gemv(
         EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
+        NORM_GIVEN=num_parts > 0,
+        PARTS_PAD=next_power_of_2(max(num_parts, 1)),
         EPILOGUE=int(epilogue),
+        SUM_SQUARES_OUT=sum_squares_out is not None,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **extra,
     )
     return out
+
+
+def programs(n: int, config: GemvConfig) -> int:
+    """The programs of a GEMV of `n` output columns: entries of its `sum_squares_out`."""
+    return -(-n // config.block_n)
+
+
+def _check_statistic(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    assert tensor.dim() == 1 and tensor.shape[0] >= 1, (
+        f"{name} must be (P,) partial sums, got shape {tuple(tensor.shape)}"
+    )
+    assert tensor.dtype == torch.float32, f"{name} must be float32, got {tensor.dtype}"
+    assert tensor.stride(0) == 1, f"{name} must be contiguous"
+    check_device(name, tensor, device)

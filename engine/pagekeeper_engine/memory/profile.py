@@ -10,10 +10,11 @@ Runs on the device before the KV cache exists, in this order:
 3. warm-up fragmentation: what the caching allocator reserves beyond that peak after a warm-up
    of mixed shapes (partial prefill chunks, smaller decode batches), i.e. what a serving day's
    varying shapes strand in its segments;
-4. CUDA graphs: the decode graphs are captured over the scratch cache; their private pool is
-   held for the engine's life, so it joins the peak activations, and the driver's memory for
-   the instantiated graphs shows up in the next term. They are released with the scratch cache
-   (the runner captures them again over the real pool, at the same shapes and size);
+4. CUDA graphs: the decode graphs and the mixed steps' piecewise graphs are captured over the
+   scratch cache; their private pool is held for the engine's life, so it joins the peak
+   activations, and the driver's memory for the instantiated graphs shows up in the next term.
+   They are released with the scratch cache (the runner captures them again over the real
+   pool, at the same shapes and size);
 5. non-torch memory: the device's used memory that the allocator does not hold (CUDA context,
    cuBLAS workspaces, instantiated graphs, other processes).
 `budget.compute_budget` turns these into a number of KV blocks. The model and the device come in
@@ -84,7 +85,7 @@ class ProfileTarget(Protocol):
         ...
 
     def capture_graphs(self) -> int:
-        """Capture the decode graphs over the bound cache; their pool's bytes (0: none)."""
+        """Capture the step graphs over the bound cache; their pool's bytes (0: none)."""
         ...
 
     def release_graphs(self) -> None: ...

@@ -93,11 +93,14 @@ class DecoderModel(nn.Module):
         if self.row_fusion is not None and num_tokens == 1 and not self.tp.is_active:
             residual = workspace.rows("residual", 1)
             self._embed(input_ids, out=residual)
-            for layer in self.layers:
+            statistic = None  # the residual's sums of squares, from one layer to the next
+            for i, layer in enumerate(self.layers):
                 assert isinstance(layer, DecoderLayer)
                 norms = (layer.input_layernorm, layer.post_attention_layernorm)
                 attention, mlp = layer.self_attn, layer.mlp
-                forward_one_row(attention, mlp, norms, positions, meta, workspace, self.row_fusion)
+                statistic = forward_one_row(
+                    i, attention, mlp, norms, positions, meta, workspace, self.row_fusion, statistic
+                )
             hidden = workspace.rows("hidden", 1)
             self.norm(residual, out=hidden)
             return hidden

@@ -12,8 +12,13 @@ projection runs the GEMV (`kernels/gemv.py`) with the work around it folded in:
     residual += GEMV(act)                            down_proj
 
 so the residual stream stays in `residual` and no separate norm, add or activation is launched.
+Each residual-adding projection also writes the partial sums of the squares of the values it
+stores (one per program) to the workspace's `statistics`, so the normed projection after it
+adds those up for its norm's statistic instead of every program first passing over x (only the
+first layer's input norm makes that pass).
 The arithmetic is the unfused layer's: every value is rounded where the separate kernels round
-it. Only without tensor parallelism (the partial sums would need an all-reduce before the add).
+it; the sums of squares are fp32 in another order. Only without tensor parallelism (the
+partial sums would need an all-reduce before the add).
 Which tile each GEMV uses is the start-up choice (`model/gemv_choice.py`), the first candidate
 where it kept cuBLAS; that choice also decides whether the fused layer runs at all.
 """
@@ -38,6 +43,7 @@ class RowFusion:
 
 
 def forward_one_row(
+    layer: int,
     attention: PagedAttention,
     mlp: SwiGLU,
     norms: tuple[RMSNorm, RMSNorm],  # the layer's input and post-attention norms
@@ -45,40 +51,70 @@ def forward_one_row(
     meta: AttentionMetadata,
     workspace: Workspace,
     fusion: RowFusion,
-) -> None:
-    """Advance the one-token residual stream in `workspace` by one decoder layer, in place."""
+    input_statistic: torch.Tensor | None,  # what the layer before returned; None: layer 0
+) -> torch.Tensor:
+    """Advance the one-token residual stream in `workspace` by decoder layer `layer`, in place;
+    the partial sums of squares of the residual it leaves, for the next layer's input norm.
+    Layer i keeps its statistics in rows 2i + 1 and 2i + 2 of `workspace.statistics`."""
     from pagekeeper_engine.kernels import gemv as kernel  # noqa: PLC0415 (imports triton)
 
     residual = workspace.rows("residual", 1)
     input_norm, post_attention_norm = norms
+
+    def config(linear: Linear) -> kernel.GemvConfig:
+        return linear.gemv_config or kernel.CANDIDATES[0]
+
+    def statistic(row: int, producer: Linear) -> torch.Tensor:
+        """Row `row`'s entries for `producer`'s programs over the residual's columns."""
+        parts = kernel.programs(residual.shape[1], config(producer))
+        return workspace.statistics[row, :parts]
 
     def project(
         linear: Linear,
         x: torch.Tensor,
         out: torch.Tensor,
         norm: RMSNorm | None = None,
+        norm_statistic: torch.Tensor | None = None,
         epilogue: kernel.Epilogue = kernel.Epilogue.STORE,
+        statistic_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return kernel.gemv(
             x,
             linear.weight,
             linear.bias,
             out=out,
-            config=linear.gemv_config or kernel.CANDIDATES[0],
-            norm=None if norm is None else kernel.RowNorm(norm.weight, norm.eps),
+            config=config(linear),
+            norm=None if norm is None else kernel.RowNorm(norm.weight, norm.eps, norm_statistic),
             epilogue=epilogue,
+            sum_squares_out=statistic_out,
             pdl=fusion.pdl,
         )
 
-    qkv = project(attention.qkv_proj, residual, workspace.rows("qkv", 1), norm=input_norm)
+    qkv = project(
+        attention.qkv_proj,
+        residual,
+        workspace.rows("qkv", 1),
+        norm=input_norm,
+        norm_statistic=input_statistic,
+    )
     attn = workspace.rows("attn", 1)
     attention.attend(positions, qkv, meta, out=attn, pdl=fusion.pdl)
-    project(attention.o_proj, attn, residual, epilogue=kernel.Epilogue.ADD)
+    after_attention = statistic(2 * layer + 1, attention.o_proj)
+    project(
+        attention.o_proj,
+        attn,
+        residual,
+        epilogue=kernel.Epilogue.ADD,
+        statistic_out=after_attention,
+    )
     act = project(
         mlp.gate_up_proj,
         residual,
         workspace.rows("act", 1),
         norm=post_attention_norm,
+        norm_statistic=after_attention,
         epilogue=kernel.Epilogue.SWIGLU,
     )
-    project(mlp.down_proj, act, residual, epilogue=kernel.Epilogue.ADD)
+    after_layer = statistic(2 * layer + 2, mlp.down_proj)
+    project(mlp.down_proj, act, residual, epilogue=kernel.Epilogue.ADD, statistic_out=after_layer)
+    return after_layer

@@ -10,6 +10,8 @@ allocated once, at the engine's token budget, and each step works in the leading
 - `attn` (T, q): the attention output, read by the o projection.
 - `gate_up` (C, 2I) and `act` (C, I): the MLP runs over the step in chunks of C tokens, so its
   widest temporaries never scale with the token budget beyond C.
+- `statistics` (2L + 1, H) fp32: the one-token layer's partial sums of squares of the residual
+  stream, a row for each norm, written by the projection before it (`model/row_fusion.py`).
 
 A step then leaves nothing of its own size in the caching allocator: what it allocates beyond
 these (logits and the sampler's rows, the decode kernel's split partials) scales with the
@@ -36,6 +38,7 @@ class WorkspaceShape:
     """The widths of each buffer and the rows they hold."""
 
     max_tokens: int
+    num_layers: int
     hidden_size: int
     q_size: int
     kv_size: int
@@ -50,12 +53,19 @@ class WorkspaceShape:
             raise ValueError(f"a workspace holds at least one token, got {max_tokens}")
         return cls(
             max_tokens=max_tokens,
+            num_layers=config.num_layers,
             hidden_size=config.hidden_size,
             q_size=config.q_size,
             kv_size=config.kv_size,
             intermediate_size=config.intermediate_size,
             mlp_chunk=min(mlp_chunk, max_tokens),
         )
+
+    @property
+    def num_statistics(self) -> int:
+        """fp32 entries of the one-token layer's partial sums of squares: a row of up to H for
+        each norm it writes."""
+        return (2 * self.num_layers + 1) * self.hidden_size
 
     @property
     def num_elements(self) -> int:
@@ -86,10 +96,13 @@ class Workspace:
             self._buffers[name] = self._flat[start : start + rows * width].view(rows, width)
             start += rows * width
         assert start == s.num_elements, "buffer layout and element count disagree"
+        self.statistics = torch.zeros(
+            (2 * s.num_layers + 1, s.hidden_size), dtype=torch.float32, device=device
+        )
 
     @property
     def nbytes(self) -> int:
-        return self._flat.nbytes
+        return self._flat.nbytes + self.statistics.nbytes
 
     @property
     def max_tokens(self) -> int:

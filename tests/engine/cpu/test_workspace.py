@@ -29,7 +29,8 @@ def test_the_runner_binds_one_workspace_at_its_token_budget(
     _, runner = qwen3
     workspace = runner.workspace
     assert runner.model.workspace is workspace and workspace.max_tokens == 32
-    assert workspace.nbytes == workspace.shape.num_elements * 4
+    # the model's dtype (fp32 here) and the one-token layer's fp32 statistics
+    assert workspace.nbytes == (workspace.shape.num_elements + (2 * 2 + 1) * 32) * 4
     # sampling's rows, per sequence: logits (the model's dtype: fp32 here), noise, scores, a
     # mixed batch's random rows
     rows = runner.sampler_buffers

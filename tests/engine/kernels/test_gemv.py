@@ -4,7 +4,14 @@ import pytest
 import torch
 from torch.nn import functional
 
-from pagekeeper_engine.kernels.gemv import CANDIDATES, Epilogue, GemvConfig, RowNorm, gemv
+from pagekeeper_engine.kernels.gemv import (
+    CANDIDATES,
+    Epilogue,
+    GemvConfig,
+    RowNorm,
+    gemv,
+    programs,
+)
 from tests.engine.kernels.paged_cases import random_tensor
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -150,6 +157,66 @@ def test_gemv_adding_into_the_residual(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(12, 96), (13, 100), (37, 129)])
+def test_gemv_adding_into_the_residual_sums_its_squares(
+    dtype: torch.dtype, n: int, k: int, device: torch.device, generator: torch.Generator
+) -> None:
+    x = random_tensor((1, k), dtype, device, generator)
+    weight = random_tensor((n, k), dtype, device, generator)
+    residual = random_tensor((1, n), dtype, device, generator)
+    parts = torch.full((programs(n, SMALL),), -1.0, device=device)  # every entry overwritten
+
+    gemv(x, weight, out=residual, config=SMALL, epilogue=Epilogue.ADD, sum_squares_out=parts)
+
+    # Each program's entry: the squares of the values it stored (rounded to the dtype), its
+    # block_n columns of the new residual.
+    squares = residual.float().pow(2)[0]
+    expected = torch.stack([cols.sum() for cols in squares.split(SMALL.block_n)])
+    torch.testing.assert_close(parts, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(12, 96), (37, 129)])
+@pytest.mark.parametrize("epilogue", [Epilogue.STORE, Epilogue.SWIGLU])
+def test_gemv_norm_with_a_given_statistic_equals_its_own_pass(
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    epilogue: Epilogue,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    residual = 3.0 * random_tensor((1, k), dtype, device, generator)
+    norm_weight = random_tensor((k,), dtype, device, generator)
+    weight = random_tensor((2 * n, k), dtype, device, generator)
+    # Partial sums in three uneven parts, as a residual-adding GEMV would leave them.
+    statistic = torch.stack([part.sum() for part in residual.float().pow(2)[0].tensor_split(3)])
+
+    norm = RowNorm(norm_weight, 1e-6)
+    passed = gemv(residual, weight, config=SMALL, norm=norm, epilogue=epilogue)
+    given = gemv(
+        residual,
+        weight,
+        config=SMALL,
+        norm=RowNorm(norm_weight, 1e-6, statistic),
+        epilogue=epilogue,
+    )
+
+    # The two sums of squares differ only in their fp32 order: at most a rounding step apart.
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(given.float(), passed.float(), rtol=tol, atol=tol)
+    # The statistic is read, not recomputed: a wrong one gives another result.
+    scaled = gemv(
+        residual,
+        weight,
+        config=SMALL,
+        norm=RowNorm(norm_weight, 1e-6, 4.0 * statistic),
+        epilogue=epilogue,
+    )
+    assert not torch.allclose(scaled.float(), passed.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("i", "k"), [(12, 96), (13, 100), (37, 129)])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_gemv_swiglu_matches_gate_up_then_swiglu(
@@ -180,6 +247,10 @@ def test_gemv_swiglu_matches_gate_up_then_swiglu(
         ({"epilogue": Epilogue.ADD}, "adds into"),
         ({"epilogue": Epilogue.SWIGLU, "shape": (7, 16)}, "2I rows"),
         ({"norm_shape": (8,)}, "norm weight shape"),
+        ({"sum_squares_out": 1}, "goes with Epilogue.ADD"),
+        ({"sum_squares_out": 1, "epilogue": Epilogue.ADD, "half": True}, "float32"),
+        # 8 columns are one program of the default tile
+        ({"sum_squares_out": 3, "epilogue": Epilogue.ADD}, "3 entries for 1 programs"),
     ],
 )
 def test_gemv_rejects_bad_fusions(
@@ -187,7 +258,14 @@ def test_gemv_rejects_bad_fusions(
 ) -> None:
     shape = kwargs.pop("shape", (8, 16))
     norm_shape = kwargs.pop("norm_shape", None)
+    half = kwargs.pop("half", False)
     assert isinstance(shape, tuple)
+    entries = kwargs.get("sum_squares_out")
+    if isinstance(entries, int):
+        dtype = torch.float16 if half else torch.float32
+        kwargs["sum_squares_out"] = torch.zeros(entries, dtype=dtype, device=device)
+        if kwargs.get("epilogue") == Epilogue.ADD:
+            kwargs["out"] = torch.zeros(1, shape[0], device=device)
     norm = None
     if isinstance(norm_shape, tuple):
         norm = RowNorm(torch.ones(norm_shape, device=device), 1e-6)

@@ -32,8 +32,12 @@ def test_a_fused_decode_step_gives_the_unfused_logits(
     runner.model.set_row_fusion(RowFusion())
     try:
         (fused,) = step_logits(runner, decode)
+        # Each step starts its sums of squares from zero: a second step gives the same logits.
+        (again,) = step_logits(runner, decode)
     finally:
         runner.model.set_row_fusion(None)
+
+    torch.testing.assert_close(again, fused, rtol=0.0, atol=0.0)
 
     assert runner.model.model.row_fusion is None
     torch.testing.assert_close(fused[0], unfused[0], rtol=1e-5, atol=1e-5)
