@@ -139,7 +139,7 @@ class DecoderModel(nn.Module):
             return lambda step_meta: layer.self_attn.attend_cached(step_meta, workspace, num_tokens)
 
         dense = [first, *(between(a, b) for a, b in itertools.pairwise(layers)), last]
-        return ForwardStages(dense, [attention(layer) for layer in layers], hidden)
+        return ForwardStages(dense, [attention(layer) for layer in layers], hidden, input_ids)
 
     def _embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """(T,) ids -> (T, H) embeddings; a rank holding a shard of the vocabulary looks up its

@@ -34,6 +34,7 @@ class ForwardStages:
     dense: Sequence[Callable[[], None]]  # L + 1
     attention: Sequence[Callable[[AttentionMetadata], None]]  # L
     hidden: torch.Tensor  # (T, H): where the last dense stage leaves the hidden states
+    input_ids: torch.Tensor  # (T,): what the first dense stage embeds
 
     def __post_init__(self) -> None:
         assert len(self.dense) == len(self.attention) + 1, "one dense stage around each attention"

@@ -40,12 +40,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 def padding_forward(
     model: CausalLM, builder: StepInputBuilder, batch: int
-) -> Callable[[], torch.Tensor]:
+) -> tuple[Callable[[], torch.Tensor], StepInputs]:
     """A decode forward of `batch` padding rows over the builder's buffers (it writes no KV),
-    with the decode kernel's splits chosen for the longest sequence a graph may meet."""
+    with the decode kernel's splits chosen for the longest sequence a graph may meet; and the
+    padding step it reads."""
     step = builder.build([], GraphPadding(batch, decode=True))
     meta = replace(step.meta, max_seq_len=builder.max_model_len)
-    return lambda: model(step.input_ids, step.positions, meta)
+    return (lambda: model(step.input_ids, step.positions, meta)), step
 
 
 class StepGraphs:
@@ -62,7 +63,8 @@ class StepGraphs:
         self.model = model
         self.builder = builder
         self.batch_sizes = sorted(batch_sizes)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch -> (graph, the hidden states it leaves, the input ids it reads)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.piecewise = PiecewiseGraphs(model, builder, token_sizes)
         self.pool_bytes = 0
         self.capture_seconds = 0.0
@@ -76,14 +78,14 @@ class StepGraphs:
         reserved_before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()  # one private pool, shared by every graph
         for batch in reversed(self.batch_sizes):
-            forward = padding_forward(self.model, self.builder, batch)
+            forward, step = padding_forward(self.model, self.builder, batch)
             forward()  # compiles this shape's kernels
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = forward()  # (batch, H)
-            self._graphs[batch] = (graph, hidden)
-        for batch, (graph, _) in self._graphs.items():
+            self._graphs[batch] = (graph, hidden, step.input_ids)
+        for batch, (graph, _, _) in self._graphs.items():
             # The first replay uploads the graph to the device: pay it here, not in a step. The
             # padding inputs are rebuilt first, so no KV slot is written.
             self.builder.build([], GraphPadding(batch, decode=True))
@@ -124,6 +126,9 @@ class StepGraphs:
             return hidden
         if not step.padding.decode:
             return self.piecewise.forward(step)
-        graph, hidden = self._graphs[step.padding.rows]
+        graph, hidden, input_ids = self._graphs[step.padding.rows]
+        assert step.input_ids.data_ptr() == input_ids.data_ptr(), (
+            "a padded step's inputs are not where its graph reads them"
+        )
         graph.replay()
         return hidden

@@ -4,9 +4,9 @@ Run eagerly, a step with a prefill chunk in it launches about 170 Triton kernels
 on Qwen3-0.6B, and its host side takes 17-30 ms on an H200 machine, where a decode step of the
 same sequences replays its graph in 1.4-2.1 ms (docs/benchmarks.md, run 18): the device waits
 for the host. The step's shape depends on its sequences only through the attention, so the
-forward pass is cut at each layer's attention
-(`model/stages.py`): the dense stages of a padded row count are captured once, one graph each,
-and replayed with the attention launched eagerly between them over the step's own metadata.
+forward pass is cut at each layer's attention (`model/stages.py`): the dense stages of a padded
+row count are captured once, one graph each, and replayed with the attention launched eagerly
+between them over the step's own metadata.
 
 The row counts are `piecewise_token_sizes`; a step pads its rows to the next one (padding rows
 embed token 0, write no KV, and no attention reads them) and finds its input ids, positions and
@@ -105,6 +105,9 @@ class PiecewiseGraphs:
         each layer's attention launched over the step's metadata in between."""
         assert step.padding is not None and not step.padding.decode
         graphs, stages = self._pieces[step.padding.rows]
+        assert step.input_ids.data_ptr() == stages.input_ids.data_ptr(), (
+            "a padded step's inputs are not where its graphs read them"
+        )
         graphs[0].replay()
         for attend, graph in zip(stages.attention, graphs[1:], strict=True):
             attend(step.meta)

@@ -233,7 +233,7 @@ class ModelRunner:
         self.gemv_choices: list[GemvChoice] = []
         self.fusion_choice: FusionChoice | None = None
         if self.device.type == "cuda":  # timed over the bound cache, before the graphs
-            forward = padding_forward(self.model, self.inputs, batch=1)
+            forward, _ = padding_forward(self.model, self.inputs, batch=1)
             with self.tp.local_only():  # each rank times its own shard's compute
                 self.gemv_choices = choose_gemv(self.model, forward)
             if not self.tp.is_active:  # the fused layer adds partial sums unreduced
