@@ -26,6 +26,7 @@ from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 
 _ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
+_MAX_CACHED_SHAPES = 64  # step shapes whose device views are kept
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # (N,) int64: rows of the hidden states to compute logits for
     sampled_seqs: list[int]  # (N,) index into the step's seqs of each sampled row
+    # sample_indices is 0..N-1 (every sequence one token and sampled): the rows are a slice
+    samples_leading_rows: bool = False
     padding: GraphPadding | None = None  # the captured shape this step was padded to
     # (P,) int64 each: rows of input_ids still to fill, and the rows of the previous step's
     # sampled ids that hold their tokens; None when every input is known
@@ -55,26 +58,34 @@ class StepInputs:
     placeholder_sources: torch.Tensor | None = None
 
 
+def _fields(
+    num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int
+) -> dict[str, tuple[int, torch.dtype]]:
+    """Each field's element count and dtype, in buffer order: fields a graph reads first, those
+    whose count varies at a fixed graph shape last."""
+    return {
+        "input_ids": (num_rows, torch.int64),
+        "positions": (num_rows, torch.int64),
+        "slot_mapping": (num_rows, torch.int64),
+        "query_start_loc": (num_seqs + 1, torch.int32),
+        "seq_lens": (num_seqs, torch.int32),
+        "block_tables": (num_seqs * width, torch.int32),
+        "sample_indices": (num_sampled, torch.int64),
+        "placeholder_rows": (num_placeholders, torch.int64),
+        "placeholder_sources": (num_placeholders, torch.int64),
+    }
+
+
 def _layout(
     num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int = 0
 ) -> dict[str, int]:
-    """Byte offset of each field, and the total under "end". Fields a graph reads come first;
-    those whose count varies at a fixed graph shape last."""
-    sizes = {
-        "input_ids": 8 * num_rows,
-        "positions": 8 * num_rows,
-        "slot_mapping": 8 * num_rows,
-        "query_start_loc": 4 * (num_seqs + 1),
-        "seq_lens": 4 * num_seqs,
-        "block_tables": 4 * num_seqs * width,
-        "sample_indices": 8 * num_sampled,
-        "placeholder_rows": 8 * num_placeholders,
-        "placeholder_sources": 8 * num_placeholders,
-    }
+    """Byte offset of each field, and the total under "end"."""
     offsets, end = {}, 0
-    for name, size in sizes.items():
+    for name, (count, dtype) in _fields(
+        num_rows, num_seqs, width, num_sampled, num_placeholders
+    ).items():
         offsets[name] = end
-        end += -(-size // _ALIGN) * _ALIGN
+        end += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
     offsets["end"] = end
     return offsets
 
@@ -109,8 +120,11 @@ class StepInputBuilder:
         self._device_buffer = (
             torch.empty(self.capacity, dtype=torch.uint8, device=device) if is_cuda else None
         )
+        self._staging_bytes = self._staging.numpy()
         # the last copy out of staging
         self._staged = torch.cuda.Event() if is_cuda else None  # type: ignore[no-untyped-call]
+        # step shape -> views of the device buffer, most recently used last
+        self._views: dict[tuple[int, int, int, int, int], dict[str, torch.Tensor]] = {}
 
     def build(
         self,
@@ -182,8 +196,9 @@ class StepInputBuilder:
             "placeholder_rows": placeholder_rows.astype(np.int64),
             "placeholder_sources": placeholder_sources,
         }
-        layout = _layout(rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows))
-        views = self._upload(arrays, layout)
+        views = self._upload(
+            arrays, (rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows))
+        )
         has_placeholders = len(placeholder_rows) > 0
         is_one = num_tokens == 1
         num_decode_seqs = num_seqs if is_one.all() else int(is_one.argmin())
@@ -191,7 +206,7 @@ class StepInputBuilder:
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
             seq_lens=views["seq_lens"],
-            block_tables=views["block_tables"].view(padded_seqs, width),
+            block_tables=views["block_tables"],
             max_query_len=int(num_tokens.max(initial=1)),
             max_seq_len=int(ends.max(initial=1)),
             num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
@@ -202,6 +217,7 @@ class StepInputBuilder:
             meta=meta,
             sample_indices=views["sample_indices"],
             sampled_seqs=sampled_seqs.tolist(),
+            samples_leading_rows=len(sampled_seqs) == num_seqs == total,
             padding=padding,
             placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
             placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
@@ -246,30 +262,47 @@ class StepInputBuilder:
             )
 
     def _upload(
-        self, arrays: dict[str, np.ndarray], layout: dict[str, int]
+        self, arrays: dict[str, np.ndarray], shape: tuple[int, int, int, int, int]
     ) -> dict[str, torch.Tensor]:
-        """Write the fields into host memory, copy once, and return typed device views."""
+        """Write the fields into host memory, copy once, and return typed device views (the
+        block tables (seqs, width)). `shape`: (rows, seqs, width, sampled, placeholders)."""
+        layout = _layout(*shape)
         end = layout["end"]
         fits = end <= self.capacity
         if self._staged is not None and fits:
             self._staged.synchronize()  # the previous copy has left the staging buffer
         host = self._staging if fits else torch.empty(end, dtype=torch.uint8)
-        host_bytes = host.numpy()
+        host_bytes = self._staging_bytes if fits else host.numpy()
         for name, array in arrays.items():
             start = layout[name]
             host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
         if self._device_buffer is None:
-            buffer = host[:end].clone()  # CPU: fresh tensors every step
-        elif fits:
-            buffer = self._device_buffer
-            buffer[:end].copy_(host[:end], non_blocking=True)
-            assert self._staged is not None
-            self._staged.record()
-        else:  # a step larger than the sizes the buffer was made for (a profiling pass)
-            buffer = host[:end].pin_memory().to(self.device, non_blocking=True)
-        views = {}
-        for name, array in arrays.items():
-            start = layout[name]
-            dtype = torch.int64 if array.dtype == np.int64 else torch.int32
-            views[name] = buffer[start : start + array.nbytes].view(dtype)
+            return _views(host[:end].clone(), layout, shape)  # CPU: fresh tensors every step
+        if not fits:  # a step larger than the sizes the buffer was made for (a profiling pass)
+            return _views(host[:end].pin_memory().to(self.device, non_blocking=True), layout, shape)
+        self._device_buffer[:end].copy_(host[:end], non_blocking=True)
+        assert self._staged is not None
+        self._staged.record()
+        # Views of the one device buffer depend on the step's shape alone: a run of steps of
+        # one shape (every decode step of a graph batch) makes them once.
+        views = self._views.pop(shape, None)
+        if views is None:
+            views = _views(self._device_buffer, layout, shape)
+            if len(self._views) >= _MAX_CACHED_SHAPES:
+                self._views.pop(next(iter(self._views)))  # the least recently used
+        self._views[shape] = views
         return views
+
+
+def _views(
+    buffer: torch.Tensor, layout: dict[str, int], shape: tuple[int, int, int, int, int]
+) -> dict[str, torch.Tensor]:
+    """Typed views of the fields in `buffer` (bytes) at `layout`; the block tables (seqs,
+    width)."""
+    views = {}
+    for name, (count, dtype) in _fields(*shape).items():
+        start = layout[name]
+        views[name] = buffer[start : start + count * dtype.itemsize].view(dtype)
+    _, seqs, width, _, _ = shape
+    views["block_tables"] = views["block_tables"].view(seqs, width)
+    return views

@@ -51,6 +51,7 @@ def test_decode_step_padded_to_a_graph_batch() -> None:
     ]
     assert step.meta.num_decode_seqs == 4 and step.meta.max_query_len == 1
     assert step.sample_indices.tolist() == [0, 1, 2] and step.sampled_seqs == [0, 1, 2]
+    assert step.samples_leading_rows  # the runner slices rows 0..2 instead of gathering them
 
 
 def test_mixed_step_is_packed_exactly() -> None:
@@ -68,6 +69,7 @@ def test_mixed_step_is_packed_exactly() -> None:
     assert step.meta.block_tables.tolist() == [[4, 7, 0], [2, 0, 9], [5, 0, 0]]
     assert (step.meta.max_query_len, step.meta.max_seq_len, step.meta.num_decode_seqs) == (6, 12, 1)
     assert step.sample_indices.tolist() == [0, 9] and step.sampled_seqs == [0, 2]
+    assert not step.samples_leading_rows
     assert [t.dtype for t in (step.input_ids, step.meta.seq_lens)] == [torch.int64, torch.int32]
 
 
@@ -125,6 +127,28 @@ def test_steps_do_not_share_tensors_on_the_cpu() -> None:
     first = packer.build([seq("a", [5], 3, [1])])
     packer.build([seq("b", [6], 4, [2])])
     assert first.input_ids.tolist() == [5] and first.meta.slot_mapping.tolist() == [11]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_steps_of_one_shape_reuse_their_device_views() -> None:
+    packer = StepInputBuilder(
+        torch.device("cuda"), block_size=8, max_model_len=40, max_num_tokens=64, max_num_seqs=8
+    )
+    pad = GraphPadding(2, decode=True)
+    first = packer.build([seq("a", [5], 3, [1]), seq("b", [6], 9, [2, 4])], pad)
+    second = packer.build([seq("a", [7], 4, [1]), seq("b", [8], 10, [2, 4])], pad)
+    # The same views of the one buffer, holding the newer step's values.
+    assert (
+        second.input_ids is first.input_ids and second.meta.block_tables is first.meta.block_tables
+    )
+    assert second.input_ids.tolist() == [7, 8] and second.meta.slot_mapping.tolist() == [12, 34]
+    assert second.meta.block_tables[:, :2].tolist() == [[1, 0], [2, 4]]
+    other = packer.build([seq("a", [9], 5, [1])], GraphPadding(4, decode=True))
+    assert other.input_ids is not first.input_ids and other.input_ids.tolist() == [9, 0, 0, 0]
+    # A bounded number of shapes is kept: many eager shapes do not grow it.
+    for rows in range(1, 80):
+        packer.build([seq("c", list(range(rows % 30 + 1)), 0, [1, 2, 3, 4])])
+    assert len(packer._views) <= 64
 
 
 @pytest.mark.parametrize(
