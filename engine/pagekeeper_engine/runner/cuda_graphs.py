@@ -6,7 +6,10 @@ are recorded once after the KV cache is bound, in one private memory pool, large
 smaller graphs reuse its memory. The inputs are `step_inputs.StepInputBuilder`'s static
 buffers and the activations the model's workspace, so a replay reads and writes the addresses
 it was captured with. A decode graph's padding rows write no KV (slot -1) and attend to one
-token of block 0, which the block pool never hands out.
+token of block 0, which the block pool never hands out. Without tensor parallelism a decode graph
+also runs the LM head over all its rows into the sampler's logits (`replayed_logits`): a decode
+step samples every sequence, and at small batches the head's launch from the host costs more
+than its padding rows cost the device.
 The decode kernel's split count is fixed at capture by `choose_num_splits` at `max_model_len`;
 the kernel derives each split's range from the sequence's own length, so the graph is valid at
 any length.
@@ -59,10 +62,18 @@ class StepGraphs:
         builder: StepInputBuilder,
         batch_sizes: Sequence[int],
         token_sizes: Sequence[int] = (),
+        logits_out: torch.Tensor | None = None,
     ):
+        """`logits_out`: (>= max batch, V) in the model's dtype, where each decode graph writes
+        its rows' logits; None leaves the LM head out of the graphs (as under tensor
+        parallelism, whose logits gather to rank 0 alone)."""
+        assert logits_out is None or logits_out.shape[0] >= max(batch_sizes, default=0), (
+            f"logits_out holds {logits_out.shape[0]} rows, below the largest graph batch"
+        )
         self.model = model
         self.builder = builder
         self.batch_sizes = sorted(batch_sizes)
+        self.logits_out = logits_out
         # batch -> (graph, the hidden states it leaves, the input ids it reads)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.piecewise = PiecewiseGraphs(model, builder, token_sizes)
@@ -84,6 +95,8 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = forward()  # (batch, H)
+                if self.logits_out is not None:
+                    self.model.compute_logits(hidden, self.logits_out)  # (batch, V)
             self._graphs[batch] = (graph, hidden, step.input_ids)
         for batch, (graph, _, _) in self._graphs.items():
             # The first replay uploads the graph to the device: pay it here, not in a step. The
@@ -132,3 +145,10 @@ class StepGraphs:
         )
         graph.replay()
         return hidden
+
+    def replayed_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """The logits (rows, V) of every row of `step`, its sequences' first, when the step
+        replayed a decode graph that ran the LM head; else None."""
+        if self.logits_out is None or step.padding is None or not step.padding.decode:
+            return None
+        return self.logits_out[: step.padding.rows]

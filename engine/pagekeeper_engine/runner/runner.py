@@ -288,6 +288,7 @@ class ModelRunner:
             self.inputs,
             graph_batch_sizes(self.config.max_num_seqs),
             piecewise_token_sizes(self.max_num_batched_tokens),
+            self.sampler_buffers.logits if self.tp.size == 1 else None,
         )
         self.graphs.capture()
         return self.graphs.pool_bytes
@@ -384,10 +385,7 @@ class ModelRunner:
         )
         if not step.sampled_seqs:
             return PendingStep(len(out.seqs), [], None, None)
-        logits = self.model.compute_logits(  # (N, V), the model's dtype; None on ranks > 0
-            hidden[step.sample_indices],
-            self.sampler_buffers.logits if self.tp.is_first else None,
-        )
+        logits = self._logits(step, hidden)  # (N, V), the model's dtype; None on ranks > 0
         picked = [out.seqs[i] for i in step.sampled_seqs]
         if logits is None:  # rank > 0: rank 0 samples, and its ids come back here
             token_ids = torch.empty(len(picked), dtype=torch.int64, device=self.device)
@@ -402,6 +400,20 @@ class ModelRunner:
         self._previous_sampled = token_ids
         self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
         return self._results.send(len(out.seqs), step.sampled_seqs, packed)
+
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The sampled rows' logits: those the step's decode graph computed where it did."""
+        num_sampled = len(step.sampled_seqs)
+        if step.samples_leading_rows:
+            replayed = None if self.graphs is None else self.graphs.replayed_logits(step)
+            if replayed is not None:
+                return replayed[:num_sampled]
+            rows = hidden[:num_sampled]
+        else:
+            rows = hidden[step.sample_indices]
+        return self.model.compute_logits(
+            rows, self.sampler_buffers.logits if self.tp.is_first else None
+        )
 
     @torch.inference_mode()
     def swap_blocks(self, src_to_dst: Sequence[tuple[int, int]], *, to_cpu: bool) -> None:
