@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import NOISE_FLOOR, check_like, next_power_of_2
+from pagekeeper_engine.kernels import NOISE_FLOOR, check_device, check_like, next_power_of_2
 
 BLOCK_V = 2048
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -132,13 +132,55 @@ def _combine_chunks_kernel(
     tl.store(packed_ptr + packed_row_stride + row, logprob.to(tl.float64))
 
 
+class PickScratch:
+    """The pick's outputs and per-chunk partials for up to `max_rows` rows of a `vocab_size`
+    vocabulary, allocated once: a step's pick works in their leading rows and allocates
+    nothing. A step's ids and packed results stay valid until the next pick over the same
+    scratch is enqueued (stream order)."""
+
+    def __init__(
+        self, max_rows: int, vocab_size: int, device: torch.device | str, block_v: int = BLOCK_V
+    ) -> None:
+        self.max_rows = max_rows
+        self.block_v = block_v
+        self.num_chunks = triton.cdiv(vocab_size, block_v) if vocab_size else 0
+        self.token_ids = torch.empty(max_rows, dtype=torch.int64, device=device)
+        self.packed = torch.empty(2 * max_rows, dtype=torch.float64, device=device)
+        self.parts = torch.empty(3 * max_rows * self.num_chunks, dtype=torch.float32, device=device)
+        self.part_index = torch.empty(max_rows * self.num_chunks, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        planes = (self.token_ids, self.packed, self.parts, self.part_index)
+        return sum(t.nbytes for t in planes)
+
+    def views(
+        self, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token_ids (N,), packed (2, N) contiguous, part max / sum / best (N, C) fp32 and part
+        index (N, C) int32 for N = `num_rows`."""
+        assert num_rows <= self.max_rows, f"{num_rows} rows exceed the scratch's {self.max_rows}"
+        rows, chunks = num_rows, self.num_chunks
+        size = rows * chunks
+        part_max, part_sum, part_best = self.parts[: 3 * size].view(3, rows, chunks).unbind(0)
+        return (
+            self.token_ids[:rows],
+            self.packed[: 2 * rows].view(2, rows),
+            part_max,
+            part_sum,
+            part_best,
+            self.part_index[:size].view(rows, chunks),
+        )
+
+
 def pick_tokens(
     scores: torch.Tensor,  # (N, V) fp32 or raw's dtype: the logits after masks and cuts, or raw
     raw: torch.Tensor,  # (N, V) fp32, bf16 or fp16: the model's unmodified logits
     *,
     scale: float = 1.0,  # 1 / temperature
     noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
-    block_v: int = BLOCK_V,
+    scratch: PickScratch | None = None,  # where the results go; default: new tensors
+    block_v: int | None = None,  # vocabulary entries a program reads; default: the scratch's
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw. Ids below 2**53 are exact in float64."""
@@ -152,19 +194,23 @@ def pick_tokens(
     if noise is not None:
         check_like("noise", noise, raw, torch.float32)
     assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
-    assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
     num_rows, vocab_size = raw.shape
     assert vocab_size >= 1, "raw has an empty vocabulary"
-    token_ids = torch.empty(num_rows, dtype=torch.int64, device=raw.device)
-    packed = torch.empty((2, num_rows), dtype=torch.float64, device=raw.device)
+    if scratch is None:
+        scratch = PickScratch(num_rows, vocab_size, raw.device, block_v or BLOCK_V)
+    assert block_v is None or block_v == scratch.block_v, (
+        f"block_v {block_v} differs from the scratch's {scratch.block_v}"
+    )
+    block_v, num_chunks = scratch.block_v, scratch.num_chunks
+    assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
+    assert num_chunks == triton.cdiv(vocab_size, block_v), (
+        f"scratch made for {num_chunks} chunks of {block_v}, raw has a vocabulary of {vocab_size}"
+    )
+    check_device("scratch", scratch.token_ids, raw.device)
+    token_ids, packed, part_max, part_sum, part_best, part_index = scratch.views(num_rows)
     if num_rows == 0:
         return token_ids, packed
 
-    num_chunks = triton.cdiv(vocab_size, block_v)
-    part_max, part_sum, part_best = torch.empty(
-        (3, num_rows, num_chunks), dtype=torch.float32, device=raw.device
-    ).unbind(0)
-    part_index = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=raw.device)
     noise_or_scores = scores if noise is None else noise  # never read without noise
     _chunk_partials_kernel[(num_rows, num_chunks)](
         scores,

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
+
+if TYPE_CHECKING:
+    from pagekeeper_engine.kernels.sampling import PickScratch
 
 
 @dataclass(frozen=True)
@@ -134,15 +138,17 @@ def pick_tokens(
     *,
     scale: float = 1.0,
     noise: torch.Tensor | None = None,
+    scratch: PickScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device."""
+    """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
+    `scratch` where given)."""
     if not raw.is_cuda:
         return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
     # Imported on first CUDA use: a kernel module fixes interpreted or native mode
     # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
     from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
 
-    return sampling.pick_tokens(scores, raw, scale=scale, noise=noise)
+    return sampling.pick_tokens(scores, raw, scale=scale, noise=noise, scratch=scratch)
 
 
 def _has_cut(params: Sequence[SamplingParams]) -> bool:
@@ -164,8 +170,9 @@ class SamplerBuffers:
     """The rows a step's sampling works in, allocated once for `max_rows` sequences: the logits
     in the model's dtype (`CausalLM.compute_logits` writes them), the Exp(1) draws, the fp32
     scores the pick reads where a mask or a cut changes them, a mixed batch's random rows, and
-    the cut's scratch. A step works in their leading rows, so sampling leaves nothing of the
-    batch's size in the caching allocator."""
+    the cut's scratch, and on CUDA the pick's outputs and partials. A step works in their
+    leading rows, so sampling allocates nothing of the batch's size from the caching allocator.
+    The pick's ids of a step stay valid until the next step's pick is enqueued."""
 
     def __init__(
         self, max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device | str
@@ -176,11 +183,17 @@ class SamplerBuffers:
         self.scores = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
         self.rows = torch.empty(max_rows, vocab_size, dtype=torch.float32, device=device)
         self.cut = CutScratch(cut_chunk_rows(max_rows, vocab_size), vocab_size, device)
+        self.pick: PickScratch | None = None
+        if torch.device(device).type == "cuda":
+            from pagekeeper_engine.kernels.sampling import PickScratch  # noqa: PLC0415
+
+            self.pick = PickScratch(max_rows, vocab_size, device)
 
     @property
     def nbytes(self) -> int:
         planes = (self.logits, self.noise, self.scores, self.rows)
-        return sum(t.nbytes for t in planes) + self.cut.nbytes
+        pick = 0 if self.pick is None else self.pick.nbytes
+        return sum(t.nbytes for t in planes) + self.cut.nbytes + pick
 
 
 class Sampler:
@@ -232,7 +245,7 @@ class Sampler:
         masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
-            return pick_tokens(masked, logits)
+            return pick_tokens(masked, logits, scratch=buffers.pick)
         temperatures = {p.temperature for p in params}
         if not any(is_greedy) and len(temperatures) == 1:
             scale = 1.0 / temperatures.pop()
@@ -243,9 +256,9 @@ class Sampler:
                     scores.copy_(masked)
                 _cut_top_k_top_p(scores, params, scale, buffers.cut)
             noise = self._draw_noise(buffers.noise, params, num_output_tokens)
-            return pick_tokens(scores, logits, scale=scale, noise=noise)
+            return pick_tokens(scores, logits, scale=scale, noise=noise, scratch=buffers.pick)
         scores = self._mixed_scores(masked, params, num_output_tokens, buffers)
-        return pick_tokens(scores, logits)
+        return pick_tokens(scores, logits, scratch=buffers.pick)
 
     def _mask_early_stops(
         self,

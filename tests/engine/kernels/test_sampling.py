@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.kernels.sampling import BLOCK_V, pick_tokens
+from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
 from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
 
@@ -101,6 +101,36 @@ def test_low_precision_logits_pick_as_their_fp32_copy(
     assert torch.equal(token_ids, wide_ids)
     _, packed = pick_tokens(scores, raw, scale=1 / 0.7, noise=noise, block_v=block_v)
     torch.testing.assert_close(packed[1], wide_packed[1], rtol=1e-6, atol=1e-6)
+
+
+def test_picks_over_one_scratch_write_its_rows(
+    device: torch.device, generator: torch.Generator
+) -> None:
+    # Steps of 3 rows, then 1, then 4 (the scratch's capacity) pick into the scratch's leading
+    # rows: what each returns is its rows of the scratch, and equals a pick into new tensors.
+    scratch = PickScratch(4, 300, device, block_v=64)
+    assert scratch.num_chunks == 5
+    for num_rows in (3, 1, 4):
+        raw = random_logits(num_rows, 300, device, generator)
+        noise = torch.empty_like(raw).exponential_(generator=generator)
+        token_ids, packed = pick_tokens(raw, raw, scale=1 / 0.7, noise=noise, scratch=scratch)
+        assert token_ids.data_ptr() == scratch.token_ids.data_ptr()
+        assert packed.data_ptr() == scratch.packed.data_ptr() and packed.is_contiguous()
+        fresh_ids, fresh_packed = pick_tokens(raw, raw, scale=1 / 0.7, noise=noise, block_v=64)
+        assert torch.equal(token_ids, fresh_ids) and torch.equal(packed, fresh_packed)
+
+
+def test_a_scratch_refuses_what_it_was_not_made_for(device: torch.device) -> None:
+    scratch = PickScratch(2, 300, device, block_v=64)
+    cases = [
+        ((3, 300), {}, "3 rows exceed the scratch's 2"),
+        ((1, 400), {}, "made for 5 chunks of 64, raw has a vocabulary of 400"),
+        ((1, 300), {"block_v": 16}, "block_v 16 differs from the scratch's 64"),
+    ]
+    for shape, extra, message in cases:
+        raw = torch.zeros(shape, device=device)
+        with pytest.raises(AssertionError, match=message):
+            pick_tokens(raw, raw, scratch=scratch, **extra)
 
 
 def test_a_zero_draw_is_read_at_the_floor(device: torch.device) -> None:
