@@ -1,7 +1,10 @@
-"""All-reduce time and bandwidth between the GPUs of one host, through torch.distributed and
-NCCL, one process per GPU, as the tensor-parallel engine runs it: a bf16 tensor of
-(rows x hidden) summed in place. The decode step's all-reduce term of the tensor-parallel floor
-is 2 x layers x the time at the batch's rows (`docs/benchmarks.md`).
+"""All-reduce time and bandwidth between the GPUs of one host, one process per GPU, as the
+tensor-parallel engine runs it: a bf16 tensor of (rows x hidden) summed in place, by NCCL
+through torch.distributed and by the one-shot all-reduce over symmetric memory
+(`distributed/oneshot.py`, set up through `TensorParallelGroup.enable_one_shot` as the engine
+does), with the threshold the engine's choice would take from these timings. The decode step's
+all-reduce term of the tensor-parallel floor is 2 x layers x the time at the batch's rows
+(`docs/benchmarks.md`).
 
     PYTHONPATH=engine python benchmarks/allreduce.py --size 2 --hidden 4096 8192
 """
@@ -9,54 +12,99 @@ is 2 x layers x the time at the batch's rows (`docs/benchmarks.md`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import multiprocessing
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pagekeeper_engine.distributed.group import (
+    TensorParallelGroup,
+    join_rendezvous,
+    serve_rendezvous,
+)
+from pagekeeper_engine.distributed.oneshot import (
+    AllReduceTiming,
+    choose_one_shot_max_bytes,
+    combine_rank_timings,
+)
+
 ROWS = (1, 8, 64, 256, 2048)
 ITERATIONS = 200
+CALLS_PER_GRAPH = 10
+DTYPE = torch.bfloat16
+
+
+def _graph_us(reduce_: Callable[[torch.Tensor], None], x: torch.Tensor, size: int) -> float:
+    """Check that `reduce_` sums right, then its time per call over ITERATIONS calls replayed
+    in a CUDA graph (the engine replays its all-reduces in graphs)."""
+    for _ in range(20):
+        reduce_(x)
+    x.fill_(1.0)
+    reduce_(x)
+    assert float(x[0, 0]) == size and bool((x == size).all()), "the all-reduce summed wrongly"
+    x.zero_()  # the timed sums stay zero instead of overflowing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            reduce_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(ITERATIONS // CALLS_PER_GRAPH):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / ITERATIONS
 
 
 def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> None:
+    """This rank's timings per hidden size (one-shot at inf where it is off or does not fit)
+    and the start-up choice, on the queue."""
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=size, device_id=device)
-    found = []
+    group = TensorParallelGroup.initialize(rank, size, join_rendezvous(port, size), device)
+    capacity = max(ROWS) * max(hiddens) * DTYPE.itemsize
+    startup = group.enable_one_shot(capacity, hiddens[0], DTYPE)
+    one_shot = group.one_shot
+
+    def nccl(x: torch.Tensor) -> None:
+        dist.all_reduce(x, group=group.device_group)
+
+    found: dict[int, list[AllReduceTiming]] = {}
     for hidden in hiddens:
+        found[hidden] = []
         for rows in ROWS:
-            x = torch.ones(rows, hidden, dtype=torch.bfloat16, device=device)
-            for _ in range(20):
-                dist.all_reduce(x)
-            x.fill_(1.0)
-            dist.all_reduce(x)
-            assert float(x[0, 0]) == size, "the all-reduce summed wrongly"
-            graph = torch.cuda.CUDAGraph()  # the engine replays its all-reduces in graphs
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    dist.all_reduce(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-            start.record()
-            for _ in range(ITERATIONS // 10):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3 / ITERATIONS
-            num_bytes = x.numel() * x.element_size()
-            # NCCL's bus bandwidth of a ring all-reduce: 2 (n - 1) / n of the bytes cross a link
-            bus = num_bytes * 2 * (size - 1) / size / seconds
-            found.append({"hidden": hidden, "rows": rows, "bytes": num_bytes, "us": seconds * 1e6,
-                          "bus_gb_s": bus / 1e9})  # fmt: skip
-    if rank == 0:
-        results.put(found)
+            x = torch.zeros(rows, hidden, dtype=DTYPE, device=device)
+            nccl_us = _graph_us(nccl, x, size)
+            # Every rank has the same buffer and shapes, so all take this branch alike.
+            one_shot_us = (
+                _graph_us(one_shot.all_reduce_, x, size)
+                if one_shot is not None and one_shot.fits(x)
+                else math.inf
+            )
+            found[hidden].append(
+                AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us)
+            )
+    results.put((rank, found, dataclasses.asdict(startup)))
     # no destroy_process_group: with graphs that captured the communicator it can hang; the
     # process's exit releases NCCL
+
+
+def _row(hidden: int, timing: AllReduceTiming, size: int) -> dict[str, Any]:
+    # NCCL's bus bandwidth of a ring all-reduce: 2 (n - 1) / n of the bytes cross a link
+    bus = timing.num_bytes * 2 * (size - 1) / size / timing.nccl_us / 1e3
+    one_shot_us = timing.one_shot_us if math.isfinite(timing.one_shot_us) else None
+    return {"hidden": hidden, "rows": timing.num_bytes // (hidden * DTYPE.itemsize),
+            "bytes": timing.num_bytes, "nccl_us": timing.nccl_us, "nccl_bus_gb_s": bus,
+            "one_shot_us": one_shot_us}  # fmt: skip
 
 
 def main() -> None:
@@ -68,23 +116,46 @@ def main() -> None:
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "keep NVLink multicast off"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, args.size, is_master=True, wait_for_workers=False)
+    store = serve_rendezvous(args.size)
     processes = [
         context.Process(target=_rank, args=(r, args.size, store.port, args.hidden, results))
         for r in range(args.size)
     ]
     for process in processes:
         process.start()
-    found = results.get(timeout=300)
+    reports = [results.get(timeout=300) for _ in range(args.size)]
+    by_rank = {rank: (found, startup) for rank, found, startup in reports}
     for process in processes:
         process.join()
-    print(f"# all-reduce over {args.size} GPUs ({torch.cuda.get_device_name()}), bf16, in graphs")
-    for row in found:
-        print(f"  hidden {row['hidden']:5d} x {row['rows']:5d} rows: {row['us']:8.1f} us, "
-              f"bus {row['bus_gb_s']:6.1f} GB/s")  # fmt: skip
+    found, rows, thresholds = by_rank[0][0], [], {}
+    for hidden in found:
+        # each path at its slowest rank, and the threshold the engine's choice takes from them
+        timings = combine_rank_timings([by_rank[r][0][hidden] for r in range(args.size)])
+        rows += [_row(hidden, timing, args.size) for timing in timings]
+        thresholds[hidden] = choose_one_shot_max_bytes(timings)
+    startup = by_rank[0][1]
+    print(f"# all-reduce over {args.size} GPUs ({torch.cuda.get_device_name()}), bf16, in graphs,"
+          " the slowest rank's time")  # fmt: skip
+    for row in rows:
+        one_shot = row["one_shot_us"]
+        one_shot_text = f"{one_shot:8.1f} us" if one_shot is not None else "   (off)"
+        print(f"  hidden {row['hidden']:5d} x {row['rows']:5d} rows: NCCL {row['nccl_us']:8.1f} us "
+              f"(bus {row['nccl_bus_gb_s']:6.1f} GB/s), one-shot {one_shot_text}")  # fmt: skip
+    for hidden, max_bytes in thresholds.items():
+        print(f"  hidden {hidden}: one-shot up to {max_bytes} bytes "
+              f"({max_bytes // (hidden * DTYPE.itemsize)} rows), NCCL above")  # fmt: skip
+    print(f"  start-up choice (hidden {args.hidden[0]}): one-shot up to "
+          f"{startup['one_shot_max_bytes']} bytes, off: {startup['off_reason']}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(found, f, indent=1)
+            summary = {
+                "size": args.size,
+                "device": torch.cuda.get_device_name(),
+                "rows": rows,
+                "one_shot_max_bytes": thresholds,
+                "startup": startup,
+            }
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":

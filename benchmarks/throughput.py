@@ -144,6 +144,7 @@ def build_engine(
         "batch1_layer": (
             runner.fusion_choice.describe() if runner.fusion_choice is not None else None
         ),
+        "all_reduce": runner.all_reduce_choice.describe(),
     }
     print(
         f"  start-up {start['startup_s']:.1f} s ({runner.num_gpu_blocks} KV blocks); CUDA graphs "
@@ -161,6 +162,8 @@ def build_engine(
         print(f"  batch-1 {line}")
     if start["batch1_layer"] is not None:
         print(f"  batch-1 {start['batch1_layer']}")
+    if args.tensor_parallel_size > 1:
+        print(f"  all-reduce: {start['all_reduce']}")
     return LLMEngine(config, runner, runner.eos_token_ids), start
 
 

@@ -8,17 +8,36 @@ touched, so the single-GPU engine runs exactly as it did.
 
 `local_only()` suspends the collectives: the batch-1 GEMV choice times each rank's own compute
 that way (timed loops differ in length per rank, and a collective left waiting would hang).
+
+On GPUs, `enable_one_shot` may move the small all-reduces from NCCL to the one-shot all-reduce
+over symmetric memory (`oneshot`), up to a size all ranks measured and agreed on at start-up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
-from typing import Any
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+
+from pagekeeper_engine.distributed.oneshot import (
+    AllReduceChoice,
+    AllReduceTiming,
+    OneShotAllReduce,
+    check_sum,
+    choose_one_shot_max_bytes,
+    combine_rank_timings,
+    disable_multicast,
+    time_all_reduces,
+    timed_rows,
+)
+
+logger = logging.getLogger(__name__)
 
 # How long a collective waits for a peer before raising: long enough for a 70B checkpoint's
 # load on a slow rank, and never the way a dead peer is noticed (`workers` watches processes).
@@ -55,7 +74,10 @@ class TensorParallelGroup:
         self.size = size
         self.device_group: Any = None
         self.cpu_group: Any = None
+        self.device: torch.device | None = None  # this rank's, once initialized at size > 1
         self._suspended = False
+        self.one_shot: OneShotAllReduce | None = None  # set up by `enable_one_shot`
+        self.one_shot_max_bytes = 0  # all-reduces of at most this many bytes go one-shot
 
     @staticmethod
     def initialize(rank: int, size: int, store: Any, device: torch.device) -> TensorParallelGroup:
@@ -64,8 +86,11 @@ class TensorParallelGroup:
         group = TensorParallelGroup(rank, size)
         if size == 1:
             return group
+        group.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        if device.type == "cuda":
+            disable_multicast()  # before anything in the process can set multicast up
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **options
         )
@@ -95,9 +120,86 @@ class TensorParallelGroup:
             self._suspended = False
 
     def all_reduce_(self, x: torch.Tensor) -> None:
-        """Sum `x` over the ranks, in place."""
-        if self.is_active:
-            dist.all_reduce(x, group=self.device_group)
+        """Sum `x` over the ranks, in place. The path depends only on facts every rank shares
+        (the size, dtype and layout of `x`; the agreed threshold), so all ranks take the same."""
+        if not self.is_active:
+            return
+        one_shot = self.one_shot
+        if (
+            one_shot is not None
+            and x.numel() * x.element_size() <= self.one_shot_max_bytes
+            and one_shot.fits(x)
+        ):
+            one_shot.all_reduce_(x)
+        else:
+            self._nccl_all_reduce_(x)
+
+    def enable_one_shot(
+        self, capacity_bytes: int, hidden_size: int, dtype: torch.dtype
+    ) -> AllReduceChoice:
+        """Set up the one-shot all-reduce for (rows, `hidden_size`) tensors of `dtype` up to
+        `capacity_bytes`, and send the sizes where it beat NCCL on every rank its way. A
+        collective that every rank calls once at start-up with the same arguments, outside
+        `local_only()` and before any CUDA graph captures an all-reduce. When a rank cannot
+        set it up, every rank logs why and keeps NCCL for everything. No-op at size 1 and
+        on the CPU."""
+        if self.size == 1:
+            return AllReduceChoice(0, off_reason="a single rank")
+        if self.device is None or self.device.type != "cuda":  # the same on every rank
+            return AllReduceChoice(0, off_reason="not on GPUs")
+        assert not self._suspended, "enable_one_shot times collectives: not under local_only()"
+        assert self.one_shot is None, "enable_one_shot runs once"
+        rows = timed_rows(capacity_bytes, hidden_size, dtype.itemsize)
+        one_shot, failure = self._set_up_one_shot(capacity_bytes, hidden_size, dtype, rows)
+        if one_shot is None:
+            choice = AllReduceChoice(0, off_reason=failure)
+            logger.warning("tensor-parallel all-reduce: %s", choice.describe())
+            return choice
+        local = time_all_reduces(self._nccl_all_reduce_, one_shot, rows, hidden_size)
+        per_rank = cast(list[list[AllReduceTiming]], self.all_gather_object(local))
+        timings = combine_rank_timings(per_rank)
+        choice = AllReduceChoice(choose_one_shot_max_bytes(timings), tuple(timings))
+        self.one_shot = one_shot
+        self.one_shot_max_bytes = choice.one_shot_max_bytes
+        logger.info("tensor-parallel all-reduce: %s", choice.describe())
+        return choice
+
+    def _set_up_one_shot(
+        self, capacity_bytes: int, hidden_size: int, dtype: torch.dtype, rows: list[int]
+    ) -> tuple[OneShotAllReduce | None, str | None]:
+        """The one-shot path mapped and checked on every rank, or None and the lowest failing
+        rank's reason. Each step that can fail on one rank alone ends in a vote, so that no
+        rank enters a collective (the rendezvous, a one-shot kernel's barrier) that a peer
+        skips."""
+        device = self.device
+        assert device is not None, "set up on the GPU of an initialized group"
+        if not rows:  # the same on every rank: no vote
+            return None, f"{capacity_bytes} bytes hold no row of {hidden_size} x {dtype}"
+        one_shot: OneShotAllReduce | None = None
+        failure: str | None = None
+        try:
+            group_name = self.device_group.group_name
+            one_shot = OneShotAllReduce.allocate(capacity_bytes, dtype, device, group_name)
+        except Exception as exc:  # an old torch, no symmetric-memory backend
+            failure = f"allocation: {exc!r}"
+        failure = self._first_failure(failure)
+        if failure is not None or one_shot is None:
+            return None, failure
+        failure = self._first_failure(_failure_of("rendezvous", one_shot.rendezvous))
+        if failure is None:
+            check = functools.partial(check_sum, one_shot, self.rank, self.size, hidden_size)
+            failure = self._first_failure(_failure_of("check", check))
+        return (one_shot, None) if failure is None else (None, failure)
+
+    def _nccl_all_reduce_(self, x: torch.Tensor) -> None:
+        dist.all_reduce(x, group=self.device_group)
+
+    def _first_failure(self, failure: str | None) -> str | None:
+        """The lowest rank's failure among every rank's `failure`, the same on every rank."""
+        for rank, value in enumerate(self.all_gather_object(failure)):
+            if value is not None:
+                return f"rank {rank}: {value}"
+        return None
 
     def gather_rows(self, local: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """local (N, C) from every rank -> (N, size * C) on rank 0, rank r's columns at
@@ -129,3 +231,12 @@ class TensorParallelGroup:
         it anyway."""
         if self.size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
+
+
+def _failure_of(name: str, step: Callable[[], None]) -> str | None:
+    """Why `step` raised on this rank, or None: what a rank votes with."""
+    try:
+        step()
+    except Exception as exc:  # no peer access between the GPUs, a wrong sum: keep NCCL
+        return f"{name}: {exc!r}"
+    return None

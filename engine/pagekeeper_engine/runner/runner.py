@@ -29,6 +29,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.distributed.oneshot import DEFAULT_CAPACITY_BYTES
 from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,
     FatalEngineError,
@@ -102,6 +103,10 @@ class ModelRunner:
         self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
         self._set_up_device()
         vocab_size = self._load(progress)
+        # Before the memory profile and the graphs: they measure and capture the path chosen.
+        self.all_reduce_choice = self.tp.enable_one_shot(
+            DEFAULT_CAPACITY_BYTES, self.model_config.hidden_size, self.dtype
+        )
         self._set_up_memory(vocab_size)
         self._allocate_kv_cache()
         self._warm_up()
