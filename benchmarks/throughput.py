@@ -72,17 +72,21 @@ def physical_floor(
     bandwidth: float,
     rate: float,
     kv_element_bytes: int = 2,  # the KV cache dtype's itemsize (1 for FP8)
+    tensor_parallel_size: int = 1,
 ) -> float:
-    """Seconds: every request runs concurrently, so there are max(output_lens) decode steps."""
-    kv_per_token = (
-        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
-    ) * kv_element_bytes
+    """Seconds: every request runs concurrently, so there are max(output_lens) decode steps.
+    Under tensor parallelism, one rank's share: the weights and FLOPs over N, the KV heads
+    over N (at least one a rank); the all-reduces between the ranks are not counted here
+    (`allreduce.py` measures them, and docs/benchmarks.md adds them)."""
+    tp = tensor_parallel_size
+    kv_heads = -(-cfg["num_key_value_heads"] // tp)
+    kv_per_token = (2 * cfg["num_hidden_layers"] * kv_heads * cfg["head_dim"]) * kv_element_bytes
     kv_reads = sum(  # decode step i of a request reads its prompt + i cached tokens
         n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
     )
-    decode_bytes = weight_bytes_per_step(cfg) * max(work.output_lens) + kv_reads * kv_per_token
-    prefill = prefill_flops(cfg, (len(p) for p in work.prompts))
-    return float(decode_bytes / bandwidth + prefill / rate)
+    weight_bytes = weight_bytes_per_step(cfg) / tp * max(work.output_lens)
+    prefill = prefill_flops(cfg, (len(p) for p in work.prompts)) / tp
+    return float((weight_bytes + kv_reads * kv_per_token) / bandwidth + prefill / rate)
 
 
 def write_checkpoint(shape: str, root: Path) -> Path:
@@ -471,10 +475,16 @@ def main() -> None:
         for shape in shapes:
             engine, start = build_engine(write_checkpoint(shape, Path(tmp)), args)
             floor = physical_floor(
-                SHAPES[shape], work, bandwidth, rate, start["kv_cache_element_bytes"]
+                SHAPES[shape],
+                work,
+                bandwidth,
+                rate,
+                start["kv_cache_element_bytes"],
+                args.tensor_parallel_size,
             )
             row = {
                 "shape": shape,
+                "tensor_parallel_size": args.tensor_parallel_size,
                 "floor_s": floor,
                 **start,
                 **run_engine(engine, work, args.time_limit),
@@ -482,7 +492,9 @@ def main() -> None:
             print_row(row, work)
             if args.itl:
                 row["itl_s"] = batch1_itl(engine)
-                row["itl_floor_s"] = weight_bytes_per_step(SHAPES[shape]) / bandwidth
+                row["itl_floor_s"] = (
+                    weight_bytes_per_step(SHAPES[shape]) / args.tensor_parallel_size / bandwidth
+                )
                 print_itl(row)
             if args.profile:
                 profile_decode(engine, args.max_num_seqs, args.trace)
@@ -524,7 +536,7 @@ def print_row(row: dict[str, Any], work: Workload) -> None:
     status = "" if row["complete"] else f" (INCOMPLETE: {row['num_finished']} finished)"
     print(
         f"{row['shape']}: {row['seconds']:.2f} s{status}, {out_rate:,.0f} output tok/s, "
-        f"{total / row['seconds']:,.0f} total tok/s, floor {row['floor_s']:.2f} s "
+        f"{total / row['seconds']:,.0f} total tok/s, floor {row['floor_s']:.2f} s{_per_rank(row)} "
         f"-> {row['floor_s'] / row['seconds']:.0%} of the floor, {row['num_steps']} steps, "
         f"async scheduling {'on' if row['async_scheduling'] else 'off'}"
     )
@@ -533,8 +545,16 @@ def print_row(row: dict[str, Any], work: Workload) -> None:
 def print_itl(row: dict[str, Any]) -> None:
     print(
         f"  batch-1 inter-token latency {row['itl_s'] * 1e3:.2f} ms, floor "
-        f"{row['itl_floor_s'] * 1e3:.2f} ms ({row['itl_s'] / row['itl_floor_s']:.2f}x)"
+        f"{row['itl_floor_s'] * 1e3:.2f} ms{_per_rank(row)} "
+        f"({row['itl_s'] / row['itl_floor_s']:.2f}x)"
     )
+
+
+def _per_rank(row: dict[str, Any]) -> str:
+    """What a floor leaves out under tensor parallelism."""
+    if row["tensor_parallel_size"] == 1:
+        return ""
+    return " (one rank's bytes and FLOPs; the all-reduces not counted)"
 
 
 def print_peer(row: dict[str, Any]) -> None:

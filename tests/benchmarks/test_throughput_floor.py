@@ -1,0 +1,30 @@
+"""W-nano's physical floor: a tensor-parallel rank's share of the bytes and FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.shapes import SHAPES
+from benchmarks.throughput import physical_floor, w_nano
+
+BANDWIDTH, RATE = 4.0e12, 8.0e14
+
+
+def test_two_ranks_each_carry_half_the_work() -> None:
+    cfg, work = SHAPES["llama-3.1-8b"], w_nano()
+    one = physical_floor(cfg, work, BANDWIDTH, RATE)
+    assert physical_floor(cfg, work, BANDWIDTH, RATE, tensor_parallel_size=2) == pytest.approx(
+        one / 2, rel=1e-12
+    )
+
+
+def test_kv_heads_do_not_split_below_one_a_rank() -> None:
+    # 8 KV heads over 16 ranks: each rank still reads a whole head, twice its 1/16 share.
+    cfg, work = SHAPES["llama-3.1-8b"], w_nano()
+    kv_only = {**cfg, "num_hidden_layers": 0, "vocab_size": 0}  # no weights, no FLOPs
+    assert physical_floor(kv_only, work, BANDWIDTH, RATE) == 0.0
+    with_kv = {**cfg, "hidden_size": 0, "intermediate_size": 0, "vocab_size": 0}
+    no_flops = float("inf")  # the prefill's attention FLOPs do split 16 ways
+    one = physical_floor(with_kv, work, BANDWIDTH, no_flops)
+    sixteen = physical_floor(with_kv, work, BANDWIDTH, no_flops, tensor_parallel_size=16)
+    assert one > 0 and sixteen == pytest.approx(one / 8, rel=1e-12)
