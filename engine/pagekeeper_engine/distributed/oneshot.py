@@ -23,12 +23,15 @@ of symmetric memory runs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from pagekeeper_engine.kernels.graph_timing import best_replays, capture
 
 # Read by PyTorch's CUDA symmetric-memory backend when it maps a buffer: with "1" the rendezvous
 # maps peers' buffers only and never creates a multicast object.
@@ -195,30 +198,6 @@ def check_sum(one_shot: OneShotAllReduce, rank: int, size: int, hidden_size: int
         raise RuntimeError(f"the one-shot sum gave values in {found}, not {expected}")
 
 
-def _capture(reduce_: Callable[[torch.Tensor], None], x: torch.Tensor) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # NCCL's and the kernel's first use outside the capture
-        reduce_(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            reduce_(x)
-    return graph
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    """One replay's time per all-reduce in it."""
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) * 1e3 / CALLS_PER_GRAPH
-
-
 def time_all_reduces(
     nccl_all_reduce_: Callable[[torch.Tensor], None],
     one_shot: OneShotAllReduce,
@@ -234,14 +213,13 @@ def time_all_reduces(
         x = torch.zeros(
             num_rows, hidden_size, dtype=one_shot.buffer.dtype, device=one_shot.buffer.device
         )
-        graphs = [_capture(nccl_all_reduce_, x), _capture(one_shot.all_reduce_, x)]
-        for _ in range(NUM_WARM_UP_REPLAYS):
-            for graph in graphs:
-                graph.replay()
-        best = [float("inf")] * len(graphs)
-        for _ in range(NUM_ROUNDS):
-            best = [min(b, _replay_us(graph)) for b, graph in zip(best, graphs, strict=True)]
-        nccl_us, one_shot_us = best
+        graphs = [
+            capture(functools.partial(nccl_all_reduce_, x), CALLS_PER_GRAPH),
+            capture(functools.partial(one_shot.all_reduce_, x), CALLS_PER_GRAPH),
+        ]
+        # By count alone: the graphs hold collectives (`best_replays`).
+        nccl_s, one_shot_s = best_replays(graphs, NUM_ROUNDS, warm_up_rounds=NUM_WARM_UP_REPLAYS)
+        nccl_us, one_shot_us = (t * 1e6 / CALLS_PER_GRAPH for t in (nccl_s, one_shot_s))
         timings.append(AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us))
         del graphs
     return timings

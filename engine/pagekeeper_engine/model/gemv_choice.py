@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagekeeper_engine.kernels.graph_timing import best_replays, capture
 from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.model.row_fusion import RowFusion
 
@@ -93,39 +94,6 @@ def _groups(model: nn.Module) -> dict[tuple[str, int, int], list[Linear]]:
     return groups
 
 
-def _capture(forward: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
-
-
-def _replay_seconds(graph: torch.cuda.CUDAGraph) -> float:
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / 1e3
-
-
-def _best_replays(graphs: list[torch.cuda.CUDAGraph]) -> list[float]:
-    """Each graph's best replay over ROUNDS interleaved rounds, in seconds."""
-    warmed = 0.0
-    while warmed < WARM_UP_S:
-        warmed += sum(_replay_seconds(graph) for graph in graphs)
-    best = [float("inf")] * len(graphs)
-    for _ in range(ROUNDS):
-        best = [min(b, _replay_seconds(graph)) for b, graph in zip(best, graphs, strict=True)]
-    return best
-
-
 @torch.inference_mode()
 def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvChoice]:
     """Decide, group by group, between cuBLAS and each GEMV tile by timing `forward` (a batch-1
@@ -145,8 +113,8 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
         graphs = []
         for config in (None, *CANDIDATES):
             _assign(linears, config)
-            graphs.append(_capture(forward))
-        cublas, *timed = _best_replays(graphs)
+            graphs.append(capture(forward))
+        cublas, *timed = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
         del graphs
         best_s, best_config = min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])
         chosen = best_config if best_s < MARGIN * cublas else None
@@ -186,13 +154,13 @@ def choose_row_fusion(
     for fusion in list(variants):
         set_fusion(fusion)
         try:
-            graphs.append(_capture(forward))
+            graphs.append(capture(forward))
         except RuntimeError as exc:  # a driver that cannot capture dependent launches
             if fusion is None or not fusion.pdl:
                 raise
             logger.warning("batch-1 layer: no programmatic dependent launch (%s)", exc)
             variants.remove(fusion)
-    seconds = _best_replays(graphs)
+    seconds = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
     del graphs
     unfused, *fused = seconds
     best_s, best = min(zip(fused, variants[1:], strict=True), key=lambda pair: pair[0])
