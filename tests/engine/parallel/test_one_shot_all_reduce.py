@@ -1,0 +1,99 @@
+"""The one-shot all-reduce on two GPUs, set up through the group as the engine sets it up: it
+sums what NCCL sums, eagerly and from a CUDA graph that holds several all-reduces back to back
+over the one buffer, replayed with new inputs (a rank that refilled its buffer while a peer
+still read it would give a wrong sum here)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pagekeeper_engine.distributed.group import (
+    TensorParallelGroup,
+    join_rendezvous,
+    serve_rendezvous,
+)
+
+HIDDEN = 256
+ROWS = (1, 3, 64, 512)
+RESULT_TIMEOUT_S = 300.0
+
+
+def _integers(rows: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    # Small integers: every sum is exact in bf16, so both paths must agree bit for bit.
+    values = torch.randint(-100, 100, (rows, HIDDEN), generator=generator, device=device)
+    return values.to(torch.bfloat16)
+
+
+def _rank(rank: int, size: int, port: int, results: Any) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = TensorParallelGroup.initialize(rank, size, join_rendezvous(port, size), device)
+    choice = group.enable_one_shot(2 * max(ROWS) * HIDDEN, HIDDEN, torch.bfloat16)
+    found: dict[str, Any] = {"off_reason": choice.off_reason}
+    one_shot = group.one_shot
+    if one_shot is None:
+        results.put((rank, found))
+        return
+    generator = torch.Generator(device=device).manual_seed(rank)
+
+    def nccl_sums(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        sums = [x.clone() for x in xs]
+        for x in sums:
+            dist.all_reduce(x, group=group.device_group)
+        return sums
+
+    inputs = [_integers(rows, generator, device) for rows in ROWS]
+    eager = [x.clone() for x in inputs]
+    for x in eager:
+        one_shot.all_reduce_(x)
+    found["eager_equal"] = all(map(torch.equal, eager, nccl_sums(inputs)))
+
+    static = [x.clone() for x in inputs]  # the addresses the graph reads and writes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x in static:
+            one_shot.all_reduce_(x)
+    replays = []
+    for _ in range(3):
+        fresh = [_integers(rows, generator, device) for rows in ROWS]
+        for x, new in zip(static, fresh, strict=True):
+            x.copy_(new)
+        graph.replay()
+        replays.append(all(map(torch.equal, static, nccl_sums(fresh))))
+    torch.cuda.synchronize()
+    found["replays_equal"] = replays
+    results.put((rank, found))
+    # no destroy_process_group: with a graph that captured the communicator it can hang
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_one_shot_sums_what_nccl_sums_on_two_gpus() -> None:
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 have no peer access: the one-shot path stays off by design")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = serve_rendezvous(2)
+    processes = [
+        context.Process(target=_rank, args=(rank, 2, store.port, results)) for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        found = dict(results.get(timeout=RESULT_TIMEOUT_S) for _ in processes)
+        for process in processes:
+            process.join(RESULT_TIMEOUT_S)
+            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    for rank in range(2):
+        assert found[rank]["off_reason"] is None, found[rank]["off_reason"]
+        assert found[rank]["eager_equal"] is True
+        assert found[rank]["replays_equal"] == [True, True, True]
