@@ -9,6 +9,8 @@ handle that dies with its process) and the generated ids on the queue.
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,11 @@ import torch
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
+from pagekeeper_engine.distributed.group import (
+    TensorParallelGroup,
+    join_rendezvous,
+    serve_rendezvous,
+)
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
 
@@ -88,9 +94,7 @@ def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
     return list(generated.values())
 
 
-def run_rank(
-    rank: int, size: int, port: int, paths: list[Path], results: Any, device: str = "cpu"
-) -> None:
+def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, results: Any) -> None:
     torch.set_num_threads(1)
     where = torch.device("cpu")
     if device == "cuda":
@@ -116,3 +120,30 @@ def run_rank(
             results.put(found)
     finally:
         group.destroy()
+
+
+def spawn_ranks(
+    target: Callable[..., None], size: int, args: tuple[Any, ...], num_results: int, timeout: float
+) -> list[Any]:
+    """Start `size` processes of `target(rank, size, port, *args, results)` around one
+    rendezvous, take `num_results` items off their queue, and check that every rank exited 0;
+    a rank still running at the end is killed."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store = serve_rendezvous(size)
+    processes = [
+        context.Process(target=target, args=(rank, size, store.port, *args, results))
+        for rank in range(size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        found = [results.get(timeout=timeout) for _ in range(num_results)]
+        for process in processes:
+            process.join(timeout)
+            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    return found

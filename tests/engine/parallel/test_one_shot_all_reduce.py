@@ -5,18 +5,14 @@ still read it would give a wrong sum here)."""
 
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pagekeeper_engine.distributed.group import (
-    TensorParallelGroup,
-    join_rendezvous,
-    serve_rendezvous,
-)
+from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
+from tests.engine.parallel.ranks import spawn_ranks
 
 HIDDEN = 256
 ROWS = (1, 3, 64, 512)
@@ -74,25 +70,11 @@ def _rank(rank: int, size: int, port: int, results: Any) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_one_shot_sums_what_nccl_sums_on_two_gpus() -> None:
+    found = dict(spawn_ranks(_rank, 2, (), 2, RESULT_TIMEOUT_S))
     if not torch.cuda.can_device_access_peer(0, 1):
-        pytest.skip("GPUs 0 and 1 have no peer access: the one-shot path stays off by design")
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store = serve_rendezvous(2)
-    processes = [
-        context.Process(target=_rank, args=(rank, 2, store.port, results)) for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        found = dict(results.get(timeout=RESULT_TIMEOUT_S) for _ in processes)
-        for process in processes:
-            process.join(RESULT_TIMEOUT_S)
-            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
+        # Without peer access the path stays off on both ranks, with the reason.
+        assert found[0]["off_reason"] is not None and found[1]["off_reason"] is not None
+        return
     for rank in range(2):
         assert found[rank]["off_reason"] is None, found[rank]["off_reason"]
         assert found[rank]["eager_equal"] is True

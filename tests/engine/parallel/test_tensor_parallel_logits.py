@@ -10,17 +10,22 @@ last vocabulary shard carries padding.
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pagekeeper_engine.distributed.group import serve_rendezvous
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import TOLERANCE, write_checkpoint
-from tests.engine.parallel.ranks import generate, packed_steps, run_rank, runner_config, step_logits
+from tests.engine.parallel.ranks import (
+    generate,
+    packed_steps,
+    run_rank,
+    runner_config,
+    spawn_ranks,
+    step_logits,
+)
 
 CASES = {
     "llama": ("llama", {}),
@@ -42,25 +47,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def run_ranks(size: int, paths: list[Path], device: str = "cpu") -> dict[str, Any]:
     """Run `size` rank processes over the checkpoints; rank 0's findings."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store = serve_rendezvous(size)
-    processes = [
-        context.Process(target=run_rank, args=(rank, size, store.port, paths, results, device))
-        for rank in range(size)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        found: dict[str, Any] = results.get(timeout=RESULT_TIMEOUT_S)
-        for process in processes:
-            process.join(RESULT_TIMEOUT_S)
-            assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    return found
+    (found,) = spawn_ranks(run_rank, size, (paths, device), 1, RESULT_TIMEOUT_S)
+    return dict(found)
 
 
 @pytest.mark.parametrize("size", [2, 4])
