@@ -106,6 +106,7 @@ class EngineConfig:
     api_server_count: int = 1
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -242,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TENSOR_PARALLEL_SIZES,
         default=1,
         help="GPUs one model is split over, one engine process each",
+    )
+    add(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="all-reduce between the GPUs through NCCL alone; by default small ones go one-shot "
+        "over peer-mapped memory where start-up timing finds it faster on every rank",
     )
     add(
         "--kv-cache-dtype",

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from pagekeeper_engine.config import parse_args
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.distributed.oneshot import (
     DISABLE_MULTICAST,
@@ -18,6 +19,7 @@ from pagekeeper_engine.distributed.oneshot import (
     combine_rank_timings,
     timed_rows,
 )
+from pagekeeper_engine.runner.runner import choose_all_reduce
 
 ROW = 4096 * 2  # bytes of one bf16 row of an 8B model
 
@@ -135,3 +137,24 @@ def test_ranks_off_gpus_keep_nccl_without_a_collective() -> None:
     assert (choice.one_shot_max_bytes, choice.off_reason) == (0, "not on GPUs")
     assert choice.describe() == "NCCL for every size (not on GPUs)"
     assert group.one_shot is None
+
+
+def test_the_flag_keeps_nccl_without_timing_or_a_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args(["/m", "--disable-custom-all-reduce"]).disable_custom_all_reduce
+    assert not parse_args(["/m"]).disable_custom_all_reduce
+    group = TensorParallelGroup(rank=1, size=2)  # never initialized: a gather would fail
+    group.device = torch.device("cuda", 1)  # where the one-shot path would be set up
+
+    def set_up(*_: object) -> None:
+        raise AssertionError("enable_one_shot ran under --disable-custom-all-reduce")
+
+    monkeypatch.setattr(group, "enable_one_shot", set_up)
+    choice = choose_all_reduce(group, True, 4096, torch.bfloat16)
+    assert choice.describe() == "NCCL for every size (--disable-custom-all-reduce)"
+    assert group.one_shot is None and group.one_shot_max_bytes == 0
+    # At one rank there is nothing to disable: the group's own answer.
+    assert choose_all_reduce(TensorParallelGroup(), True, 4096, torch.bfloat16).off_reason == (
+        "a single rank"
+    )
