@@ -157,3 +157,17 @@ def test_tensor_parallel_size_reaches_either_runtime(runtime: str) -> None:
     assert command[index + 1] == "4"
     assert parse_args(["/m", *command[3:]]).tensor_parallel_size == 4
     assert "--tensor-parallel-size" not in _command({"runtime": runtime})
+
+
+@pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])
+def test_custom_all_reduce_off_reaches_either_runtime(runtime: str) -> None:
+    """vLLM spells it --disable-custom-all-reduce too; it is rendered only where it changes
+    something (tensor > 1 and turned off), so servers that never asked keep their pods."""
+    off = {"tensor": 2, "customAllReduce": False}
+    command = _command({"runtime": runtime, "parallelism": off})
+    assert command.count("--disable-custom-all-reduce") == 1
+    assert parse_args(["/m", *command[3:]]).disable_custom_all_reduce
+    for parallelism in ({"tensor": 2}, {"tensor": 1, "customAllReduce": False}):
+        command = _command({"runtime": runtime, "parallelism": parallelism})
+        assert "--disable-custom-all-reduce" not in command
+        assert not parse_args(["/m", *command[3:]]).disable_custom_all_reduce

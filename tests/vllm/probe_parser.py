@@ -39,5 +39,6 @@ fields = [
     "enable_prefix_caching",
     "kv_cache_dtype",
     "tensor_parallel_size",
+    "disable_custom_all_reduce",
 ]
 print(json.dumps({name: getattr(args, name) for name in fields}))

@@ -74,7 +74,7 @@ SPECS: list[dict[str, Any]] = [
     {
         "runtime": "vllm",
         "model": {"servedModelName": "qwen3", "dtype": "bfloat16", "loadFormat": "dummy"},
-        "parallelism": {"tensor": 2},
+        "parallelism": {"tensor": 2, "customAllReduce": False},
         "memoryPolicy": {
             "gpuMemoryUtilization": 0.85,
             "blockSize": 32,
@@ -157,5 +157,6 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
         "enable_prefix_caching": policy.enable_prefix_caching,
         "kv_cache_dtype": policy.kv_cache_dtype,
         "tensor_parallel_size": server.spec.parallelism.tensor,
+        "disable_custom_all_reduce": not server.spec.parallelism.custom_all_reduce,
     }
     assert not (tmp_path / "log").exists()  # a clean exit writes no termination message

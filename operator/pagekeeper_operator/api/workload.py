@@ -95,6 +95,16 @@ class ParallelismSpec(ApiModel):
             "memory-backed /dev/shm for the ranks' collectives; an eviction takes the whole pod."
         ),
     )
+    custom_all_reduce: bool = Field(
+        default=True,
+        description=(
+            "With tensor > 1: let the runtime sum small messages between the GPUs over "
+            "peer-mapped memory where that beats NCCL (the pagekeeper engine times both at "
+            "start-up on every rank; vLLM has its own custom all-reduce). false renders "
+            "--disable-custom-all-reduce for either runtime: NCCL for every all-reduce. No "
+            "effect with tensor 1."
+        ),
+    )
 
 
 class ServiceSpec(ApiModel):

@@ -84,6 +84,8 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
         command += ["--device", "cuda" if spec.num_gpus > 0 else "cpu"]
     if spec.parallelism.tensor > 1:  # absent at 1, so servers without it keep their pods
         command += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+        if not spec.parallelism.custom_all_reduce:
+            command.append("--disable-custom-all-reduce")
     command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
