@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pagekeeper_engine.distributed.oneshot import (
+    DEFAULT_CAPACITY_BYTES,
     AllReduceChoice,
     AllReduceTiming,
     OneShotAllReduce,
@@ -231,6 +232,18 @@ class TensorParallelGroup:
         it anyway."""
         if self.size > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
+
+
+def choose_all_reduce(
+    tp: TensorParallelGroup, is_disabled: bool, hidden_size: int, dtype: torch.dtype
+) -> AllReduceChoice:
+    """The path of the ranks' all-reduces: NCCL alone under --disable-custom-all-reduce, else
+    the one-shot path for the sizes every rank timed it faster (`TensorParallelGroup`)."""
+    if tp.size > 1 and is_disabled:  # the same flag on every rank: no collective to skip
+        choice = AllReduceChoice(0, off_reason="--disable-custom-all-reduce")
+        logger.info("tensor-parallel all-reduce: %s", choice.describe())
+        return choice
+    return tp.enable_one_shot(DEFAULT_CAPACITY_BYTES, hidden_size, dtype)
 
 
 def _failure_of(name: str, step: Callable[[], None]) -> str | None:

@@ -28,8 +28,7 @@ from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.distributed.group import TensorParallelGroup
-from pagekeeper_engine.distributed.oneshot import DEFAULT_CAPACITY_BYTES, AllReduceChoice
+from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,
     FatalEngineError,
@@ -436,15 +435,3 @@ class ModelRunner:
         )
         if copy_blocks(src_pool, dst_pool, src_to_dst, self.device):
             self.num_swap_ooms += 1
-
-
-def choose_all_reduce(
-    tp: TensorParallelGroup, is_disabled: bool, hidden_size: int, dtype: torch.dtype
-) -> AllReduceChoice:
-    """The path of the ranks' all-reduces: NCCL alone under --disable-custom-all-reduce, else
-    the one-shot path for the sizes every rank timed it faster (`TensorParallelGroup`)."""
-    if tp.size > 1 and is_disabled:  # the same flag on every rank: no collective to skip
-        choice = AllReduceChoice(0, off_reason="--disable-custom-all-reduce")
-        logger.info("tensor-parallel all-reduce: %s", choice.describe())
-        return choice
-    return tp.enable_one_shot(DEFAULT_CAPACITY_BYTES, hidden_size, dtype)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.config import parse_args
-from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.distributed.oneshot import (
     DISABLE_MULTICAST,
     AllReduceTiming,
@@ -19,7 +19,6 @@ from pagekeeper_engine.distributed.oneshot import (
     combine_rank_timings,
     timed_rows,
 )
-from pagekeeper_engine.runner.runner import choose_all_reduce
 
 ROW = 4096 * 2  # bytes of one bf16 row of an 8B model
 
