@@ -33,7 +33,6 @@ from pagekeeper_engine.distributed.oneshot import (
     check_sum,
     choose_one_shot_max_bytes,
     combine_rank_timings,
-    disable_multicast,
     time_all_reduces,
     timed_rows,
 )
@@ -90,8 +89,6 @@ class TensorParallelGroup:
         group.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        if device.type == "cuda":
-            disable_multicast()  # before anything in the process can set multicast up
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **options
         )

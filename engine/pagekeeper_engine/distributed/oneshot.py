@@ -113,16 +113,11 @@ def choose_one_shot_max_bytes(timings: Sequence[AllReduceTiming]) -> int:
     return max_bytes
 
 
-def disable_multicast() -> None:
-    """Turn PyTorch's symmetric-memory multicast off for this process and its children. Set
-    whatever the variable held before: a value inherited from the environment must not turn
-    multicast on, and setting it only where it is missing would let one."""
-    os.environ[DISABLE_MULTICAST] = "1"
-
-
 def import_symmetric_memory() -> ModuleType:
-    """PyTorch's symmetric-memory module, with multicast off before any of its code runs."""
-    disable_multicast()
+    """PyTorch's symmetric-memory module, with multicast off for this process and its children
+    before any of its code runs. The variable is set whatever it held: a value inherited from
+    the environment must not turn multicast on."""
+    os.environ[DISABLE_MULTICAST] = "1"
     import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415 (only at size > 1)
 
     return symm_mem
@@ -164,10 +159,6 @@ class OneShotAllReduce:
         symm_mem = import_symmetric_memory()
         assert os.environ.get(DISABLE_MULTICAST) == "1", f"{DISABLE_MULTICAST} must be 1"
         symm_mem.rendezvous(self.buffer, self.group_name)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` can go one-shot: on this GPU, of the buffer's dtype, contiguous (the
