@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -33,36 +34,28 @@ from pagekeeper_engine.distributed.oneshot import (
     choose_one_shot_max_bytes,
     combine_rank_timings,
 )
+from pagekeeper_engine.kernels.graph_timing import best_replays, capture
 
 ROWS = (1, 8, 64, 256, 2048)
-ITERATIONS = 200
 CALLS_PER_GRAPH = 10
+ROUNDS = 20  # replays timed; by count alone, as every rank must replay its collectives alike
+WARM_UP_ROUNDS = 3
 DTYPE = torch.bfloat16
 
 
 def _graph_us(reduce_: Callable[[torch.Tensor], None], x: torch.Tensor, size: int) -> float:
-    """Check that `reduce_` sums right, then its time per call over ITERATIONS calls replayed
-    in a CUDA graph (the engine replays its all-reduces in graphs)."""
+    """Check that `reduce_` sums right, then its time per call: the best of ROUNDS replays of a
+    CUDA graph of CALLS_PER_GRAPH calls (the engine replays its all-reduces in graphs, and its
+    start-up choice times them so)."""
     for _ in range(20):
         reduce_(x)
     x.fill_(1.0)
     reduce_(x)
     assert float(x[0, 0]) == size and bool((x == size).all()), "the all-reduce summed wrongly"
     x.zero_()  # the timed sums stay zero instead of overflowing
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            reduce_(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(ITERATIONS // CALLS_PER_GRAPH):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) * 1e3 / ITERATIONS
+    graph = capture(functools.partial(reduce_, x), CALLS_PER_GRAPH)
+    (seconds,) = best_replays([graph], ROUNDS, warm_up_rounds=WARM_UP_ROUNDS)
+    return seconds * 1e6 / CALLS_PER_GRAPH
 
 
 def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> None:
