@@ -78,6 +78,7 @@ class TensorParallelGroup:
         self._suspended = False
         self.one_shot: OneShotAllReduce | None = None  # set up by `enable_one_shot`
         self.one_shot_max_bytes = 0  # all-reduces of at most this many bytes go one-shot
+        self._one_shot_choice: AllReduceChoice | None = None  # `enable_one_shot`'s, once made
 
     @staticmethod
     def initialize(rank: int, size: int, store: Any, device: torch.device) -> TensorParallelGroup:
@@ -140,17 +141,20 @@ class TensorParallelGroup:
         collective that every rank calls once at start-up with the same arguments, outside
         `local_only()` and before any CUDA graph captures an all-reduce. When a rank cannot
         set it up, every rank logs why and keeps NCCL for everything. No-op at size 1 and
-        on the CPU."""
+        on the CPU. A later call (another runner on the same group, as the 2-GPU tests build)
+        sets nothing up again: it gets the first call's choice (`_later_choice`)."""
         if self.size == 1:
             return AllReduceChoice(0, off_reason="a single rank")
         if self.device is None or self.device.type != "cuda":  # the same on every rank
             return AllReduceChoice(0, off_reason="not on GPUs")
         assert not self._suspended, "enable_one_shot times collectives: not under local_only()"
-        assert self.one_shot is None, "enable_one_shot runs once"
+        if self._one_shot_choice is not None:
+            return self._later_choice(dtype)
         rows = timed_rows(capacity_bytes, hidden_size, dtype.itemsize)
         one_shot, failure = self._set_up_one_shot(capacity_bytes, hidden_size, dtype, rows)
         if one_shot is None:
             choice = AllReduceChoice(0, off_reason=failure)
+            self._one_shot_choice = choice
             logger.warning("tensor-parallel all-reduce: %s", choice.describe())
             return choice
         local = time_all_reduces(self._nccl_all_reduce_, one_shot, rows, hidden_size)
@@ -159,7 +163,21 @@ class TensorParallelGroup:
         choice = AllReduceChoice(choose_one_shot_max_bytes(timings), tuple(timings))
         self.one_shot = one_shot
         self.one_shot_max_bytes = choice.one_shot_max_bytes
+        self._one_shot_choice = choice
         logger.info("tensor-parallel all-reduce: %s", choice.describe())
+        return choice
+
+    def _later_choice(self, dtype: torch.dtype) -> AllReduceChoice:
+        """The choice for a later runner on this group (every rank makes the same calls, so
+        none enters a collective here): the first runner's, whose buffer and threshold route by
+        bytes and fit any tensor of its dtype; a model of another dtype fits none of it."""
+        choice = self._one_shot_choice
+        assert choice is not None
+        if self.one_shot is not None and self.one_shot.buffer.dtype != dtype:
+            choice = AllReduceChoice(
+                0, off_reason=f"the group's one-shot buffer holds {self.one_shot.buffer.dtype}"
+            )
+        logger.info("tensor-parallel all-reduce (set up earlier): %s", choice.describe())
         return choice
 
     def _set_up_one_shot(

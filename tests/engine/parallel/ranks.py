@@ -10,6 +10,8 @@ handle that dies with its process) and the generated ids on the queue.
 from __future__ import annotations
 
 import multiprocessing
+import queue
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
 
 NUM_GENERATED = 6
+RESULT_POLL_S = 1.0  # how often a wait for results looks for a rank that died
 
 
 def runner_config(
@@ -126,8 +129,10 @@ def spawn_ranks(
     target: Callable[..., None], size: int, args: tuple[Any, ...], num_results: int, timeout: float
 ) -> list[Any]:
     """Start `size` processes of `target(rank, size, port, *args, results)` around one
-    rendezvous, take `num_results` items off their queue, and check that every rank exited 0;
-    a rank still running at the end is killed."""
+    rendezvous, take `num_results` items off their queue, and check that every rank exited 0.
+    A rank that exits non-zero fails the call as soon as it does (its peers would otherwise
+    wait on it, and the caller on them, until `timeout`); a rank still running at the end is
+    killed."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store = serve_rendezvous(size)
@@ -138,7 +143,7 @@ def spawn_ranks(
     for process in processes:
         process.start()
     try:
-        found = [results.get(timeout=timeout) for _ in range(num_results)]
+        found = _take_results(results, processes, num_results, timeout)
         for process in processes:
             process.join(timeout)
             assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
@@ -146,4 +151,22 @@ def spawn_ranks(
         for process in processes:
             if process.is_alive():
                 process.kill()
+    return found
+
+
+def _take_results(
+    results: Any, processes: list[Any], num_results: int, timeout: float
+) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    found: list[Any] = []
+    while len(found) < num_results:
+        try:
+            found.append(results.get(timeout=RESULT_POLL_S))
+        except queue.Empty:
+            failed = [p for p in processes if p.exitcode not in (None, 0)]
+            assert not failed, (
+                f"{failed[0].name} exited with {failed[0].exitcode} before the ranks' results "
+                f"({len(found)} of {num_results} in)"
+            )
+            assert time.monotonic() < deadline, f"no result from the ranks within {timeout} s"
     return found
