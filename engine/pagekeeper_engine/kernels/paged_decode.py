@@ -29,8 +29,9 @@ from pagekeeper_engine.kernels import (
     dot_precision,
     next_power_of_2,
 )
+from pagekeeper_engine.kernels.decode_splits import combine_splits, reduce_splits
+from pagekeeper_engine.kernels.paged_kv import LOG2_E, gather_kv_offsets
 
-LOG2_E = 1.4426950408889634
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 
@@ -42,37 +43,6 @@ STEP_VARYING = (
     "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits",
     "min_split_tokens",
 )  # fmt: skip
-
-
-@triton.jit
-def gather_kv_offsets(
-    block_table_ptr,  # this sequence's row of the block table
-    tile_start,  # first token position of the tile, a multiple of BLOCK_N
-    n_mask,  # (BLOCK_N,) positions inside the sequence
-    offs_d,  # (HEAD_DIM,)
-    kv_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Element offsets (BLOCK_N, HEAD_DIM) of one KV head's tokens tile_start..+BLOCK_N.
-
-    Both are powers of two, so a tile holds whole blocks or lies inside one: which block a
-    lane reads and where in it are then constants of the lane, and no per-token division is
-    left in the loop.
-    """
-    lane = tl.arange(0, BLOCK_N)
-    if BLOCK_N >= BLOCK_SIZE:
-        block_ids = tl.load(
-            block_table_ptr + tile_start // BLOCK_SIZE + lane // BLOCK_SIZE, mask=n_mask, other=0
-        )
-        # int64: num_blocks * block_size * num_kv_heads * head_dim can pass 2**31 on large GPUs.
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + lane % BLOCK_SIZE
-    else:
-        block_id = tl.load(block_table_ptr + tile_start // BLOCK_SIZE)  # tile_start < seq_len
-        slots = block_id.to(tl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE + lane
-    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)
@@ -186,7 +156,7 @@ def _paged_decode_kernel(
             num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
             if num_done == live - 1:
-                _combine_splits(
+                combine_splits(
                     part_out_ptr,
                     part_lse_ptr,
                     out_ptr,
@@ -203,89 +173,6 @@ def _paged_decode_kernel(
                     HEAD_DIM,
                 )
                 tl.store(counter, 0)  # zero again for the next launch (stream-ordered)
-
-
-@triton.jit
-def _combine_splits(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    seq,
-    heads,  # (GROUP_PAD,) query heads of this KV head
-    g_mask,  # (GROUP_PAD,) real heads
-    offs_d,  # (HEAD_DIM,)
-    out_token_stride,
-    out_head_stride,
-    num_splits,  # the partials' stride
-    num_live,  # how many of them this sequence wrote
-    NUM_HEADS: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """out[seq, heads] = the splits' partial outputs weighted by their softmax mass."""
-    rows = (seq * NUM_HEADS + heads) * num_splits  # (GROUP_PAD,) row of split 0
-    # Split 0 is never empty (seq_len >= 1), so each real head's max is finite; padding heads
-    # get 0 and weigh nothing (their lse loads as -inf).
-    m = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    for s in range(num_live):
-        lse = tl.load(
-            part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        m = tl.maximum(m, lse)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    for s in range(num_live):
-        lse = tl.load(
-            part_lse_ptr + rows + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        weight = tl.exp2(lse - m)  # an empty split weighs exp2(-inf) = 0
-        part = tl.load(
-            part_out_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=hd_mask,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += part * weight[:, None]
-        total += weight
-    out = acc / tl.where(g_mask, total, 1.0)[:, None]
-    out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(
-    part_out_ptr,  # (B, num_heads, num_splits, HEAD_DIM) fp32
-    part_lse_ptr,  # (B, num_heads, num_splits) fp32
-    out_ptr,
-    out_token_stride,
-    out_head_stride,
-    num_splits,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # One program per (sequence, KV head), combining as the fused reduce's last split does.
-    seq = tl.program_id(0).to(tl.int64)
-    offs_g = tl.arange(0, GROUP_PAD)
-    heads = tl.program_id(1) * GROUP + offs_g
-    _combine_splits(
-        part_out_ptr,
-        part_lse_ptr,
-        out_ptr,
-        seq,
-        heads,
-        offs_g < GROUP,
-        tl.arange(0, HEAD_DIM),
-        out_token_stride,
-        out_head_stride,
-        num_splits,
-        num_splits,
-        NUM_KV_HEADS * GROUP,
-        GROUP_PAD,
-        HEAD_DIM,
-    )
 
 
 def choose_num_splits(
@@ -402,17 +289,5 @@ def paged_decode(
         **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not fused_reduce:
-        _reduce_splits_kernel[(num_seqs, num_kv_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_KV_HEADS=num_kv_heads,
-            GROUP=group,
-            GROUP_PAD=max(16, next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            num_warps=4,
-        )
+        reduce_splits(part_out, part_lse, out, num_kv_heads)
     return out

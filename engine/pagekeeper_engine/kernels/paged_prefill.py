@@ -27,7 +27,7 @@ from pagekeeper_engine.kernels import (
     check_paged_cache,
     dot_precision,
 )
-from pagekeeper_engine.kernels.paged_decode import LOG2_E, gather_kv_offsets
+from pagekeeper_engine.kernels.paged_kv import LOG2_E, gather_kv_offsets
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
 STEP_VARYING = (
