@@ -1,7 +1,5 @@
-"""The rank harness fails as soon as a rank dies, instead of waiting out its result timeout.
-
-A rank that raises (as both ranks of the 2-GPU logits test once did, at their second runner on
-one group) leaves its peer and the parent waiting for a result that never comes."""
+"""The rank harness fails as soon as a rank dies, instead of waiting out its result timeout: a
+rank that raises leaves its peers and the parent waiting for a result that never comes."""
 
 from __future__ import annotations
 
