@@ -154,13 +154,13 @@ def rotate_and_write_kv(
     `slot_mapping[t]`, one launch. With the norm weights, q becomes rotary(norm(q)) and the
     cache gets rotary(norm(k)): RMSNorm over each head, `norm_eps` inside the root."""
     assert k_scale > 0 and v_scale > 0, f"KV scales must be positive: {k_scale}, {v_scale}"
-    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     check_heads("q", q, int(k_cache.shape[2]), int(k_cache.shape[3]), k_cache.dtype)
     check_rotary_inputs(q, k, positions, cos, sin)
     check_device("q", q, k_cache.device)
     for name, tensor in (("positions", positions), ("cos", cos), ("sin", sin)):
         check_device(name, tensor, k_cache.device)
-    has_qk_norm = _check_qk_norm(q, q_norm_weight, k_norm_weight, norm_eps)
+    has_qk_norm = check_qk_norm(q, q_norm_weight, k_norm_weight, norm_eps)
     num_tokens = int(k.shape[0])
     if num_tokens == 0:
         return
@@ -198,7 +198,7 @@ def rotate_and_write_kv(
     )
 
 
-def _check_qk_norm(
+def check_qk_norm(
     q: torch.Tensor,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
@@ -221,7 +221,7 @@ def _check_qk_norm(
     return True
 
 
-def _check_kv(
+def check_kv_write(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -256,7 +256,7 @@ def write_kv(
     """Store `k[t] / k_scale`, `v[t] / v_scale` at flat slot `slot_mapping[t]` of the caches,
     in place."""
     assert k_scale > 0 and v_scale > 0, f"KV scales must be positive: {k_scale}, {v_scale}"
-    _check_kv(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = int(k_cache.shape[2]), int(k_cache.shape[3])
     num_tokens = int(k.shape[0])
     if num_tokens == 0:

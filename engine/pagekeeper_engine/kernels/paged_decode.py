@@ -16,6 +16,9 @@ one compiled kernel serves every count an eager step may choose.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -29,11 +32,15 @@ from pagekeeper_engine.kernels import (
     dot_precision,
     next_power_of_2,
 )
-from pagekeeper_engine.kernels.decode_splits import combine_splits, reduce_splits
-from pagekeeper_engine.kernels.paged_kv import LOG2_E, gather_kv_offsets
+from pagekeeper_engine.kernels.decode_core import attend_tiles, finish_split, split_range
+from pagekeeper_engine.kernels.decode_splits import reduce_splits
+from pagekeeper_engine.kernels.paged_kv import LOG2_E
 
 MAX_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256
+# At batch 1-4 a split's serial tiles and the combine's pass over the partials trade off: 128
+# tokens a split was within ~0.4 us of the best of 64-256 at every context from 130 to 2,040
+# tokens on an H200 (docs/benchmarks.md, run 21).
+MIN_TOKENS_PER_SPLIT = 128
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py). The
@@ -84,95 +91,30 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # With the reduce fused, a sequence shorter than the launch's splits were chosen for (a
-    # CUDA graph fixes them for its longest context) uses fewer: `live` of them, the others
-    # exit. One live split writes `out` directly, with no partials and no atomic.
-    live = num_splits
-    if FUSED_REDUCE:
-        live = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, min_split_tokens), 1))
-    # Each split covers a whole number of BLOCK_N tiles of this sequence; trailing splits of a
-    # short sequence may be empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, live), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
+    live, start, end = split_range(
+        seq_len, split, num_splits, min_split_tokens, BLOCK_N, FUSED_REDUCE
+    )
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
-    hd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]  # (GROUP_PAD, HEAD_DIM)
     # (GROUP_PAD, HEAD_DIM): padding rows are zero and never stored.
     q = tl.load(
         q_ptr + seq * q_token_stride + heads[:, None] * q_head_stride + offs_d[None, :],
-        mask=hd_mask,
+        mask=(offs_g < GROUP)[:, None],
         other=0.0,
     )
     if KV_FP8:
         q = q.to(tl.float16)
-    block_table_ptr = block_tables_ptr + seq * block_table_stride
-
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for n in range(start, end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        kv_offs = gather_kv_offsets(
-            block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
-        )
-        # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))  # (GROUP_PAD, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    out_offs = seq * out_token_stride + heads[:, None] * out_head_stride + offs_d[None, :]
-    if not IS_SPLIT:
-        # seq_len >= 1, so every real row saw at least one key and l_i > 0.
-        out = acc * (v_scale / l_i)[:, None]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
-    elif live == 1:
-        if split == 0:  # the whole sequence: l_i > 0 as above
-            out = acc * (v_scale / l_i)[:, None]
-            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
-    elif split < live:
-        is_empty = l_i == 0.0
-        safe_l = tl.where(is_empty, 1.0, l_i)
-        out = acc * (v_scale / safe_l)[:, None]
-        lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(safe_l))
-        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # (GROUP_PAD,)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
-        tl.store(part_lse_ptr + row, lse, mask=offs_g < GROUP)
-        if FUSED_REDUCE:
-            # Every thread's partial stores precede the counter's release (barrier, then an
-            # acq_rel atomic at GPU scope); the split that counts last acquires all of them.
-            tl.debug_barrier()
-            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-            num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if num_done == live - 1:
-                combine_splits(
-                    part_out_ptr,
-                    part_lse_ptr,
-                    out_ptr,
-                    seq,
-                    heads,
-                    offs_g < GROUP,
-                    offs_d,
-                    out_token_stride,
-                    out_head_stride,
-                    num_splits,
-                    live,
-                    NUM_KV_HEADS * GROUP,
-                    GROUP_PAD,
-                    HEAD_DIM,
-                )
-                tl.store(counter, 0)  # zero again for the next launch (stream-ordered)
+    acc, m_i, l_i = attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * block_table_stride, kv_head,
+        start, end, scale_log2, NUM_KV_HEADS, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+    finish_split(
+        acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split,
+        live, num_splits, out_token_stride, out_head_stride, v_scale, NUM_KV_HEADS, GROUP,
+        GROUP_PAD, HEAD_DIM, IS_SPLIT, FUSED_REDUCE,
+    )  # fmt: skip
 
 
 def choose_num_splits(
@@ -211,6 +153,72 @@ def paged_decode(
     whose split count was chosen for a longer context wastes no work on a short one. `pdl`
     launches it as a programmatic dependent of the kernel before it (Hopper and later).
     """
+    launch = prepare_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n,
+        min_split_tokens, split_counters,
+    )  # fmt: skip
+    if launch.num_seqs == 0:
+        return launch.out
+    _paged_decode_kernel[launch.grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        launch.out,
+        launch.part_out,
+        launch.part_lse,
+        launch.counters,
+        q.stride(0),
+        q.stride(1),
+        launch.out.stride(0),
+        launch.out.stride(1),
+        block_tables.stride(0),
+        scale * LOG2_E * k_scale,
+        v_scale,
+        num_splits,
+        min_split_tokens,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch.constants,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    if num_splits > 1 and not launch.fused_reduce:
+        reduce_splits(launch.part_out, launch.part_lse, launch.out, launch.grid[1])
+    return launch.out
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """What a decode launcher passes its kernel besides its own inputs (`prepare_decode`)."""
+
+    out: torch.Tensor
+    part_out: torch.Tensor  # (B, num_heads, num_splits, head_dim) fp32 (`out` when unsplit)
+    part_lse: torch.Tensor  # (B, num_heads, num_splits) fp32
+    counters: torch.Tensor  # the split counters (with the reduce fused; else never touched)
+    grid: tuple[int, int, int]  # (sequences, KV heads, splits)
+    fused_reduce: bool
+    constants: dict[str, Any]  # the kernel's compile-time arguments of the shapes
+
+    @property
+    def num_seqs(self) -> int:
+        return self.grid[0]
+
+
+def prepare_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+    num_splits: int,
+    block_n: int,
+    min_split_tokens: int,
+    split_counters: torch.Tensor | None,
+) -> DecodeLaunch:
+    """Check a decode launch's arguments (`paged_decode`'s) and make its output and partials."""
     _, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     num_heads = check_heads("q", q, num_kv_heads, head_dim, k_cache.dtype)
     num_seqs = int(q.shape[0])
@@ -240,54 +248,33 @@ def paged_decode(
             f"split_counters has {split_counters.shape[0]} entries, fewer than "
             f"{num_seqs} sequences x {num_kv_heads} KV heads"
         )
-    if num_seqs == 0:
-        return out
-
-    group = num_heads // num_kv_heads
     fused_reduce = num_splits > 1 and split_counters is not None
-    if num_splits > 1:
+    part_out = part_lse = out  # never read unsplit: the kernel writes `out` directly
+    if num_splits > 1 and num_seqs > 0:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
         )
-    else:  # never read: the kernel writes `out` directly
-        part_out = part_lse = out
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        split_counters if fused_reduce else seq_lens,  # never touched unless fused
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        scale * LOG2_E * k_scale,
-        v_scale,
-        num_splits,
-        min_split_tokens,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        IS_SPLIT=num_splits > 1,
-        FUSED_REDUCE=fused_reduce,
-        DOT_PRECISION=dot_precision(q.dtype),
-        KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
-        USE_PDL=pdl,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+    group = num_heads // num_kv_heads
+    return DecodeLaunch(
+        out=out,
+        part_out=part_out,
+        part_lse=part_lse,
+        counters=split_counters if fused_reduce and split_counters is not None else seq_lens,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        fused_reduce=fused_reduce,
+        constants={
+            "NUM_KV_HEADS": num_kv_heads,
+            "GROUP": group,
+            "GROUP_PAD": max(16, next_power_of_2(group)),
+            "HEAD_DIM": head_dim,
+            "BLOCK_SIZE": block_size,
+            "BLOCK_N": block_n,
+            "IS_SPLIT": num_splits > 1,
+            "FUSED_REDUCE": fused_reduce,
+            "DOT_PRECISION": dot_precision(q.dtype),
+            "KV_FP8": k_cache.dtype == FP8_CACHE_DTYPE,
+        },
     )
-    if num_splits > 1 and not fused_reduce:
-        reduce_splits(part_out, part_lse, out, num_kv_heads)
-    return out

@@ -51,15 +51,20 @@ def store_rotated(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < NUM_HEADS)[:, None]
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
     out_first = dst_ptr + offs_h[:, None] * dst_head_stride + offs_d[None, :]
     # rounded to the input's dtype, then to the output's (an FP8 cache: one more narrowing)
     out_ty = out_first.dtype.element_ty
-    first_half = (x1f * cos - x2f * sin).to(x1.dtype).to(tl.float32) * out_scale
-    second_half = (x2f * cos + x1f * sin).to(x1.dtype).to(tl.float32) * out_scale
-    tl.store(out_first, first_half.to(out_ty), mask=mask)
-    tl.store(out_first + HALF, second_half.to(out_ty), mask=mask)
+    first_half, second_half = rotated_halves(x1, x2, cos, sin)
+    tl.store(out_first, (first_half.to(tl.float32) * out_scale).to(out_ty), mask=mask)
+    tl.store(out_first + HALF, (second_half.to(tl.float32) * out_scale).to(out_ty), mask=mask)
+
+
+@triton.jit
+def rotated_halves(x1, x2, cos, sin):
+    """The two halves of each head rotated in fp32 and rounded to the input's dtype."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 
 
 @triton.jit

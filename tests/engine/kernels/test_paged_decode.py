@@ -126,10 +126,10 @@ def test_paged_decode_gpu_shapes(
 
 
 def test_choose_num_splits() -> None:
-    # 1 sequence x 8 KV heads on 132 SMs: 33 wanted, capped at 32 and by 8192 / 256 = 32 tiles.
+    # 1 sequence x 8 KV heads on 132 SMs: 33 wanted, capped at 32 (8192 / 128 would be 64).
     assert choose_num_splits(1, 8, 8192, 132) == 32
-    # A short context caps the splits: 700 tokens -> 3 splits of >= 256 tokens.
-    assert choose_num_splits(1, 8, 700, 132) == 3
+    # A short context caps the splits: 700 tokens -> 6 splits of >= 128 tokens.
+    assert choose_num_splits(1, 8, 700, 132) == 6
     # 16 x 8 programs already nearly fill one wave: 264 / 128 -> 3.
     assert choose_num_splits(16, 8, 4096, 132) == 3
     # Enough programs for two waves: no split.
