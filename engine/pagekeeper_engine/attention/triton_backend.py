@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagekeeper_engine.attention.base import (
@@ -16,6 +18,7 @@ from pagekeeper_engine.kernels import FP8_CACHE_DTYPE, is_interpreter
 from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv, write_kv
 from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
 from pagekeeper_engine.kernels.paged_prefill import paged_prefill
+from pagekeeper_engine.kernels.rotary_decode import rotary_decode
 
 _INTERPRETER_NUM_SMS = 4
 # Split counters for the decode kernel's in-launch reduce: splits are only chosen while
@@ -35,7 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     `write_rotary` applies the rotary embedding (and Qwen3's q/k norm) in the KV-write kernel,
     norming and rotating q in place, so a layer's rotary, KV write and decode attention are two
-    launches, not four (six with the q/k norm).
+    launches, not four (six with the q/k norm); at a step of decodes alone `forward_rotary` makes
+    them one (`kernels/rotary_decode.py`).
     """
 
     name = "triton"
@@ -108,11 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty_like(q)
         assert out.shape == q.shape and out.dtype == q.dtype, "out must be like q"
         num_decodes = meta.num_decode_seqs
-        is_fp8 = k_cache.dtype == FP8_CACHE_DTYPE
         if num_decodes > 0:
-            num_splits = choose_num_splits(
-                num_decodes, int(k_cache.shape[2]), meta.max_seq_len, self.num_sms
-            )
             # Decode sequences come first with one row each, so their rows are 0..num_decodes-1.
             paged_decode(
                 q[:num_decodes],
@@ -122,17 +122,10 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens[:num_decodes],
                 scale,
                 out=out[:num_decodes],
-                num_splits=num_splits,
-                split_counters=self._counters(k_cache.device) if num_splits > 1 else None,
-                # FP8 tiles spend their time widening to fp16, not loading: two warps per
-                # program keep more programs resident, and five stages double-buffer the
-                # tiles so the next one loads while this one widens (docs/benchmarks.md, FP8
-                # KV cache, run 15)
-                num_warps=2 if is_fp8 else 4,
-                num_stages=5 if is_fp8 else 3,
                 k_scale=kv_scales.k,
                 v_scale=kv_scales.v,
                 pdl=pdl,
+                **self._decode_options(num_decodes, k_cache, meta.max_seq_len),
             )
         if num_decodes < meta.num_seqs:
             paged_prefill(
@@ -149,3 +142,57 @@ class TritonAttentionBackend(AttentionBackend):
                 v_scale=kv_scales.v,
             )
         return out
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryTables,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+        kv_scales: KVScales = UNSCALED,
+        qk_norm: QKNorm | None = None,
+        pdl: bool = False,
+    ) -> torch.Tensor:
+        """A step of decodes alone norms, rotates, writes and attends in one launch
+        (`rotary_decode`; q is not rotated in place); any other step writes, then attends."""
+        if not meta.is_decode_only or q.shape[0] != meta.num_seqs:
+            return super().forward_rotary(
+                q, k, v, positions, rotary, k_cache, v_cache, meta, scale, out, kv_scales,
+                qk_norm, pdl,
+            )  # fmt: skip
+        return rotary_decode(
+            q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, scale,
+            out=out,
+            k_scale=kv_scales.k,
+            v_scale=kv_scales.v,
+            q_norm_weight=None if qk_norm is None else qk_norm.q_weight,
+            k_norm_weight=None if qk_norm is None else qk_norm.k_weight,
+            norm_eps=None if qk_norm is None else qk_norm.eps,
+            pdl=pdl,
+            **self._decode_options(meta.num_seqs, k_cache, meta.max_seq_len),
+        )  # fmt: skip
+
+    def _decode_options(
+        self, num_decodes: int, k_cache: torch.Tensor, max_seq_len: int
+    ) -> dict[str, Any]:
+        """The decode launch's splits and tiling for this batch and longest context."""
+        num_splits = choose_num_splits(
+            num_decodes, int(k_cache.shape[2]), max_seq_len, self.num_sms
+        )
+        is_fp8 = k_cache.dtype == FP8_CACHE_DTYPE
+        return {
+            "num_splits": num_splits,
+            "split_counters": self._counters(k_cache.device) if num_splits > 1 else None,
+            # FP8 tiles spend their time widening to fp16, not loading: two warps per program
+            # keep more programs resident, and five stages double-buffer the tiles so the next
+            # one loads while this one widens (docs/benchmarks.md, FP8 KV cache, run 15)
+            "num_warps": 2 if is_fp8 else 4,
+            "num_stages": 5 if is_fp8 else 3,
+        }

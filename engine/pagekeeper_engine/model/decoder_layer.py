@@ -54,8 +54,8 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """Advance the workspace's (hidden, residual) rows by one layer, in place. The first
         layer finds the embeddings in `residual` and nothing yet in `hidden`."""
-        self.before_attention(positions, meta, workspace, is_first=is_first)
-        self.self_attn.attend_cached(meta, workspace, positions.shape[0])
+        hidden = self._input_norm(workspace, positions.shape[0], is_first=is_first)
+        self.self_attn.project_and_attend(positions, hidden, meta, workspace)
         self.after_attention(workspace, positions.shape[0])
 
     def before_attention(
@@ -67,14 +67,18 @@ class DecoderLayer(nn.Module):
         is_first: bool,
     ) -> None:
         """The input norm, the qkv projection and the KV write (per-row work only)."""
-        num_tokens = positions.shape[0]
+        hidden = self._input_norm(workspace, positions.shape[0], is_first=is_first)
+        self.self_attn.project_and_write(positions, hidden, meta, workspace)
+
+    def _input_norm(self, workspace: Workspace, num_tokens: int, *, is_first: bool) -> torch.Tensor:
+        """The input norm into the workspace's `hidden` rows (the residual added first)."""
         hidden = workspace.rows("hidden", num_tokens)
         residual = workspace.rows("residual", num_tokens)
         if is_first:
             self.input_layernorm(residual, out=hidden)
         else:
             self.input_layernorm.forward_residual_(hidden, residual)
-        self.self_attn.project_and_write(positions, hidden, meta, workspace)
+        return hidden
 
     def after_attention(self, workspace: Workspace, num_tokens: int) -> None:
         """The output projection, the post-attention norm and the MLP (per-row work only)."""

@@ -257,9 +257,20 @@ class PagedAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """x: (T, H) -> out (T, H), which may be x (read once, by the qkv projection)."""
-        self.project_and_write(positions, x, meta, workspace)
-        self.attend_cached(meta, workspace, x.shape[0])
+        self.project_and_attend(positions, x, meta, workspace)
         self.project_out(workspace, out)
+
+    def project_and_attend(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Workspace,
+    ) -> None:
+        """x: (T, H) -> the workspace's `attn` rows: the qkv projection, then `attend` (the
+        KV write and the attention, one launch at a step of decodes alone)."""
+        qkv = self.qkv_proj(x, out=workspace.rows("qkv", x.shape[0]))
+        self.attend(positions, qkv, meta, out=workspace.rows("attn", x.shape[0]))
 
     def project_and_write(
         self,
@@ -292,11 +303,37 @@ class PagedAttention(nn.Module):
         out: torch.Tensor,
         pdl: bool = False,
     ) -> None:
-        """qkv: (T, q + 2 kv), the projection's output (q and k normed and rotated in place
-        there) -> out (T, q_size): the attention of q over the cache, after this step's keys
-        and values are written to it. `pdl`: see `AttentionBackend.write_rotary`."""
-        self.write(positions, qkv, meta, pdl)
-        self.read(qkv, meta, out, pdl)
+        """qkv: (T, q + 2 kv), the projection's output -> out (T, q_size): this step's keys and
+        values written to the cache, then the attention of q over it. The backend norms and
+        rotates q and k on the way, in one launch at a step of decodes alone (q may be left
+        rotated in place in qkv, or not). `pdl`: see `AttentionBackend.write_rotary`."""
+        k_cache, v_cache = self._cache()
+        q, k, v = self._heads(qkv)
+        self.backend.forward_rotary(
+            q,
+            k,
+            v,
+            positions,
+            self.rotary,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            out=out.view(qkv.shape[0], self.num_heads, self.head_dim),
+            kv_scales=self.kv_scales,
+            qk_norm=self.qk_norm,
+            pdl=pdl,
+        )
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of the projection's output, (T, heads, head_dim) views each."""
+        num_tokens = qkv.shape[0]
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
 
     def _cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
@@ -307,14 +344,13 @@ class PagedAttention(nn.Module):
     ) -> None:
         """Norm (Qwen3) and rotate q in place in qkv; store rotary(norm(k)) and v."""
         k_cache, v_cache = self._cache()
-        num_tokens = qkv.shape[0]
-        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._heads(qkv)
         # The Triton backend norms and rotates inside its KV write, saving up to three launches
         # a layer.
         self.backend.write_rotary(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            q,
+            k,
+            v,
             positions,
             self.rotary,
             k_cache,

@@ -40,10 +40,12 @@ def _mixed_step(
     dtype: torch.dtype,
     device: torch.device,
     gen: torch.Generator,
+    decodes_only: bool = False,
 ) -> MixedStep:
-    """Three decodes, then two prefill chunks (one after a cached prefix), as the runner packs."""
-    prefix_lens = [40, 1, 300, 19, 0]
-    q_lens = [1, 1, 1, 23, 30]
+    """Three decodes, then two prefill chunks (one after a cached prefix), as the runner packs;
+    `decodes_only`: five decodes (one the first token of its sequence)."""
+    prefix_lens = [40, 0, 300, 19, 150] if decodes_only else [40, 1, 300, 19, 0]
+    q_lens = [1] * 5 if decodes_only else [1, 1, 1, 23, 30]
     seq_lens = [p + n for p, n in zip(prefix_lens, q_lens, strict=True)]
     cache = make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
     slots = []  # each new token's slot, read off the block tables
@@ -61,7 +63,7 @@ def _mixed_step(
         block_tables=cache.block_tables,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
-        num_decode_seqs=3,
+        num_decode_seqs=5 if decodes_only else 3,
     )
     num_rows = starts[-1]
     return MixedStep(
@@ -215,5 +217,46 @@ def test_forward_rotary_with_qk_norm_matches_the_torch_backend(
     torch.testing.assert_close(q, ref_q, rtol=0.0, atol=atol)
     torch.testing.assert_close(cache.k_cache, ref_k_cache, rtol=0.0, atol=atol)
     assert torch.equal(cache.v_cache, ref_v_cache)
+    error = relative_error(out, ref)
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("num_sms", [4, 64])  # one split; three (301 tokens at 128 a split)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []),
+)
+def test_forward_rotary_of_decodes_alone_matches_the_torch_backend(
+    num_sms: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator
+) -> None:
+    """A step of decodes alone takes the one-launch path (`rotary_decode`): the reference's
+    cache and attention, and q as projected, not rotated in place."""
+    step = _mixed_step(16, 2, 4, 64, dtype, device, generator, decodes_only=True)
+    cache, meta = step.cache, step.meta
+    angles = torch.rand((400, 32), generator=generator, device=device) * 6
+    tables = _Tables(angles.cos(), angles.sin())
+    positions = cache.seq_lens.long() - 1
+    q, k = 4 * step.q, 4 * step.k
+    qk_norm = QKNorm(
+        q_weight=(torch.rand(64, generator=generator, device=device) + 0.5).to(dtype),
+        k_weight=(torch.rand(64, generator=generator, device=device) * 2 - 1).to(dtype),
+        eps=1e-6,
+    )
+    ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+    ref = TorchRefBackend().forward_rotary(
+        q.clone(), k.clone(), step.v, positions, tables, ref_k_cache, ref_v_cache, meta, 0.125,
+        qk_norm=qk_norm,
+    )  # fmt: skip
+    q_before = q.clone()
+
+    out = TritonAttentionBackend(num_sms=num_sms).forward_rotary(
+        q, k, step.v, positions, tables, cache.k_cache, cache.v_cache, meta, 0.125,
+        qk_norm=qk_norm,
+    )  # fmt: skip
+
+    atol = {torch.float32: 1e-5, torch.float16: 2**-7, torch.bfloat16: 2**-3}[dtype]
+    torch.testing.assert_close(cache.k_cache, ref_k_cache, rtol=0.0, atol=atol)
+    assert torch.equal(cache.v_cache, ref_v_cache)
+    assert torch.equal(q, q_before)
     error = relative_error(out, ref)
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
