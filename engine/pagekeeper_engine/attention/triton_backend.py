@@ -24,6 +24,11 @@ _INTERPRETER_NUM_SMS = 4
 # Split counters for the decode kernel's in-launch reduce: splits are only chosen while
 # (sequences x KV heads) programs under-fill the GPU, far fewer than this.
 _MAX_SPLIT_COUNTERS = 4096
+# The one-launch decode saves a launch a layer, which pays where launches dominate: at 1-64
+# sequences it was 0.3-2.5 us a layer faster than the rotary write and the decode in a row, at
+# 128-256 it was 1-3 us slower (each program norms and rotates its heads before its first load;
+# docs/benchmarks.md, run 21).
+ONE_LAUNCH_MAX_SEQS = 64
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -38,8 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     `write_rotary` applies the rotary embedding (and Qwen3's q/k norm) in the KV-write kernel,
     norming and rotating q in place, so a layer's rotary, KV write and decode attention are two
-    launches, not four (six with the q/k norm); at a step of decodes alone `forward_rotary` makes
-    them one (`kernels/rotary_decode.py`).
+    launches, not four (six with the q/k norm); at a step of up to `ONE_LAUNCH_MAX_SEQS` decodes
+    alone `forward_rotary` makes them one (`kernels/rotary_decode.py`).
     """
 
     name = "triton"
@@ -159,9 +164,11 @@ class TritonAttentionBackend(AttentionBackend):
         qk_norm: QKNorm | None = None,
         pdl: bool = False,
     ) -> torch.Tensor:
-        """A step of decodes alone norms, rotates, writes and attends in one launch
-        (`rotary_decode`; q is not rotated in place); any other step writes, then attends."""
-        if not meta.is_decode_only or q.shape[0] != meta.num_seqs:
+        """A step of at most `ONE_LAUNCH_MAX_SEQS` decodes alone norms, rotates, writes and
+        attends in one launch (`rotary_decode`; q is not rotated in place); any other step
+        writes, then attends."""
+        one_launch = meta.is_decode_only and q.shape[0] == meta.num_seqs
+        if not one_launch or meta.num_seqs > ONE_LAUNCH_MAX_SEQS:
             return super().forward_rotary(
                 q, k, v, positions, rotary, k_cache, v_cache, meta, scale, out, kv_scales,
                 qk_norm, pdl,

@@ -268,7 +268,7 @@ class PagedAttention(nn.Module):
         workspace: Workspace,
     ) -> None:
         """x: (T, H) -> the workspace's `attn` rows: the qkv projection, then `attend` (the
-        KV write and the attention, one launch at a step of decodes alone)."""
+        KV write and the attention, one launch at a small step of decodes alone)."""
         qkv = self.qkv_proj(x, out=workspace.rows("qkv", x.shape[0]))
         self.attend(positions, qkv, meta, out=workspace.rows("attn", x.shape[0]))
 
@@ -305,8 +305,8 @@ class PagedAttention(nn.Module):
     ) -> None:
         """qkv: (T, q + 2 kv), the projection's output -> out (T, q_size): this step's keys and
         values written to the cache, then the attention of q over it. The backend norms and
-        rotates q and k on the way, in one launch at a step of decodes alone (q may be left
-        rotated in place in qkv, or not). `pdl`: see `AttentionBackend.write_rotary`."""
+        rotates q and k on the way, in one launch at a small step of decodes alone (q may be
+        left rotated in place in qkv, or not). `pdl`: see `AttentionBackend.write_rotary`."""
         k_cache, v_cache = self._cache()
         q, k, v = self._heads(qkv)
         self.backend.forward_rotary(

@@ -260,3 +260,29 @@ def test_forward_rotary_of_decodes_alone_matches_the_torch_backend(
     assert torch.equal(q, q_before)
     error = relative_error(out, ref)
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+def test_forward_rotary_of_many_decodes_writes_then_attends(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, generator: torch.Generator
+) -> None:
+    """Past `ONE_LAUNCH_MAX_SEQS` decodes the step takes the two launches (q rotated in place)
+    and gives the same result."""
+    from pagekeeper_engine.attention import triton_backend  # noqa: PLC0415
+
+    step = _mixed_step(16, 2, 4, 64, torch.float32, device, generator, decodes_only=True)
+    cache, meta = step.cache, step.meta
+    angles = torch.rand((400, 32), generator=generator, device=device) * 6
+    tables = _Tables(angles.cos(), angles.sin())
+    positions = cache.seq_lens.long() - 1
+    backend = TritonAttentionBackend(num_sms=4)
+    k_one, v_one, q_one = cache.k_cache.clone(), cache.v_cache.clone(), step.q.clone()
+    one = backend.forward_rotary(q_one, step.k, step.v, positions, tables, k_one, v_one, meta, 0.1)
+    monkeypatch.setattr(triton_backend, "ONE_LAUNCH_MAX_SEQS", meta.num_seqs - 1)
+    q_two = step.q.clone()
+    two = backend.forward_rotary(
+        q_two, step.k, step.v, positions, tables, cache.k_cache, cache.v_cache, meta, 0.1
+    )
+    assert torch.equal(q_one, step.q), "one launch: q as projected"
+    torch.testing.assert_close(q_two, rotary_ref(step.q, positions, tables.cos, tables.sin))
+    assert torch.equal(cache.k_cache, k_one) and torch.equal(cache.v_cache, v_one)
+    assert relative_error(two, one) < 1e-6
