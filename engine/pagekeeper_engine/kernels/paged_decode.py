@@ -37,9 +37,10 @@ from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.paged_kv import LOG2_E
 
 MAX_SPLITS = 32
-# At batch 1-4 a split's serial tiles and the combine's pass over the partials trade off: 128
-# tokens a split was within ~0.4 us of the best of 64-256 at every context from 130 to 2,040
-# tokens on an H200 (docs/benchmarks.md, run 21).
+# At batch 1-4 a split's serial tiles and the combine's pass over the partials trade off: in the
+# one-launch decode that small decode steps run (`rotary_decode`), 128 tokens a split was within
+# 0.35 us of the best of 64-256 at every context from 130 to 2,040 tokens on an H200
+# (docs/benchmarks.md, run 21).
 MIN_TOKENS_PER_SPLIT = 128
 
 
