@@ -1,14 +1,18 @@
-"""Where a decode step's time goes (docs/benchmarks.md, run 20): W-nano's step intervals by the
-number of running requests, then the kernels of decode steps at chosen batch sizes.
+"""Where a decode step's time goes (docs/benchmarks.md, runs 20-21): W-nano's step intervals by
+the number of running requests, then the kernels of decode steps at chosen batch sizes.
 
 With asynchronous scheduling a step's interval (from one `step()` return to the next) is its
 device time wherever the device is the bottleneck, so the intervals split W-nano's wall time by
 batch without a profiler in the loop. The kernel tables come from decode steps of requests with
 `--context`-token prompts: ten steps timed without the profiler (the wall), then five profiled
-for their CUDA kernels only (the sum of kernel times, by kernel).
+for their device work only. Each kernel's "effective" time counts from the later of its start
+and the previous work's end, so work that overlaps under programmatic dependent launch is
+counted once and the column sums to the device's busy time; a busy time equal to the span says
+the device, not the host, sets the step.
 
     PYTHONPATH=engine:. python benchmarks/step_profile.py --shape qwen3-0.6b
     PYTHONPATH=engine:. python benchmarks/step_profile.py --shape llama-3.1-8b --batches 256,64,1
+    PYTHONPATH=engine:. python benchmarks/step_profile.py --no-w-nano --batches 1 --context 128
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ FIRST_STEPS = 10  # W-nano's prefills: its 256 prompts fill the first ten steps'
 BINS = (("193-256", 193), ("129-192", 129), ("65-128", 65), ("17-64", 17), ("2-16", 2), ("1", 1))
 TIMED_STEPS = 10
 PROFILED_STEPS = 5
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device events
 
 
 @dataclass(frozen=True)
@@ -78,18 +83,57 @@ def _bin_of(running: int) -> str:
     return "idle"
 
 
-def kernel_table(kernels: Iterable[tuple[str, float]], num_steps: int) -> list[dict[str, Any]]:
-    """(name, device us) of every kernel a profile saw over `num_steps` steps -> per step: each
-    name's launches and microseconds, most time first."""
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for name, micros in kernels:
-        by_name[name][0] += 1
-        by_name[name][1] += micros
-    rows = [
-        {"kernel": name, "launches": count / num_steps, "us": micros / num_steps}
-        for name, (count, micros) in by_name.items()
+@dataclass(frozen=True)
+class DeviceSpan:
+    """One kernel, copy or memset on the device's timeline (microseconds)."""
+
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def device_spans(trace: dict[str, Any]) -> list[DeviceSpan]:
+    """The device's work in a profiler's Chrome trace, in start order."""
+    spans = [
+        DeviceSpan(str(event["name"]), float(event["ts"]), float(event.get("dur", 0.0)))
+        for event in trace.get("traceEvents", [])
+        if event.get("cat") in DEVICE_CATEGORIES
     ]
-    return sorted(rows, key=lambda row: -row["us"])
+    return sorted(spans, key=lambda span: span.start_us)
+
+
+def kernel_table(spans: Sequence[DeviceSpan], num_steps: int) -> list[dict[str, Any]]:
+    """Per step and kernel name: launches, the kernels' own durations ("us"), and the time
+    each added to the timeline ("effective_us": from the later of its start and the previous
+    spans' end to its end). A kernel launched early under programmatic dependent launch waits
+    inside its duration for the one before it; the effective column counts that wait once,
+    so it sums to the device's busy time. Most effective time first."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    covered_to = float("-inf")
+    for span in sorted(spans, key=lambda span: span.start_us):
+        end = span.start_us + span.duration_us
+        row = by_name[span.name]
+        row[0] += 1
+        row[1] += span.duration_us
+        row[2] += max(0.0, end - max(covered_to, span.start_us))
+        covered_to = max(covered_to, end)
+    rows = [
+        {
+            "kernel": name,
+            "launches": count / num_steps,
+            "us": micros / num_steps,
+            "effective_us": effective / num_steps,
+        }
+        for name, (count, micros, effective) in by_name.items()
+    ]
+    return sorted(rows, key=lambda row: -row["effective_us"])
+
+
+def span_us(spans: Sequence[DeviceSpan]) -> float:
+    """From the first span's start to the last one's end."""
+    if not spans:
+        return 0.0
+    return max(s.start_us + s.duration_us for s in spans) - min(s.start_us for s in spans)
 
 
 def timed_w_nano(engine: LLMEngine) -> tuple[float, list[BinTotal]]:
@@ -129,13 +173,21 @@ def decode_kernels(engine: LLMEngine, batch: int, context: int) -> dict[str, Any
         for _ in range(PROFILED_STEPS):
             engine.step()
         torch.cuda.synchronize()
-    table = kernel_table(
-        ((e.name, e.device_time_total) for e in prof.events() if e.device_type.name == "CUDA"),
-        PROFILED_STEPS,
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        spans = device_spans(json.loads(trace_path.read_text()))
+    table = kernel_table(spans, PROFILED_STEPS)
+    device_ms = span_us(spans) / PROFILED_STEPS / 1e3
     while engine.has_work():
         engine.step()
-    return {"batch": batch, "context": context, "wall_ms": wall_ms, "kernels": table}
+    return {
+        "batch": batch,
+        "context": context,
+        "wall_ms": wall_ms,
+        "device_span_ms": device_ms,
+        "kernels": table,
+    }
 
 
 def main() -> None:
@@ -144,6 +196,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--batches", default="256,128,64,16,1", help="decode batches to profile")
     parser.add_argument("--context", type=int, default=1000, help="their prompts' tokens")
+    parser.add_argument(
+        "--w-nano",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time W-nano's steps by bin first (--no-w-nano: the decode tables only)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     settings = argparse.Namespace(  # W-nano's, as throughput.py's defaults
@@ -160,20 +218,27 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}")
     with tempfile.TemporaryDirectory() as tmp:
         engine, _ = build_engine(write_checkpoint(args.shape, Path(tmp)), settings)
-        seconds, bins = timed_w_nano(engine)
-        print(f"W-nano {seconds:.3f} s, {sum(b.steps for b in bins)} steps")
+        seconds, bins = timed_w_nano(engine) if args.w_nano else (0.0, [])
+        if args.w_nano:
+            print(f"W-nano {seconds:.3f} s, {sum(b.steps for b in bins)} steps")
         for b in bins:
             print(f"  {b.label:>12}: {b.steps:5d} steps {b.seconds:7.3f} s {b.ms_per_step:8.3f} ms")
         profiles = [decode_kernels(engine, int(b), args.context) for b in args.batches.split(",")]
     for profile in profiles:
         kernels = profile["kernels"]
+        busy_ms = sum(k["effective_us"] for k in kernels) / 1e3
         print(
             f"decode, batch {profile['batch']}, ~{profile['context']}-token contexts: wall "
-            f"{profile['wall_ms']:.3f} ms a step, kernels {sum(k['us'] for k in kernels) / 1e3:.3f}"
-            f" ms, {sum(k['launches'] for k in kernels):.0f} launches"
+            f"{profile['wall_ms']:.3f} ms a step unprofiled; profiled, the device's span "
+            f"{profile['device_span_ms']:.3f} ms a step, busy {busy_ms:.3f} ms, "
+            f"{sum(k['launches'] for k in kernels):.0f} launches"
         )
+        print("  effective us, own us, launches, kernel")
         for k in kernels[:16]:
-            print(f"  {k['us']:9.1f} us {k['launches']:6.1f}x  {k['kernel'][:70]}")
+            print(
+                f"  {k['effective_us']:9.1f} {k['us']:9.1f} {k['launches']:6.1f}x  "
+                f"{k['kernel'][:70]}"
+            )
     if args.json:
         report = {"w_nano_s": seconds, "bins": [asdict(b) for b in bins], "decode": profiles}
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.step_profile import FIRST_STEPS, StepStamp, bin_steps, kernel_table
+from benchmarks.step_profile import (
+    FIRST_STEPS,
+    DeviceSpan,
+    StepStamp,
+    bin_steps,
+    device_spans,
+    kernel_table,
+    span_us,
+)
 
 
 def test_intervals_go_to_the_first_steps_then_to_the_running_requests_bin() -> None:
@@ -38,8 +46,50 @@ def test_a_step_with_nothing_running_is_idle() -> None:
 
 
 def test_kernels_are_summed_by_name_per_step() -> None:
-    events = [("attn", 10.0), ("gemm", 2.0), ("attn", 12.0), ("gemm", 2.5), ("norm", 1.0)]
-    table = kernel_table(events, num_steps=2)
+    spans = [
+        DeviceSpan("attn", 0.0, 10.0),
+        DeviceSpan("gemm", 10.0, 2.0),
+        DeviceSpan("attn", 20.0, 12.0),
+        DeviceSpan("gemm", 32.0, 2.5),
+        DeviceSpan("norm", 40.0, 1.0),
+    ]
+    table = kernel_table(spans, num_steps=2)
     assert [row["kernel"] for row in table] == ["attn", "gemm", "norm"]
-    assert table[0] == {"kernel": "attn", "launches": 1.0, "us": 11.0}
+    assert table[0] == {"kernel": "attn", "launches": 1.0, "us": 11.0, "effective_us": 11.0}
     assert table[2]["launches"] == 0.5
+
+
+def test_an_early_launched_kernel_counts_only_what_it_adds() -> None:
+    """Under dependent launch the o projection starts inside attention's span and waits there:
+    its effective time is what it adds after attention ends, and the column sums to the busy
+    time, not to the sum of durations."""
+    spans = [
+        DeviceSpan("qkv", 0.0, 5.0),
+        DeviceSpan("attn", 4.0, 10.0),  # launched early, ends at 14
+        DeviceSpan("o_proj", 5.0, 12.0),  # launched early, ends at 17: adds 3
+        DeviceSpan("head", 20.0, 5.0),  # after a 3-us gap
+    ]
+    table = {row["kernel"]: row for row in kernel_table(spans, num_steps=1)}
+    assert table["attn"]["effective_us"] == pytest.approx(9.0)
+    assert table["o_proj"]["effective_us"] == pytest.approx(3.0)
+    assert table["o_proj"]["us"] == pytest.approx(12.0)
+    assert sum(row["effective_us"] for row in table.values()) == pytest.approx(22.0)
+    assert span_us(spans) == pytest.approx(25.0)
+
+
+def test_device_spans_come_from_the_traces_device_events_in_order() -> None:
+    trace = {
+        "traceEvents": [
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 9.0},
+            {"cat": "kernel", "name": "gemv", "ts": 30.0, "dur": 2.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 10.0, "dur": 1.0},
+            {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 5.0, "dur": 3.0},
+            {"cat": "gpu_memset", "name": "Memset", "ts": 20.0},
+        ]
+    }
+    assert device_spans(trace) == [
+        DeviceSpan("Memcpy HtoD", 10.0, 1.0),
+        DeviceSpan("Memset", 20.0, 0.0),
+        DeviceSpan("gemv", 30.0, 2.0),
+    ]
+    assert span_us([]) == 0.0
