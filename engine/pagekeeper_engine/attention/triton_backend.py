@@ -96,9 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
         rotate_and_write_kv(
             q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
             kv_scales.k, kv_scales.v,
-            q_norm_weight=None if qk_norm is None else qk_norm.q_weight,
-            k_norm_weight=None if qk_norm is None else qk_norm.k_weight,
-            norm_eps=None if qk_norm is None else qk_norm.eps,
+            **_norm_arguments(qk_norm),
             pdl=pdl,
         )  # fmt: skip
 
@@ -179,9 +177,7 @@ class TritonAttentionBackend(AttentionBackend):
             out=out,
             k_scale=kv_scales.k,
             v_scale=kv_scales.v,
-            q_norm_weight=None if qk_norm is None else qk_norm.q_weight,
-            k_norm_weight=None if qk_norm is None else qk_norm.k_weight,
-            norm_eps=None if qk_norm is None else qk_norm.eps,
+            **_norm_arguments(qk_norm),
             pdl=pdl,
             **self._decode_options(meta.num_seqs, k_cache, meta.max_seq_len),
         )  # fmt: skip
@@ -203,3 +199,14 @@ class TritonAttentionBackend(AttentionBackend):
             "num_warps": 2 if is_fp8 else 4,
             "num_stages": 5 if is_fp8 else 3,
         }
+
+
+def _norm_arguments(qk_norm: QKNorm | None) -> dict[str, Any]:
+    """The kernels' q/k norm arguments (none without the norm)."""
+    if qk_norm is None:
+        return {}
+    return {
+        "q_norm_weight": qk_norm.q_weight,
+        "k_norm_weight": qk_norm.k_weight,
+        "norm_eps": qk_norm.eps,
+    }
