@@ -10,7 +10,8 @@ from torch import nn
 from pagekeeper_engine.attention.base import AttentionBackend, AttentionMetadata
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import ModelConfig
-from pagekeeper_engine.model.layers import PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from pagekeeper_engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from pagekeeper_engine.model.paged_attention import PagedAttention
 from pagekeeper_engine.model.workspace import Workspace
 
 

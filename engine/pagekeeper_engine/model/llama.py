@@ -27,12 +27,8 @@ from pagekeeper_engine.attention.base import (
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.decoder_layer import DecoderLayer
 from pagekeeper_engine.model.hf_config import ModelConfig
-from pagekeeper_engine.model.layers import (
-    Linear,
-    PagedAttention,
-    RMSNorm,
-    RotaryEmbedding,
-)
+from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagekeeper_engine.model.paged_attention import PagedAttention
 from pagekeeper_engine.model.row_fusion import RowFusion, forward_one_row
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.stages import ForwardStages

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from pagekeeper_engine.attention.base import AttentionMetadata
-from pagekeeper_engine.model.layers import Linear, PagedAttention, RMSNorm, SwiGLU
+from pagekeeper_engine.model.layers import Linear, RMSNorm, SwiGLU
+from pagekeeper_engine.model.paged_attention import PagedAttention
 from pagekeeper_engine.model.workspace import Workspace
 
 
