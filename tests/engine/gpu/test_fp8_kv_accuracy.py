@@ -20,13 +20,11 @@ from benchmarks.throughput import compare_greedy, greedy_logprobs
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.runner.runner import ModelRunner
+from tests.engine.kernels.paged_cases import needs_fp8_gpu
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-        reason="needs a CUDA GPU with FP8 (compute capability 8.9 or newer)",
-    ),
+    needs_fp8_gpu,
 ]
 NUM_PROMPTS, NUM_STEPS = 8, 64
 

@@ -12,16 +12,17 @@ from pagekeeper_engine.kernels.reference import (
     paged_decode_ref,
     quantize_fp8_ref,
 )
-from tests.engine.kernels.paged_cases import make_paged_cache, random_tensor, relative_error
+from tests.engine.kernels.paged_cases import (
+    make_paged_cache,
+    needs_fp8_gpu,
+    random_tensor,
+    relative_error,
+)
 
 FP8 = torch.float8_e4m3fn
 # Relative error of attention over an FP8 cache against the same attention over that cache
 # dequantized: the kernels' own rounding only (bf16 dots), as in their bf16 tests.
 TOLERANCE = 2e-2
-needs_fp8_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="needs a CUDA GPU with FP8 (compute capability 8.9 or newer)",
-)
 
 
 def test_e4m3_rounds_to_nearest_and_saturates_in_torch() -> None:

@@ -10,7 +10,7 @@ from pagekeeper_engine.kernels.reference import (
     rotary_ref,
     write_kv_ref,
 )
-from tests.engine.kernels.paged_cases import random_tensor
+from tests.engine.kernels.paged_cases import needs_fp8_gpu, random_tensor
 
 HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 FP8 = torch.float8_e4m3fn
@@ -199,11 +199,6 @@ def test_rotate_and_write_kv_at_position_zero_stores_k_unchanged(device: torch.d
     assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2  # rows of slots 5 and 9 only
 
 
-# The interpreter narrows to FP8 without carrying a rounding into the exponent (0.498 -> 0.25).
-needs_fp8_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="needs a CUDA GPU with FP8 (compute capability 8.9 or newer)",
-)
 # (num_heads, num_kv_heads, head_dim, dtype, cache dtype, k_scale): odd head counts, Qwen3-0.6B's
 # heads, and an FP8 cache with and without a checkpoint scale.
 QK_NORM_CASES = [
