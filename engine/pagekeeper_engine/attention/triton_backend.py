@@ -25,9 +25,9 @@ _INTERPRETER_NUM_SMS = 4
 # (sequences x KV heads) programs under-fill the GPU, far fewer than this.
 _MAX_SPLIT_COUNTERS = 4096
 # The one-launch decode saves a launch a layer, which pays where launches dominate: at 1-64
-# sequences it was 0.3-2.5 us a layer faster than the rotary write and the decode in a row, at
-# 128-256 it was 1-3 us slower (each program norms and rotates its heads before its first load;
-# docs/benchmarks.md, run 21).
+# sequences it was 0.04-1.6 us a layer faster than the rotary write and the decode in a row, at
+# 128-256 it was 0.9-3.1 us slower (each program norms and rotates its heads before its first
+# load; docs/benchmarks.md, run 21).
 ONE_LAUNCH_MAX_SEQS = 64
 
 
