@@ -57,7 +57,37 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": [128001, 128008, 128009],
     },
+    # 141 GB of bf16 weights: the tensor-parallel runs' shape (`--tensor-parallel-size 4`).
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
 }
+# What `--shape all` runs: the shapes whose weights fit one GPU.
+ONE_GPU_SHAPES = ("qwen3-0.6b", "llama-3.1-8b")
 
 
 def weight_bytes_per_step(cfg: dict[str, Any]) -> int:

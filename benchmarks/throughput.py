@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import measure_copy_bandwidth, measure_matmul_rate
 
-from benchmarks.shapes import SHAPES, prefill_flops, weight_bytes_per_step
+from benchmarks.shapes import ONE_GPU_SHAPES, SHAPES, prefill_flops, weight_bytes_per_step
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -469,7 +469,7 @@ def main() -> None:
         f"{triton.__version__}; copy {bandwidth / 1e12:.2f} TB/s, matmul {rate / 1e12:.0f} "
         f"TFLOP/s; W-nano {work.num_prompt_tokens} prompt + {work.num_output_tokens} output"
     )
-    shapes = list(SHAPES) if args.shape == "all" else [args.shape]
+    shapes = list(ONE_GPU_SHAPES) if args.shape == "all" else [args.shape]
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:

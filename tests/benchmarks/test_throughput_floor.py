@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import ONE_GPU_SHAPES, SHAPES, weight_bytes_per_step
 from benchmarks.throughput import physical_floor, w_nano
 
 BANDWIDTH, RATE = 4.0e12, 8.0e14
@@ -28,3 +28,11 @@ def test_kv_heads_do_not_split_below_one_a_rank() -> None:
     one = physical_floor(with_kv, work, BANDWIDTH, no_flops)
     sixteen = physical_floor(with_kv, work, BANDWIDTH, no_flops, tensor_parallel_size=16)
     assert one > 0 and sixteen == pytest.approx(one / 8, rel=1e-12)
+
+
+def test_the_70b_shape_reads_its_parameters_a_step() -> None:
+    # Llama-3.1-70B: 70.6 B parameters, of which the input embedding (1.05 B) is not read by a
+    # decode step beyond its one row; 139 GB of bf16 a step, a quarter a rank at TP 4.
+    read = weight_bytes_per_step(SHAPES["llama-3.1-70b"])
+    assert 69.4e9 < read / 2 < 69.6e9
+    assert set(ONE_GPU_SHAPES) < set(SHAPES) and "llama-3.1-70b" not in ONE_GPU_SHAPES

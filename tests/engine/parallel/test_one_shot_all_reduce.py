@@ -1,6 +1,6 @@
-"""The one-shot all-reduce on two GPUs, set up through the group as the engine sets it up: it
-sums what NCCL sums, eagerly and from a CUDA graph that holds several all-reduces back to back
-over the one buffer, replayed with new inputs (a rank that refilled its buffer while a peer
+"""The one-shot all-reduce on two and four GPUs, set up through the group as the engine sets it
+up: it sums what NCCL sums, eagerly and from a CUDA graph that holds several all-reduces back to
+back over the one buffer, replayed with new inputs (a rank that refilled its buffer while a peer
 still read it would give a wrong sum here)."""
 
 from __future__ import annotations
@@ -68,14 +68,26 @@ def _rank(rank: int, size: int, port: int, results: Any) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_one_shot_sums_what_nccl_sums_on_two_gpus() -> None:
-    found = dict(spawn_ranks(_rank, 2, (), 2, RESULT_TIMEOUT_S))
-    if not torch.cuda.can_device_access_peer(0, 1):
-        # Without peer access the path stays off on both ranks, with the reason.
-        assert found[0]["off_reason"] is not None and found[1]["off_reason"] is not None
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(
+            size,
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < size, reason=f"needs {size} CUDA GPUs"
+            ),
+        )
+        for size in (2, 4)
+    ],
+)
+def test_one_shot_sums_what_nccl_sums_on_gpus(size: int) -> None:
+    found = dict(spawn_ranks(_rank, size, (), size, RESULT_TIMEOUT_S))
+    pairs = [(a, b) for a in range(size) for b in range(size) if a != b]
+    if not all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs):
+        # Without peer access the path stays off on every rank, with the reason.
+        assert all(found[rank]["off_reason"] is not None for rank in range(size))
         return
-    for rank in range(2):
+    for rank in range(size):
         assert found[rank]["off_reason"] is None, found[rank]["off_reason"]
         assert found[rank]["eager_equal"] is True
         assert found[rank]["replays_equal"] == [True, True, True]

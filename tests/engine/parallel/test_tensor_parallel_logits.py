@@ -85,7 +85,19 @@ def check_against_one_process(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_two_gpus_compute_what_one_computes(checkpoints: list[Path]) -> None:
-    """NCCL, the Triton kernels and the decode graphs (each capturing its all-reduces), fp32."""
-    check_against_one_process(run_ranks(2, checkpoints, "cuda"), checkpoints, "cuda", 1e-3)
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(
+            size,
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < size, reason=f"needs {size} CUDA GPUs"
+            ),
+        )
+        for size in (2, 4)
+    ],
+)
+def test_gpus_compute_what_one_computes(size: int, checkpoints: list[Path]) -> None:
+    """NCCL, the Triton kernels and the decode graphs (each capturing its all-reduces), fp32;
+    at 4 ranks the tiny models' 2 KV heads are replicated on pairs of ranks."""
+    check_against_one_process(run_ranks(size, checkpoints, "cuda"), checkpoints, "cuda", 1e-3)
