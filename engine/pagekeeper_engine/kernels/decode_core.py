@@ -27,13 +27,16 @@ def split_range(
 ):
     """(live, start, end): how many splits this sequence uses, and this split's token range.
 
-    With the reduce fused, a sequence shorter than the launch's splits were chosen for (a CUDA
-    graph fixes them for its longest context) uses fewer: one per `min_split_tokens`, at least
-    one; the others get an empty range. Each split covers a whole number of BLOCK_N tiles."""
+    Each split covers a whole number of BLOCK_N tiles, an even share of the context over the
+    launch's splits. With the reduce fused, a sequence shorter than the splits were chosen for
+    (a CUDA graph fixes them for its longest context) gives each split at least
+    `min_split_tokens` and uses only the splits its tokens reach, at least one; the others get
+    an empty range."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     live = num_splits
     if FUSED_REDUCE:
-        live = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, min_split_tokens), 1))
-    split_len = tl.cdiv(tl.cdiv(seq_len, live), BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(split_len, tl.cdiv(min_split_tokens, BLOCK_N) * BLOCK_N)
+        live = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     return live, start, end

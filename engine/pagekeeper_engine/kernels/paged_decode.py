@@ -37,11 +37,16 @@ from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.paged_kv import LOG2_E
 
 MAX_SPLITS = 32
-# At batch 1-4 a split's serial tiles and the combine's pass over the partials trade off: in the
-# one-launch decode that small decode steps run (`rotary_decode`), 128 tokens a split was within
-# 0.35 us of the best of 64-256 at every context from 130 to 2,040 tokens on an H200
-# (docs/benchmarks.md, run 21).
-MIN_TOKENS_PER_SPLIT = 128
+# A launch's splits: one per 128 tokens of its longest context (a CUDA graph's is the model's
+# length), while (sequence, KV head) programs leave the GPU under-filled (`choose_num_splits`).
+LAUNCH_TOKENS_PER_SPLIT = 128
+# How short a split may get at a shorter context, where a split's serial tiles (each a chain of
+# dependent loads from DRAM) trade off against the combine's pass over more partials. In the
+# engine at batch 1 on an H200, 64 tokens took 45-50 us off a Qwen3-0.6B step and ~20 us off a
+# Llama-3.1-8B one at 128-428-token contexts against 128, and no split count grew at 1,700-2,000
+# tokens (docs/benchmarks.md, run 22; run 21's sweep, which favoured 128, timed a KV cache
+# that stayed in L2).
+MIN_TOKENS_PER_SPLIT = 64
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py). The
@@ -72,7 +77,7 @@ def _paged_decode_kernel(
     scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
     v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
     num_splits,  # programs along the context (axis 2), >= 2 exactly when IS_SPLIT
-    min_split_tokens,  # FUSED_REDUCE: a sequence uses at most one split per this many tokens
+    min_split_tokens,  # FUSED_REDUCE: the fewest tokens a split covers (`split_range`)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -124,7 +129,7 @@ def choose_num_splits(
     """Split the context only while (sequence, KV head) programs leave the GPU under-filled."""
     num_programs = num_seqs * num_kv_heads
     wanted = -(-int(waves * num_sms) // num_programs)
-    by_length = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
+    by_length = -(-max_seq_len // LAUNCH_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
@@ -149,9 +154,9 @@ def paged_decode(
     """Attention of each sequence's last token over its `seq_lens[b]` cached tokens.
 
     With `split_counters` (zeros, left zero) the splits are combined inside the one launch;
-    without, by a second kernel. Same arithmetic either way. With the fused reduce a sequence
-    uses at most one split per `min_split_tokens` of its length (at least one), so a launch
-    whose split count was chosen for a longer context wastes no work on a short one. `pdl`
+    without, by a second kernel. Same arithmetic either way. With the fused reduce a split covers
+    at least `min_split_tokens` and a sequence uses only the splits its tokens reach, so a
+    launch whose split count was chosen for a longer context wastes no work on a short one. `pdl`
     launches it as a programmatic dependent of the kernel before it (Hopper and later).
     """
     launch = prepare_decode(

@@ -180,9 +180,9 @@ def test_paged_decode_rejects_bad_inputs(change: str, message: str, device: torc
     ],
 )
 # 1: every sequence uses every split it has tokens for, as the reduce kernel's launch does;
-# 32: the sequences of 1..129 tokens use 1, 1, 2, 3 and 5 live splits, the 1-token and
-# 17-token ones write `out` directly.
-@pytest.mark.parametrize("min_split_tokens", [1, 32])
+# 32: at 5 or more splits the sequences of 1..129 tokens use 1, 1, 2, 3 and 5 live splits, the
+# 1-token and 17-token ones write `out` directly; 24: a split is still two 16-token tiles.
+@pytest.mark.parametrize("min_split_tokens", [1, 24, 32])
 def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
     group: int,
     num_kv_heads: int,

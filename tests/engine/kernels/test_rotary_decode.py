@@ -31,6 +31,8 @@ CASES = [
     (1, 2, 64, 16, torch.float32, 1, 64, False),
     (2, 2, 64, 8, torch.float32, 3, 16, True),
     (4, 1, 128, 16, torch.float32, 4, 1, False),
+    # A launch sized for a longer context: 16 splits, of which at most 2 hold tokens here.
+    (2, 2, 64, 16, torch.float32, 16, 16, False),
     (2, 3, 64, 32, torch.float16, 2, 16, True),
     *[(4, 2, 128, 16, dtype, 5, 16, True) for dtype in HALF_DTYPES],
 ]
