@@ -1,13 +1,66 @@
-"""The KV cache's element type and the shape of one block, as the runner allocates them."""
+"""The KV cache's element type, the shape of one block, and the pools the runner allocates:
+the device pool every layer's cache is a view of, and the host pool blocks are swapped to."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from pagekeeper_engine.attention.base import UNSCALED, KVScales
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.memory.budget import KVLayout
+from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.hf_config import ModelConfig
+
+
+def pool_shape(model_config: ModelConfig, block_size: int, num_blocks: int) -> tuple[int, ...]:
+    """One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim), keys at index 0 and values at 1 of the second axis."""
+    cfg = model_config
+    return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+class KVPools:
+    """The device pool of `num_gpu_blocks` and the host swap pool of `num_cpu_blocks` (pinned
+    where the device is a GPU), both zero-filled so that a kernel reading a whole block never
+    meets NaN garbage; `swap` copies whole blocks between them."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.device = device
+        self.device_pool = torch.zeros(
+            pool_shape(model_config, block_size, num_gpu_blocks), dtype=dtype, device=device
+        )
+        self.host_pool = torch.zeros(
+            pool_shape(model_config, block_size, num_cpu_blocks),
+            dtype=dtype,
+            pin_memory=device.type == "cuda",
+        )
+        self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (k_cache, v_cache) views of the device pool."""
+        return [(layer[0], layer[1]) for layer in self.device_pool]
+
+    def swap(self, src_to_dst: Sequence[tuple[int, int]], *, to_cpu: bool) -> None:
+        """Copy whole blocks (every layer, keys and values) between the device and host pools;
+        `num_swap_ooms` counts copies that found no device memory (see `memory.swap`)."""
+        if not src_to_dst:
+            return
+        src_pool, dst_pool = (
+            (self.device_pool, self.host_pool) if to_cpu else (self.host_pool, self.device_pool)
+        )
+        assert max(d for _, d in src_to_dst) < dst_pool.shape[2], "swap target beyond its pool"
+        if copy_blocks(src_pool, dst_pool, src_to_dst, self.device):
+            self.num_swap_ooms += 1
 
 
 def resolve_kv_cache_dtype(

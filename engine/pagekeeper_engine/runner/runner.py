@@ -4,9 +4,9 @@ It consumes the scheduler's plain `SchedulerOutput`, turns it into packed tensor
 `AttentionMetadata`, runs the forward pass, computes logits only for the rows that are sampled,
 and returns plain token ids. It makes no scheduling decision of its own.
 
-`launch` enqueues a step and returns before the device has run it: the sampled ids stay on the
-device (the next step's placeholder inputs gather from them there) and travel to the host as
-`step_results.py` describes. `execute` is `launch(...).result()`.
+`launch` enqueues a step (`step_launch.py`) and returns before the device has run it: the
+sampled ids stay on the device (the next step's placeholder inputs gather from them there) and
+travel to the host as `step_results.py` describes. `execute` is `launch(...).result()`.
 
 Under tensor parallelism there is one runner per rank, each over its shard of the model and of
 every KV block (`model/shard.py`). Rank 0's runner, in the engine core, hands each step to
@@ -40,7 +40,6 @@ from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes
-from pagekeeper_engine.memory.swap import copy_blocks
 from pagekeeper_engine.model.gemv_choice import (
     FusionChoice,
     GemvChoice,
@@ -54,7 +53,13 @@ from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes, padding_forward
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
-from pagekeeper_engine.runner.kv_cache import describe_kv_scales, kv_layout, resolve_kv_cache_dtype
+from pagekeeper_engine.runner.kv_cache import (
+    KVPools,
+    describe_kv_scales,
+    kv_layout,
+    pool_shape,
+    resolve_kv_cache_dtype,
+)
 from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_faults import (
@@ -63,6 +68,7 @@ from pagekeeper_engine.runner.step_faults import (
     tensor_parallel_failure,
 )
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.step_launch import StepLauncher
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 
 logger = logging.getLogger(__name__)
@@ -99,7 +105,6 @@ class ModelRunner:
         self.followers = followers
         self.memory_budget: RankBudgets | None = None
         self._scratch: torch.Tensor | None = None
-        self.num_swap_ooms = 0  # swaps that ran out of device memory and fell back to a slow copy
         self._set_up_device()
         vocab_size = self._load(progress)
         # Before the memory profile and the graphs: they measure and capture the path chosen.
@@ -189,15 +194,17 @@ class ModelRunner:
             max_num_tokens=self.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
         )
-        self.graphs: StepGraphs | None = None  # captured once the KV cache is bound
+        self.steps = StepLauncher(  # its graphs are captured once the KV cache is bound
+            self.model,
+            self.inputs,
+            self.sampler,
+            self.sampler_buffers.logits if self.tp.is_first else None,
+            HostResultBuffers(self.device, config.max_num_seqs),
+            self.tp,
+        )
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
-        # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
-        # request's row in them: the next step's placeholder inputs come from there.
-        self._previous_sampled: torch.Tensor | None = None
         self._num_launched = 0
         self._fault_step = injected_fault_step(self.tp.rank, os.environ)
-        self._previous_rows: dict[str, int] = {}
-        self._results = HostResultBuffers(self.device, config.max_num_seqs)
         shapes = ProfileShapes(
             self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
         )
@@ -208,24 +215,21 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """The device pool of `num_gpu_blocks`, bound to the layers, and the swap pool."""
         config = self.config
-        # One pool for all layers: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-        # Zero-filled so a kernel that reads a whole block never meets NaN garbage.
-        self.kv_pool = torch.zeros(
-            self.pool_shape(self.num_gpu_blocks), dtype=self.kv_cache_dtype, device=self.device
-        )
-        self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self.kv_pool])
-        logger.info(describe_kv_scales(self.model.checkpoint_kv_scales, self.kv_cache_dtype))
-
         self.num_cpu_blocks = (
             config.num_cpu_blocks_override
             if config.num_cpu_blocks_override is not None
             else int(config.swap_space * 2**30) // self.bytes_per_block
         )
-        self.cpu_pool = torch.zeros(
-            self.pool_shape(self.num_cpu_blocks),
-            dtype=self.kv_cache_dtype,
-            pin_memory=self.device.type == "cuda",
+        self.pools = KVPools(
+            self.model_config,
+            self.block_size,
+            self.num_gpu_blocks,
+            self.num_cpu_blocks,
+            self.kv_cache_dtype,
+            self.device,
         )
+        self.model.bind_kv_cache(self.pools.layer_caches())
+        logger.info(describe_kv_scales(self.model.checkpoint_kv_scales, self.kv_cache_dtype))
         logger.info(
             "KV cache: %d device blocks, %d swap blocks of %d tokens, %s (%d bytes per block)",
             self.num_gpu_blocks,
@@ -256,9 +260,19 @@ class ModelRunner:
         the same cores)."""
         return self.device.type == "cuda"
 
-    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        cfg = self.model_config
-        return (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+    @property
+    def graphs(self) -> StepGraphs | None:
+        """The captured decode and mixed-step graphs (None while steps run eagerly)."""
+        return self.steps.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: StepGraphs | None) -> None:
+        self.steps.graphs = graphs
+
+    @property
+    def num_swap_ooms(self) -> int:
+        """Swaps that ran out of device memory and fell back to a slow copy."""
+        return self.pools.num_swap_ooms
 
     @property
     def memory_budget_bytes(self) -> list[dict[str, int]] | None:
@@ -274,7 +288,9 @@ class ModelRunner:
 
     def bind_scratch_cache(self, num_blocks: int) -> int:
         self._scratch = torch.zeros(
-            self.pool_shape(num_blocks), dtype=self.kv_cache_dtype, device=self.device
+            pool_shape(self.model_config, self.block_size, num_blocks),
+            dtype=self.kv_cache_dtype,
+            device=self.device,
         )
         self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self._scratch])
         return self._scratch.nbytes
@@ -318,10 +334,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
 
     def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
-        """Pack the step's sequences (decodes first) into tensors and attention metadata; a
-        step that a captured graph fits is padded to the graph's shape."""
-        padding = None if self.graphs is None else self.graphs.padding_for(seqs)
-        return self.inputs.build(seqs, padding)
+        """The step's packed inputs, as a launch builds them (`StepLauncher.prepare_inputs`)."""
+        return self.steps.prepare_inputs(seqs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply the step's swaps, run the forward pass, sample where asked, and wait.
@@ -372,66 +386,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput) -> PendingStep:
-        if out.blocks_to_swap_out:
-            self.swap_blocks(out.blocks_to_swap_out, to_cpu=True)
-        if out.blocks_to_swap_in:
-            self.swap_blocks(out.blocks_to_swap_in, to_cpu=False)
-        if not out.seqs:
-            return PendingStep(0, [], None, None)
-        padding = None if self.graphs is None else self.graphs.padding_for(out.seqs)
-        step = self.inputs.build(out.seqs, padding, self._previous_rows)
-        if step.placeholder_rows is not None:
-            assert self._previous_sampled is not None and step.placeholder_sources is not None
-            # the tokens the previous step sampled, into this step's input rows (in place: a
-            # graph reads input_ids at its captured address)
-            step.input_ids[step.placeholder_rows] = self._previous_sampled[step.placeholder_sources]
-        hidden = (  # (T, H)
-            self.model(step.input_ids, step.positions, step.meta)
-            if self.graphs is None
-            else self.graphs.forward(step)
-        )
-        if not step.sampled_seqs:
-            return PendingStep(len(out.seqs), [], None, None)
-        logits = self._logits(step, hidden)  # (N, V), the model's dtype; None on ranks > 0
-        picked = [out.seqs[i] for i in step.sampled_seqs]
-        if logits is None:  # rank > 0: rank 0 samples, and its ids come back here
-            token_ids = torch.empty(len(picked), dtype=torch.int64, device=self.device)
-            self.tp.broadcast_(token_ids)
-            self._previous_sampled = token_ids
-            self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
-            return PendingStep(len(out.seqs), [], None, None)
-        token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
-            logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
-        )
-        self.tp.broadcast_(token_ids)
-        self._previous_sampled = token_ids
-        self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
-        return self._results.send(len(out.seqs), step.sampled_seqs, packed)
-
-    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The sampled rows' logits: those the step's decode graph computed where it did."""
-        num_sampled = len(step.sampled_seqs)
-        if step.samples_leading_rows:
-            replayed = None if self.graphs is None else self.graphs.replayed_logits(step)
-            if replayed is not None:
-                return replayed[:num_sampled]
-            rows = hidden[:num_sampled]
-        else:
-            rows = hidden[step.sample_indices]
-        return self.model.compute_logits(
-            rows, self.sampler_buffers.logits if self.tp.is_first else None
-        )
-
-    @torch.inference_mode()
-    def swap_blocks(self, src_to_dst: Sequence[tuple[int, int]], *, to_cpu: bool) -> None:
-        """Copy whole blocks (every layer, keys and values) between the device and swap pools;
-        `num_swap_ooms` counts copies that found no device memory (see `memory.swap`)."""
-        if not src_to_dst:
-            return
-        limit = self.num_cpu_blocks if to_cpu else self.num_gpu_blocks
-        assert max(d for _, d in src_to_dst) < limit, "swap target beyond its pool"
-        src_pool, dst_pool = (
-            (self.kv_pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.kv_pool)
-        )
-        if copy_blocks(src_pool, dst_pool, src_to_dst, self.device):
-            self.num_swap_ooms += 1
+        self.pools.swap(out.blocks_to_swap_out, to_cpu=True)
+        self.pools.swap(out.blocks_to_swap_in, to_cpu=False)
+        return self.steps.launch(out.seqs)

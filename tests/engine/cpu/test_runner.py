@@ -35,14 +35,17 @@ def runner(checkpoint: Path) -> ModelRunner:
 
 def test_one_pool_with_per_layer_views(runner: ModelRunner) -> None:
     # 2 layers, k and v, 24 blocks of 8 tokens, 2 kv heads of 16.
-    assert runner.kv_pool.shape == (2, 2, 24, 8, 2, 16)
+    assert runner.pools.device_pool.shape == (2, 2, 24, 8, 2, 16)
     assert (runner.num_gpu_blocks, runner.num_cpu_blocks) == (24, 4)
-    assert runner.cpu_pool.shape == (2, 2, 4, 8, 2, 16) and not runner.cpu_pool.is_pinned()
+    assert (
+        runner.pools.host_pool.shape == (2, 2, 4, 8, 2, 16)
+        and not runner.pools.host_pool.is_pinned()
+    )
     assert runner.bytes_per_block == 2 * 2 * 8 * 2 * 16 * 4
     attn = runner.model.model.layers[1].self_attn
     assert attn.k_cache is not None and attn.v_cache is not None
-    assert attn.k_cache.data_ptr() == runner.kv_pool[1, 0].data_ptr()
-    assert attn.v_cache.data_ptr() == runner.kv_pool[1, 1].data_ptr()
+    assert attn.k_cache.data_ptr() == runner.pools.device_pool[1, 0].data_ptr()
+    assert attn.v_cache.data_ptr() == runner.pools.device_pool[1, 1].data_ptr()
     assert runner.dtype == torch.float32 and runner.eos_token_ids == frozenset({2})
     assert runner.memory_budget_bytes is None  # the block count was given
 
@@ -171,8 +174,8 @@ def test_swap_out_and_in_round_trip(runner: ModelRunner) -> None:
     runner.execute(
         SchedulerOutput(seqs=[], num_batched_tokens=0, blocks_to_swap_out=[(3, 1), (4, 0)])
     )
-    assert torch.equal(runner.cpu_pool[:, :, 1], runner.kv_pool[:, :, 3])
-    runner.kv_pool[:, :, [3, 4]] = 0.0  # the device blocks go to someone else meanwhile
+    assert torch.equal(runner.pools.host_pool[:, :, 1], runner.pools.device_pool[:, :, 3])
+    runner.pools.device_pool[:, :, [3, 4]] = 0.0  # the device blocks go to someone else meanwhile
     generated = [token]
     block_table = [10, 11, 12]
     swap_in = [(1, 10), (0, 11)]

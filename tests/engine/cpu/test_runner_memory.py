@@ -155,4 +155,4 @@ def test_the_profiles_scratch_cache_is_freed_when_released(checkpoint: Path) -> 
     gc.collect()
     assert scratch() is None
     # The real pool is bound again for serving.
-    runner.model.bind_kv_cache([(layer[0], layer[1]) for layer in runner.kv_pool])
+    runner.model.bind_kv_cache(runner.pools.layer_caches())

@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_the_cpu_reference(checkpoint: Path) -> None:
     runner = gpu_runner(checkpoint)
     assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4]
     # Capturing and first replays ran on padding rows only: nothing reached the KV cache.
-    assert runner.kv_pool.count_nonzero() == 0
+    assert runner.pools.device_pool.count_nonzero() == 0
     assert generate(runner, PROMPT_LENS, num_steps=12) == reference
 
 
@@ -109,8 +109,10 @@ def test_graph_replay_equals_eager(checkpoint: Path) -> None:
     assert generate(graphed, prompt_lens, num_steps=8) == generate(eager, prompt_lens, 8)
     # The same KV was written (splits differ, so not bit for bit), and the padding rows of the
     # graph wrote nothing: block 0 is still zero.
-    torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5)
-    assert graphed.kv_pool[:, :, 0].count_nonzero() == 0
+    torch.testing.assert_close(
+        graphed.pools.device_pool, eager.pools.device_pool, rtol=1e-5, atol=1e-5
+    )
+    assert graphed.pools.device_pool[:, :, 0].count_nonzero() == 0
 
 
 def generate_staggered(runner: ModelRunner, prompt_lens: list[int], num_steps: int) -> list[int]:
@@ -149,12 +151,14 @@ def test_mixed_steps_replayed_in_pieces_equal_eager(checkpoint: Path) -> None:
     eager = gpu_runner(checkpoint, enforce_eager=True, **fields)
     assert graphed.graphs is not None and graphed.graphs.piecewise.token_sizes == [16, 32, 64]
     # Capturing and first replays ran on padding rows only: nothing reached the KV cache.
-    assert graphed.kv_pool.count_nonzero() == 0
+    assert graphed.pools.device_pool.count_nonzero() == 0
 
     expected = generate_staggered(eager, prompt_lens, num_steps=10)
     assert generate_staggered(graphed, prompt_lens, num_steps=10) == expected
-    torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5)
-    assert graphed.kv_pool[:, :, 0].count_nonzero() == 0  # padding rows stored nothing
+    torch.testing.assert_close(
+        graphed.pools.device_pool, eager.pools.device_pool, rtol=1e-5, atol=1e-5
+    )
+    assert graphed.pools.device_pool[:, :, 0].count_nonzero() == 0  # padding rows stored nothing
 
 
 def test_graph_is_valid_past_the_lengths_it_was_captured_at(checkpoint: Path) -> None:

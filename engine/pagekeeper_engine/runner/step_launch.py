@@ -1,0 +1,106 @@
+"""One step's data path on the device, from scheduled sequences to sampled ids on their way to
+the host.
+
+The step's sequences are packed into tensors and attention metadata (`step_inputs`), padded to
+a captured graph's shape where one fits. A decode whose previous token was sampled by the step
+before it finds a placeholder in its input row: the previous step's ids are gathered into those
+rows on the device, so a step can be launched before the one before it has come back. The
+forward pass runs eagerly or as a graph replay, logits are computed only for the rows that are
+sampled (or taken from the replay that computed them), rank 0 samples, and under tensor
+parallelism the ids are broadcast so every rank's next step reads the same placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.model.llama import CausalLM
+from pagekeeper_engine.runner.cuda_graphs import StepGraphs
+from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
+
+
+class StepLauncher:
+    """Enqueues steps of one model (or rank's shard) on the device; `graphs` are the captured
+    ones, None while the runner runs eagerly."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        inputs: StepInputBuilder,
+        sampler: Sampler,
+        logits_out: torch.Tensor | None,  # where rank 0's logits go; None on the other ranks
+        results: HostResultBuffers,
+        tp: TensorParallelGroup,
+    ):
+        self.model = model
+        self.inputs = inputs
+        self.sampler = sampler
+        self.logits_out = logits_out
+        self.results = results
+        self.tp = tp
+        self.graphs: StepGraphs | None = None
+        # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
+        # request's row in them: the next step's placeholder inputs come from there.
+        self._previous_sampled: torch.Tensor | None = None
+        self._previous_rows: dict[str, int] = {}
+
+    def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
+        """Pack the step's sequences (decodes first) into tensors and attention metadata; a
+        step that a captured graph fits is padded to the graph's shape."""
+        padding = None if self.graphs is None else self.graphs.padding_for(seqs)
+        return self.inputs.build(seqs, padding)
+
+    @torch.inference_mode()
+    def launch(self, seqs: Sequence[ScheduledSeq]) -> PendingStep:
+        """Run the forward pass over `seqs` and sample where asked, without waiting."""
+        if not seqs:
+            return PendingStep(0, [], None, None)
+        padding = None if self.graphs is None else self.graphs.padding_for(seqs)
+        step = self.inputs.build(seqs, padding, self._previous_rows)
+        if step.placeholder_rows is not None:
+            assert self._previous_sampled is not None and step.placeholder_sources is not None
+            # the tokens the previous step sampled, into this step's input rows (in place: a
+            # graph reads input_ids at its captured address)
+            step.input_ids[step.placeholder_rows] = self._previous_sampled[step.placeholder_sources]
+        hidden = (  # (T, H)
+            self.model(step.input_ids, step.positions, step.meta)
+            if self.graphs is None
+            else self.graphs.forward(step)
+        )
+        if not step.sampled_seqs:
+            return PendingStep(len(seqs), [], None, None)
+        logits = self._logits(step, hidden)  # (N, V), the model's dtype; None on ranks > 0
+        picked = [seqs[i] for i in step.sampled_seqs]
+        if logits is None:  # rank > 0: rank 0 samples, and its ids come back here
+            token_ids = torch.empty(len(picked), dtype=torch.int64, device=hidden.device)
+            self.tp.broadcast_(token_ids)
+            self._remember(token_ids, picked)
+            return PendingStep(len(seqs), [], None, None)
+        token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
+            logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
+        )
+        self.tp.broadcast_(token_ids)
+        self._remember(token_ids, picked)
+        return self.results.send(len(seqs), step.sampled_seqs, packed)
+
+    def _remember(self, token_ids: torch.Tensor, picked: Sequence[ScheduledSeq]) -> None:
+        self._previous_sampled = token_ids
+        self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
+
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The sampled rows' logits: those the step's decode graph computed where it did."""
+        num_sampled = len(step.sampled_seqs)
+        if step.samples_leading_rows:
+            replayed = None if self.graphs is None else self.graphs.replayed_logits(step)
+            if replayed is not None:
+                return replayed[:num_sampled]
+            rows = hidden[:num_sampled]
+        else:
+            rows = hidden[step.sample_indices]
+        return self.model.compute_logits(rows, self.logits_out)
