@@ -88,7 +88,7 @@ def run_capacity(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     torch.cuda.reset_peak_memory_stats()
     # the worst case on the real pool: block ids stay within it
     for batch in worst_case_batches(shapes):
-        runner.run_profile_batch(batch.seqs, batch.num_sampled_rows)
+        runner.profile_target.run_profile_batch(batch.seqs, batch.num_sampled_rows)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     used = total - free

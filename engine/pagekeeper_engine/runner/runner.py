@@ -61,6 +61,7 @@ from pagekeeper_engine.runner.kv_cache import (
     resolve_kv_cache_dtype,
 )
 from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
+from pagekeeper_engine.runner.profile_target import RunnerProfileTarget
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 from pagekeeper_engine.runner.step_faults import (
     FatalOnFailure,
@@ -104,7 +105,6 @@ class ModelRunner:
         self.tp = tp if tp is not None else TensorParallelGroup()
         self.followers = followers
         self.memory_budget: RankBudgets | None = None
-        self._scratch: torch.Tensor | None = None
         self._set_up_device()
         vocab_size = self._load(progress)
         # Before the memory profile and the graphs: they measure and capture the path chosen.
@@ -208,8 +208,23 @@ class ModelRunner:
         shapes = ProfileShapes(
             self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
         )
+        self.profile_target = RunnerProfileTarget(
+            self.steps,
+            self.workspace.nbytes + self.sampler_buffers.nbytes,
+            lambda num_blocks: pool_shape(self.model_config, self.block_size, num_blocks),
+            self.kv_cache_dtype,
+            self.device,
+            self.capture_graphs,
+            self.release_graphs,
+        )
         self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(
-            self, config, self.tp, self.device, self.kv_layout, shapes, self.free_at_start
+            self.profile_target,
+            config,
+            self.tp,
+            self.device,
+            self.kv_layout,
+            shapes,
+            self.free_at_start,
         )
 
     def _allocate_kv_cache(self) -> None:
@@ -280,27 +295,6 @@ class ModelRunner:
         or on the CPU)."""
         return None if self.memory_budget is None else self.memory_budget.terms
 
-    # -- the start-up profile (driven by memory.profile) ------------------------------------
-
-    @property
-    def workspace_bytes(self) -> int:
-        return self.workspace.nbytes + self.sampler_buffers.nbytes
-
-    def bind_scratch_cache(self, num_blocks: int) -> int:
-        self._scratch = torch.zeros(
-            pool_shape(self.model_config, self.block_size, num_blocks),
-            dtype=self.kv_cache_dtype,
-            device=self.device,
-        )
-        self.model.bind_kv_cache([(layer[0], layer[1]) for layer in self._scratch])
-        return self._scratch.nbytes
-
-    def release_scratch_cache(self) -> None:
-        # The layers' views keep the scratch's storage alive: without unbinding them the real
-        # pool is allocated while the scratch is still held, beyond the budget.
-        self.model.unbind_kv_cache()
-        self._scratch = None
-
     def capture_graphs(self) -> int:
         """Capture the decode and mixed-step graphs over the bound KV cache; their pool's
         bytes (0 when this runner runs eagerly)."""
@@ -318,18 +312,6 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         self.graphs = None
-
-    @torch.inference_mode()
-    def run_profile_batch(self, seqs: Sequence[ScheduledSeq], num_sampled_rows: int) -> None:
-        step = self.prepare_inputs(seqs)
-        hidden = self.model(step.input_ids, step.positions, step.meta)  # (T, H)
-        rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(  # (num_sampled_rows, V); None on ranks > 0
-            hidden[rows], self.sampler_buffers.logits if self.tp.is_first else None
-        )
-        if logits is not None:
-            params = [seqs[i % len(seqs)].sampling for i in range(num_sampled_rows)]
-            self.sampler(logits, params, [0] * num_sampled_rows)
 
     # -- one step ----------------------------------------------------------------------------
 

@@ -168,16 +168,17 @@ def test_the_runner_profiles_its_worst_case_on_the_cpu(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, "llama")
     runner = make_runner(tmp_path, num_blocks=10, max_num_batched_tokens=96, max_num_seqs=5)
     shapes = ProfileShapes(96, 5, runner.max_model_len, runner.block_size)
+    target = runner.profile_target
     device = FakeDevice()
-    device.run_profile_batch = runner.run_profile_batch  # type: ignore[method-assign]
-    device.bind_scratch_cache = runner.bind_scratch_cache  # type: ignore[method-assign]
-    device.release_scratch_cache = runner.release_scratch_cache  # type: ignore[method-assign]
+    device.run_profile_batch = target.run_profile_batch  # type: ignore[method-assign]
+    device.bind_scratch_cache = target.bind_scratch_cache  # type: ignore[method-assign]
+    device.release_scratch_cache = target.release_scratch_cache  # type: ignore[method-assign]
     measured = measure_memory(device, device, shapes, free_at_start=99_000)
-    assert measured.weights == 1000 and runner._scratch is None
+    assert measured.weights == 1000 and target.scratch is None
     # 2 layers, k and v, 14 blocks (96 / 8 + 2 prompts), 8 slots, 2 heads of 16 floats
     assert num_scratch_blocks(shapes) == 14
-    assert runner.bind_scratch_cache(14) == 2 * 2 * 14 * 8 * 2 * 16 * 4
+    assert target.bind_scratch_cache(14) == 2 * 2 * 14 * 8 * 2 * 16 * 4
     attn = runner.model.model.layers[0].self_attn
     assert attn.k_cache is not None and attn.k_cache.shape == (14, 8, 2, 16)
     with pytest.raises(AssertionError, match="block table too short"):
-        runner.run_profile_batch([ScheduledSeq("x", [0] * 9, 0, [0], True, PROFILE_SAMPLING, 0)], 1)
+        target.run_profile_batch([ScheduledSeq("x", [0] * 9, 0, [0], True, PROFILE_SAMPLING, 0)], 1)

@@ -148,10 +148,11 @@ def test_runner_turns_torch_oom_into_device_oom(checkpoint: Path) -> None:
 def test_the_profiles_scratch_cache_is_freed_when_released(checkpoint: Path) -> None:
     """The layers' views must not keep the scratch alive: the real pool is allocated next."""
     runner = make_runner(checkpoint)
-    runner.bind_scratch_cache(8)
-    assert runner._scratch is not None
-    scratch = weakref.ref(runner._scratch)
-    runner.release_scratch_cache()
+    target = runner.profile_target
+    target.bind_scratch_cache(8)
+    assert target.scratch is not None
+    scratch = weakref.ref(target.scratch)
+    target.release_scratch_cache()
     gc.collect()
     assert scratch() is None
     # The real pool is bound again for serving.

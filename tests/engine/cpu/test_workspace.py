@@ -39,7 +39,7 @@ def test_the_runner_binds_one_workspace_at_its_token_budget(
     chunk = rows.cut.num_rows
     assert rows.cut.nbytes == chunk * vocab * (4 + 8 + 4 + 4 + 1) + vocab * 8 + chunk * 4
     assert rows.nbytes == planes + rows.cut.nbytes
-    assert runner.workspace_bytes == workspace.nbytes + rows.nbytes
+    assert runner.profile_target.workspace_bytes == workspace.nbytes + rows.nbytes
 
 
 def test_logits_and_noise_live_in_the_sampling_rows(
