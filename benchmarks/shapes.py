@@ -9,6 +9,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+# What every Llama 3.1 size shares: its vocabulary, 8 KV heads of 128, the llama3 rope scaling.
+_LLAMA_3_1: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
@@ -31,59 +56,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": 151645,
     },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
+        **_LLAMA_3_1,
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
     },
     # 141 GB of bf16 weights: the tensor-parallel runs' shape (`--tensor-parallel-size 4`).
     "llama-3.1-70b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
+        **_LLAMA_3_1,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": [128001, 128008, 128009],
     },
 }
 # What `--shape all` runs: the shapes whose weights fit one GPU.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from pagekeeper_engine.config import EngineConfig
@@ -28,6 +29,17 @@ from pagekeeper_engine.distributed.group import (
 )
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
+
+# The GPU tests' rank counts, each skipped on a host with fewer GPUs.
+GPU_RANK_COUNTS = [
+    pytest.param(
+        size,
+        marks=pytest.mark.skipif(
+            torch.cuda.device_count() < size, reason=f"needs {size} CUDA GPUs"
+        ),
+    )
+    for size in (2, 4)
+]
 
 NUM_GENERATED = 6
 RESULT_POLL_S = 1.0  # how often a wait for results looks for a rank that died

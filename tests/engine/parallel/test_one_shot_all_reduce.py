@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
-from tests.engine.parallel.ranks import spawn_ranks
+from tests.engine.parallel.ranks import GPU_RANK_COUNTS, spawn_ranks
 
 HIDDEN = 256
 ROWS = (1, 3, 64, 512)
@@ -68,18 +68,7 @@ def _rank(rank: int, size: int, port: int, results: Any) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(
-            size,
-            marks=pytest.mark.skipif(
-                torch.cuda.device_count() < size, reason=f"needs {size} CUDA GPUs"
-            ),
-        )
-        for size in (2, 4)
-    ],
-)
+@pytest.mark.parametrize("size", GPU_RANK_COUNTS)
 def test_one_shot_sums_what_nccl_sums_on_gpus(size: int) -> None:
     found = dict(spawn_ranks(_rank, size, (), size, RESULT_TIMEOUT_S))
     pairs = [(a, b) for a in range(size) for b in range(size) if a != b]

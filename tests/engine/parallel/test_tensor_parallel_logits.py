@@ -19,6 +19,7 @@ import torch
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import TOLERANCE, write_checkpoint
 from tests.engine.parallel.ranks import (
+    GPU_RANK_COUNTS,
     generate,
     packed_steps,
     run_rank,
@@ -85,18 +86,7 @@ def check_against_one_process(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param(
-            size,
-            marks=pytest.mark.skipif(
-                torch.cuda.device_count() < size, reason=f"needs {size} CUDA GPUs"
-            ),
-        )
-        for size in (2, 4)
-    ],
-)
+@pytest.mark.parametrize("size", GPU_RANK_COUNTS)
 def test_gpus_compute_what_one_computes(size: int, checkpoints: list[Path]) -> None:
     """NCCL, the Triton kernels and the decode graphs (each capturing its all-reduces), fp32;
     at 4 ranks the tiny models' 2 KV heads are replicated on pairs of ranks."""
