@@ -41,6 +41,10 @@ from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_paralle
 from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.runner.runner import ModelRunner
 
+ITL_TOKENS = 256  # tokens a batch-1 latency request generates
+# The long-context latency's prompt: with ITL_TOKENS it stays within W-nano's --max-model-len.
+LONG_ITL_PROMPT_TOKENS = 1700
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -79,14 +83,21 @@ def physical_floor(
     over N (at least one a rank); the all-reduces between the ranks are not counted here
     (`allreduce.py` measures them, and docs/benchmarks.md adds them)."""
     tp = tensor_parallel_size
-    kv_heads = -(-cfg["num_key_value_heads"] // tp)
-    kv_per_token = (2 * cfg["num_hidden_layers"] * kv_heads * cfg["head_dim"]) * kv_element_bytes
+    kv_per_token = kv_bytes_per_token(cfg, kv_element_bytes, tp)
     kv_reads = sum(  # decode step i of a request reads its prompt + i cached tokens
         n * len(p) + n * (n - 1) // 2 for p, n in zip(work.prompts, work.output_lens, strict=True)
     )
     weight_bytes = weight_bytes_per_step(cfg) / tp * max(work.output_lens)
     prefill = prefill_flops(cfg, (len(p) for p in work.prompts)) / tp
     return float((weight_bytes + kv_reads * kv_per_token) / bandwidth + prefill / rate)
+
+
+def kv_bytes_per_token(
+    cfg: dict[str, Any], kv_element_bytes: int = 2, tensor_parallel_size: int = 1
+) -> int:
+    """One token's keys and values in every layer, on one rank (its KV heads, at least one)."""
+    kv_heads = -(-cfg["num_key_value_heads"] // tensor_parallel_size)
+    return 2 * cfg["num_hidden_layers"] * kv_heads * cfg["head_dim"] * kv_element_bytes
 
 
 def write_checkpoint(shape: str, root: Path) -> Path:
@@ -233,12 +244,12 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     }
 
 
-def batch1_itl(engine: LLMEngine, num_tokens: int = 256) -> float:
-    """Median seconds between consecutive tokens of a lone request."""
+def batch1_itl(engine: LLMEngine, num_tokens: int = ITL_TOKENS, prompt_tokens: int = 128) -> float:
+    """Median seconds between consecutive tokens of a lone request after a prompt of
+    `prompt_tokens`."""
     assert not engine.has_work(), "batch-1 latency needs an idle engine"
-    engine.add_request(
-        "itl", list(range(1000, 1128)), SamplingParams(max_tokens=num_tokens, ignore_eos=True)
-    )
+    prompt = list(range(1000, 1000 + prompt_tokens))
+    engine.add_request("itl", prompt, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
     stamps = []
     # A token reaches the host only once the device has sampled it; no extra synchronisation
     # (it would stall the step an overlapped loop has already launched).
@@ -422,7 +433,11 @@ def main() -> None:
         help="shapes to also run through the transformers continuous-batching peer",
     )
     parser.add_argument("--peer-time-limit", type=float, default=300.0)
-    parser.add_argument("--itl", action="store_true", help="batch-1 inter-token latency too")
+    parser.add_argument(
+        "--itl",
+        action="store_true",
+        help="batch-1 inter-token latency too, after a 128-token and a 1,700-token prompt",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=16)
@@ -491,10 +506,15 @@ def main() -> None:
             }
             print_row(row, work)
             if args.itl:
+                tp = args.tensor_parallel_size
                 row["itl_s"] = batch1_itl(engine)
-                row["itl_floor_s"] = (
-                    weight_bytes_per_step(SHAPES[shape]) / args.tensor_parallel_size / bandwidth
+                row["itl_floor_s"] = weight_bytes_per_step(SHAPES[shape]) / tp / bandwidth
+                # After a long prompt a step also reads its context's KV (its mean over the run).
+                row["itl_long_s"] = batch1_itl(engine, prompt_tokens=LONG_ITL_PROMPT_TOKENS)
+                kv_bytes = (LONG_ITL_PROMPT_TOKENS + ITL_TOKENS // 2) * kv_bytes_per_token(
+                    SHAPES[shape], start["kv_cache_element_bytes"], tp
                 )
+                row["itl_long_floor_s"] = row["itl_floor_s"] + kv_bytes / bandwidth
                 print_itl(row)
             if args.profile:
                 profile_decode(engine, args.max_num_seqs, args.trace)
@@ -543,10 +563,13 @@ def print_row(row: dict[str, Any], work: Workload) -> None:
 
 
 def print_itl(row: dict[str, Any]) -> None:
+    short, long = row["itl_s"], row["itl_long_s"]
+    floor, long_floor = row["itl_floor_s"], row["itl_long_floor_s"]
     print(
-        f"  batch-1 inter-token latency {row['itl_s'] * 1e3:.2f} ms, floor "
-        f"{row['itl_floor_s'] * 1e3:.2f} ms{_per_rank(row)} "
-        f"({row['itl_s'] / row['itl_floor_s']:.2f}x)"
+        f"  batch-1 inter-token latency {short * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms"
+        f"{_per_rank(row)} ({short / floor:.2f}x); after a {LONG_ITL_PROMPT_TOKENS:,}-token "
+        f"prompt {long * 1e3:.2f} ms, floor with its KV reads {long_floor * 1e3:.2f} ms "
+        f"({long / long_floor:.2f}x)"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.shapes import ONE_GPU_SHAPES, SHAPES, weight_bytes_per_step
-from benchmarks.throughput import physical_floor, w_nano
+from benchmarks.throughput import kv_bytes_per_token, physical_floor, w_nano
 
 BANDWIDTH, RATE = 4.0e12, 8.0e14
 
@@ -36,3 +36,12 @@ def test_the_70b_shape_reads_its_parameters_a_step() -> None:
     read = weight_bytes_per_step(SHAPES["llama-3.1-70b"])
     assert 69.4e9 < read / 2 < 69.6e9
     assert set(ONE_GPU_SHAPES) < set(SHAPES) and "llama-3.1-70b" not in ONE_GPU_SHAPES
+
+
+def test_a_tokens_kv_bytes_per_rank() -> None:
+    cfg = SHAPES["llama-3.1-8b"]  # 32 layers, keys and values, 8 heads of 128
+    assert kv_bytes_per_token(cfg) == 2 * 32 * 8 * 128 * 2
+    assert kv_bytes_per_token(cfg, kv_element_bytes=1) == 2 * 32 * 8 * 128
+    assert kv_bytes_per_token(cfg, tensor_parallel_size=2) == 2 * 32 * 4 * 128 * 2
+    # more ranks than KV heads: each rank still holds one whole head
+    assert kv_bytes_per_token(cfg, tensor_parallel_size=16) == 2 * 32 * 1 * 128 * 2
