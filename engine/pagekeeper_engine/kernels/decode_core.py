@@ -21,21 +21,27 @@ def split_range(
     seq_len,
     split,
     num_splits,
-    min_split_tokens,
+    short_split_tokens,
+    long_split_tokens,
     BLOCK_N: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
+    SHORT_SPLITS: tl.constexpr,
 ):
     """(live, start, end): how many splits this sequence uses, and this split's token range.
 
     Each split covers a whole number of BLOCK_N tiles, an even share of the context over the
     launch's splits. With the reduce fused, a sequence shorter than the splits were chosen for
     (a CUDA graph fixes them for its longest context) gives each split at least
-    `min_split_tokens` and uses only the splits its tokens reach, at least one; the others get
-    an empty range."""
+    `short_split_tokens` while it fits in SHORT_SPLITS of them, else at least
+    `long_split_tokens`, and uses only the splits its tokens reach, at least one; the others
+    get an empty range. (Short splits run a short context's chains of dependent loads side by
+    side; over a long one, the combine's pass over their partials costs more than that saves.)"""
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     live = num_splits
     if FUSED_REDUCE:
-        split_len = tl.maximum(split_len, tl.cdiv(min_split_tokens, BLOCK_N) * BLOCK_N)
+        short = tl.cdiv(short_split_tokens, BLOCK_N) * BLOCK_N
+        long = tl.cdiv(long_split_tokens, BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(split_len, tl.where(seq_len <= SHORT_SPLITS * short, short, long))
         live = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)

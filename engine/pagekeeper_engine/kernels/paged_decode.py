@@ -40,13 +40,32 @@ MAX_SPLITS = 32
 # A launch's splits: one per 128 tokens of its longest context (a CUDA graph's is the model's
 # length), while (sequence, KV head) programs leave the GPU under-filled (`choose_num_splits`).
 LAUNCH_TOKENS_PER_SPLIT = 128
-# How short a split may get at a shorter context, where a split's serial tiles (each a chain of
-# dependent loads from DRAM) trade off against the combine's pass over more partials. In the
-# engine at batch 1 on an H200, 64 tokens took 45-50 us off a Qwen3-0.6B step and ~20 us off a
-# Llama-3.1-8B one at 128-428-token contexts against 128, and no split count grew at 1,700-2,000
-# tokens (docs/benchmarks.md, run 22; run 21's sweep, which favoured 128, timed a KV cache
-# that stayed in L2).
-MIN_TOKENS_PER_SPLIT = 64
+# How many short splits a context may take before it takes long ones (`SplitRule`).
+SHORT_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How long a split is at a sequence's own length, with the reduce fused
+    (`decode_core.split_range`): at least `short_tokens` while the context fits `SHORT_SPLITS`
+    of them, else at least `long_tokens`.
+
+    A split's serial tiles are each a chain of dependent loads from DRAM, and more splits run
+    those chains side by side; the combine then passes over more partials. In the engine at
+    batch 1 on an H200, 64-token splits took 45-50 us off a Qwen3-0.6B step and ~20 us off a
+    Llama-3.1-8B one at 128-428-token contexts, against 128; at 1,700-2,000 tokens 32 splits of
+    64 cost 55-80 us a step against 16 of 128 (docs/benchmarks.md, run 22; run 21's sweep, which
+    favoured 128 everywhere, timed a KV cache that stayed in L2). So the short splits stop at 8
+    of them, within what was measured."""
+
+    short_tokens: int = 64
+    long_tokens: int = LAUNCH_TOKENS_PER_SPLIT
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.short_tokens <= self.long_tokens, f"split tokens out of order: {self}"
+
+
+SPLIT_RULE = SplitRule()  # what the engine's decode launches use
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py). The
@@ -54,7 +73,8 @@ MIN_TOKENS_PER_SPLIT = 64
 # compile-time constant it would compile a variant per count in the middle of serving.
 STEP_VARYING = (
     "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits",
-    "min_split_tokens",
+    "short_split_tokens",
+    "long_split_tokens",
 )  # fmt: skip
 
 
@@ -77,7 +97,8 @@ def _paged_decode_kernel(
     scale_log2,  # softmax scale * log2(e) (* an FP8 cache's key scale): scores go through exp2
     v_scale,  # an FP8 cache's value scale (1.0 otherwise): the output's factor
     num_splits,  # programs along the context (axis 2), >= 2 exactly when IS_SPLIT
-    min_split_tokens,  # FUSED_REDUCE: the fewest tokens a split covers (`split_range`)
+    short_split_tokens,  # FUSED_REDUCE: the fewest tokens a split covers (`SplitRule`)
+    long_split_tokens,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -86,6 +107,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
+    SHORT_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # an FP8 cache: the dots run in fp16 (FP8 widens to it natively)
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent: wait before any access
@@ -98,7 +120,14 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     live, start, end = split_range(
-        seq_len, split, num_splits, min_split_tokens, BLOCK_N, FUSED_REDUCE
+        seq_len,
+        split,
+        num_splits,
+        short_split_tokens,
+        long_split_tokens,
+        BLOCK_N,
+        FUSED_REDUCE,
+        SHORT_SPLITS,
     )
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -148,20 +177,20 @@ def paged_decode(
     split_counters: torch.Tensor | None = None,  # (>= B * num_kv_heads,) int32, all zero
     k_scale: float = 1.0,  # the cache holds value / scale: keys and values are that times it
     v_scale: float = 1.0,
-    min_split_tokens: int = MIN_TOKENS_PER_SPLIT,
+    split_rule: SplitRule = SPLIT_RULE,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its `seq_lens[b]` cached tokens.
 
     With `split_counters` (zeros, left zero) the splits are combined inside the one launch;
-    without, by a second kernel. Same arithmetic either way. With the fused reduce a split covers
-    at least `min_split_tokens` and a sequence uses only the splits its tokens reach, so a
-    launch whose split count was chosen for a longer context wastes no work on a short one. `pdl`
+    without, by a second kernel. Same arithmetic either way. With the fused reduce a split is as
+    long as `split_rule` says at the sequence's length and a sequence uses only the splits its
+    tokens reach, so a launch whose split count was chosen for a longer context wastes no work
+    on a short one. `pdl`
     launches it as a programmatic dependent of the kernel before it (Hopper and later).
     """
     launch = prepare_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n,
-        min_split_tokens, split_counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n, split_counters,
     )  # fmt: skip
     if launch.num_seqs == 0:
         return launch.out
@@ -183,7 +212,8 @@ def paged_decode(
         scale * LOG2_E * k_scale,
         v_scale,
         num_splits,
-        min_split_tokens,
+        split_rule.short_tokens,
+        split_rule.long_tokens,
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -221,7 +251,6 @@ def prepare_decode(
     out: torch.Tensor | None,
     num_splits: int,
     block_n: int,
-    min_split_tokens: int,
     split_counters: torch.Tensor | None,
 ) -> DecodeLaunch:
     """Check a decode launch's arguments (`paged_decode`'s) and make its output and partials."""
@@ -246,7 +275,6 @@ def prepare_decode(
     check_device("out", out, k_cache.device)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside [1, {MAX_SPLITS}]"
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} not a power of 2"
-    assert min_split_tokens >= 1, f"min_split_tokens {min_split_tokens} < 1"
     if split_counters is not None:
         check_index_tensor("split_counters", split_counters, 1, torch.int32)
         check_device("split_counters", split_counters, k_cache.device)
@@ -280,6 +308,7 @@ def prepare_decode(
             "BLOCK_N": block_n,
             "IS_SPLIT": num_splits > 1,
             "FUSED_REDUCE": fused_reduce,
+            "SHORT_SPLITS": SHORT_SPLITS,
             "DOT_PRECISION": dot_precision(q.dtype),
             "KV_FP8": k_cache.dtype == FP8_CACHE_DTYPE,
         },

@@ -23,7 +23,7 @@ from pagekeeper_engine.kernels import check_device
 from pagekeeper_engine.kernels.decode_core import attend_tiles, finish_split, split_range
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.kv_write import check_kv_write, check_qk_norm
-from pagekeeper_engine.kernels.paged_decode import MIN_TOKENS_PER_SPLIT, prepare_decode
+from pagekeeper_engine.kernels.paged_decode import SPLIT_RULE, SplitRule, prepare_decode
 from pagekeeper_engine.kernels.paged_kv import LOG2_E
 from pagekeeper_engine.kernels.rms_norm import rms_norm_halves
 from pagekeeper_engine.kernels.rotary import (
@@ -36,7 +36,7 @@ from pagekeeper_engine.kernels.rotary import (
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
 STEP_VARYING = (
     "positions_ptr", "slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr", "counters_ptr",
-    "block_table_stride", "num_splits", "min_split_tokens",
+    "block_table_stride", "num_splits", "short_split_tokens", "long_split_tokens",
 )  # fmt: skip
 
 
@@ -74,7 +74,8 @@ def _rotary_decode_kernel(
     v_scale,  # the output's factor (the cache's value scale)
     norm_eps,
     num_splits,
-    min_split_tokens,
+    short_split_tokens,
+    long_split_tokens,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -83,6 +84,7 @@ def _rotary_decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
+    SHORT_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
@@ -97,7 +99,14 @@ def _rotary_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     live, start, end = split_range(
-        seq_len, split, num_splits, min_split_tokens, BLOCK_N, FUSED_REDUCE
+        seq_len,
+        split,
+        num_splits,
+        short_split_tokens,
+        long_split_tokens,
+        BLOCK_N,
+        FUSED_REDUCE,
+        SHORT_SPLITS,
     )
     position = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
@@ -166,7 +175,7 @@ def rotary_decode(
     q_norm_weight: torch.Tensor | None = None,  # Qwen3's q/k norm, as `rotate_and_write_kv`
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
-    min_split_tokens: int = MIN_TOKENS_PER_SPLIT,
+    split_rule: SplitRule = SPLIT_RULE,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`rotate_and_write_kv` of one decode token per sequence, then `paged_decode` of the
@@ -179,8 +188,7 @@ def rotary_decode(
         check_device(name, tensor, k_cache.device)
     has_qk_norm = check_qk_norm(q, q_norm_weight, k_norm_weight, norm_eps)
     launch = prepare_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n,
-        min_split_tokens, split_counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n, split_counters,
     )  # fmt: skip
     if launch.num_seqs == 0:
         return launch.out
@@ -194,7 +202,7 @@ def rotary_decode(
         launch.out.stride(0), launch.out.stride(1), block_tables.stride(0),
         scale * LOG2_E * k_scale, 1.0 / k_scale, 1.0 / v_scale, v_scale,
         norm_eps if norm_eps is not None else 0.0,
-        num_splits, min_split_tokens,
+        num_splits, split_rule.short_tokens, split_rule.long_tokens,
         HAS_QK_NORM=has_qk_norm,
         USE_PDL=pdl,
         num_warps=num_warps,

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from pagekeeper_engine.kernels.paged_decode import choose_num_splits, paged_decode
+from pagekeeper_engine.kernels.paged_decode import SplitRule, choose_num_splits, paged_decode
 from pagekeeper_engine.kernels.reference import paged_decode_ref
 from tests.engine.kernels.paged_cases import (
     TOLERANCE,
@@ -179,10 +179,14 @@ def test_paged_decode_rejects_bad_inputs(change: str, message: str, device: torc
         (8, 1, 128, 32, torch.float16, 5),
     ],
 )
-# 1: every sequence uses every split it has tokens for, as the reduce kernel's launch does;
-# 32: at 5 or more splits the sequences of 1..129 tokens use 1, 1, 2, 3 and 5 live splits, the
-# 1-token and 17-token ones write `out` directly; 24: a split is still two 16-token tiles.
-@pytest.mark.parametrize("min_split_tokens", [1, 24, 32])
+# (1, 1): every sequence uses every split it has tokens for, as the reduce kernel's launch does;
+# (32, 128): at 5 or more splits the sequences of 1..129 tokens use 1, 1, 2, 3 and 5 live
+# splits, the 1-token and 17-token ones write `out` directly; (24, 128): a split is still two
+# 16-token tiles; (8, 32): splits of one 16-token tile up to 128 tokens, so 129 tokens take the
+# long rule, 5 splits of 32.
+@pytest.mark.parametrize(
+    "split_rule", [SplitRule(1, 1), SplitRule(24, 128), SplitRule(32, 128), SplitRule(8, 32)]
+)
 def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
     group: int,
     num_kv_heads: int,
@@ -190,7 +194,7 @@ def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
     block_size: int,
     dtype: torch.dtype,
     num_splits: int,
-    min_split_tokens: int,
+    split_rule: SplitRule,
     device: torch.device,
     generator: torch.Generator,
 ) -> None:
@@ -213,13 +217,13 @@ def test_in_launch_reduce_matches_reference_and_leaves_counters_zero(
         paged_decode(
             q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale, out=out,
             num_splits=num_splits, block_n=16, split_counters=counters,
-            min_split_tokens=min_split_tokens,
+            split_rule=split_rule,
         )  # fmt: skip
         assert not out.isnan().any(), "some output element was never written"
         error = relative_error(out, ref)
         assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
         assert torch.equal(counters, torch.zeros_like(counters))
-    if min_split_tokens == 1:
+    if split_rule == SplitRule(1, 1):
         # Same partials, combined by the same code as the reduce kernel's.
         torch.testing.assert_close(out, two_launches, rtol=1e-6, atol=1e-6)
 

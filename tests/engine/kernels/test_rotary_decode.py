@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.kernels.kv_write import rotate_and_write_kv
-from pagekeeper_engine.kernels.paged_decode import paged_decode
+from pagekeeper_engine.kernels.paged_decode import SplitRule, paged_decode
 from pagekeeper_engine.kernels.rotary_decode import rotary_decode
 from tests.engine.kernels.paged_cases import (
     PagedCache,
@@ -124,7 +124,7 @@ def _both(
     cache, q, k, v, norm = case.cache, case.q, case.k, case.v, case.norm
     scale = q.shape[2] ** -0.5
     counters = torch.zeros(64, dtype=torch.int32, device=q.device)
-    splits = {"num_splits": num_splits, "min_split_tokens": min_split_tokens}
+    splits = {"num_splits": num_splits, "split_rule": SplitRule(short_tokens=min_split_tokens)}
     scales = {"k_scale": k_scale, "v_scale": v_scale}
 
     k_two, v_two, q_two = cache.k_cache.clone(), cache.v_cache.clone(), q.clone()
