@@ -17,9 +17,8 @@ from pagekeeper_engine.kernels.paged_kv import gather_kv_offsets
 
 
 @triton.jit
-def split_range(
-    seq_len,
-    split,
+def decode_program(
+    seq_lens_ptr,
     num_splits,
     short_split_tokens,
     long_split_tokens,
@@ -27,15 +26,20 @@ def split_range(
     FUSED_REDUCE: tl.constexpr,
     SHORT_SPLITS: tl.constexpr,
 ):
-    """(live, start, end): how many splits this sequence uses, and this split's token range.
+    """This program of a decode grid (sequences, KV heads, splits): (seq, kv_head, split,
+    seq_len, live, start, end), where live is how many splits the sequence uses and
+    start..end this split's tokens.
 
     Each split covers a whole number of BLOCK_N tiles, an even share of the context over the
     launch's splits. With the reduce fused, a sequence shorter than the splits were chosen for
     (a CUDA graph fixes them for its longest context) gives each split at least
     `short_split_tokens` while it fits in SHORT_SPLITS of them, else at least
-    `long_split_tokens`, and uses only the splits its tokens reach, at least one; the others
-    get an empty range. (Short splits run a short context's chains of dependent loads side by
-    side; over a long one, the combine's pass over their partials costs more than that saves.)"""
+    `long_split_tokens` (`paged_decode.SplitRule`), and uses only the splits its tokens reach,
+    at least one; the others get an empty range."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     live = num_splits
     if FUSED_REDUCE:
@@ -45,7 +49,7 @@ def split_range(
         live = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    return live, start, end
+    return seq, kv_head, split, seq_len, live, start, end
 
 
 @triton.jit

@@ -32,7 +32,7 @@ from pagekeeper_engine.kernels import (
     dot_precision,
     next_power_of_2,
 )
-from pagekeeper_engine.kernels.decode_core import attend_tiles, finish_split, split_range
+from pagekeeper_engine.kernels.decode_core import attend_tiles, decode_program, finish_split
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.paged_kv import LOG2_E
 
@@ -47,7 +47,7 @@ SHORT_SPLITS = 8
 @dataclass(frozen=True)
 class SplitRule:
     """How long a split is at a sequence's own length, with the reduce fused
-    (`decode_core.split_range`): at least `short_tokens` while the context fits `SHORT_SPLITS`
+    (`decode_core.decode_program`): at least `short_tokens` while the context fits `SHORT_SPLITS`
     of them, else at least `long_tokens`.
 
     A split's serial tiles are each a chain of dependent loads from DRAM, and more splits run
@@ -115,20 +115,10 @@ def _paged_decode_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    live, start, end = split_range(
-        seq_len,
-        split,
-        num_splits,
-        short_split_tokens,
-        long_split_tokens,
-        BLOCK_N,
-        FUSED_REDUCE,
+    seq, kv_head, split, _, live, start, end = decode_program(
+        seq_lens_ptr, num_splits, short_split_tokens, long_split_tokens, BLOCK_N, FUSED_REDUCE,
         SHORT_SPLITS,
-    )
+    )  # fmt: skip
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g

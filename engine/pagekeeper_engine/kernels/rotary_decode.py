@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import check_device
-from pagekeeper_engine.kernels.decode_core import attend_tiles, finish_split, split_range
+from pagekeeper_engine.kernels.decode_core import attend_tiles, decode_program, finish_split
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.kv_write import check_kv_write, check_qk_norm
 from pagekeeper_engine.kernels.paged_decode import SPLIT_RULE, SplitRule, prepare_decode
@@ -94,20 +94,10 @@ def _rotary_decode_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     HALF: tl.constexpr = HEAD_DIM // 2
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    live, start, end = split_range(
-        seq_len,
-        split,
-        num_splits,
-        short_split_tokens,
-        long_split_tokens,
-        BLOCK_N,
-        FUSED_REDUCE,
+    seq, kv_head, split, seq_len, live, start, end = decode_program(
+        seq_lens_ptr, num_splits, short_split_tokens, long_split_tokens, BLOCK_N, FUSED_REDUCE,
         SHORT_SPLITS,
-    )
+    )  # fmt: skip
     position = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * HALF + offs_half)[None, :]  # (1, HALF) fp32

@@ -1,4 +1,4 @@
-"""The decode split rule (`decode_core.split_range` with `paged_decode.SplitRule`), exactly: how
+"""The decode split rule (`decode_core.decode_program` with `paged_decode.SplitRule`), exactly: how
 many splits a sequence uses and where each starts, at the engine's tile of 64 tokens."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels.decode_core import split_range
+from pagekeeper_engine.kernels.decode_core import decode_program
 from pagekeeper_engine.kernels.paged_decode import SHORT_SPLITS, SPLIT_RULE, SplitRule
 
 BLOCK_N = 64  # `paged_decode`'s and `rotary_decode`'s default tile
@@ -25,12 +25,10 @@ def _ranges_kernel(
     FUSED_REDUCE: tl.constexpr,
     SHORT_SPLITS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    live, start, end = split_range(
-        seq_len, split, num_splits, short_split_tokens, long_split_tokens, BLOCK_N,
-        FUSED_REDUCE, SHORT_SPLITS,
+    # A decode grid of one KV head: what each split program of each sequence would cover.
+    seq, _, split, _, live, start, end = decode_program(
+        seq_lens_ptr, num_splits, short_split_tokens, long_split_tokens, BLOCK_N, FUSED_REDUCE,
+        SHORT_SPLITS,
     )  # fmt: skip
     row = out_ptr + (seq * num_splits + split) * 3
     tl.store(row, live)
@@ -44,7 +42,7 @@ def _ranges(
     """Each sequence's live splits and the (start, end) of those that hold tokens."""
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.full((len(seq_lens), num_splits, 3), -1, dtype=torch.int32, device=device)
-    _ranges_kernel[(len(seq_lens), num_splits)](
+    _ranges_kernel[(len(seq_lens), 1, num_splits)](
         lens, out, num_splits, rule.short_tokens, rule.long_tokens,
         BLOCK_N=BLOCK_N, FUSED_REDUCE=fused, SHORT_SPLITS=SHORT_SPLITS,
     )  # fmt: skip
