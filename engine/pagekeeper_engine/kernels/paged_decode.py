@@ -73,8 +73,7 @@ SPLIT_RULE = SplitRule()  # what the engine's decode launches use
 # compile-time constant it would compile a variant per count in the middle of serving.
 STEP_VARYING = (
     "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "block_table_stride", "num_splits",
-    "short_split_tokens",
-    "long_split_tokens",
+    "short_split_tokens", "long_split_tokens",
 )  # fmt: skip
 
 
@@ -176,8 +175,8 @@ def paged_decode(
     without, by a second kernel. Same arithmetic either way. With the fused reduce a split is as
     long as `split_rule` says at the sequence's length and a sequence uses only the splits its
     tokens reach, so a launch whose split count was chosen for a longer context wastes no work
-    on a short one. `pdl`
-    launches it as a programmatic dependent of the kernel before it (Hopper and later).
+    on a short one. `pdl` launches it as a programmatic dependent of the kernel before it
+    (Hopper and later).
     """
     launch = prepare_decode(
         q, k_cache, v_cache, block_tables, seq_lens, out, num_splits, block_n, split_counters,

@@ -24,6 +24,7 @@ from pagekeeper_engine.kernels.decode_core import attend_tiles, decode_program, 
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.kv_write import check_kv_write, check_qk_norm
 from pagekeeper_engine.kernels.paged_decode import SPLIT_RULE, SplitRule, prepare_decode
+from pagekeeper_engine.kernels.paged_decode import STEP_VARYING as DECODE_STEP_VARYING
 from pagekeeper_engine.kernels.paged_kv import LOG2_E
 from pagekeeper_engine.kernels.rms_norm import rms_norm_halves
 from pagekeeper_engine.kernels.rotary import (
@@ -33,11 +34,9 @@ from pagekeeper_engine.kernels.rotary import (
     store_rotated,
 )
 
-# Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
-STEP_VARYING = (
-    "positions_ptr", "slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr", "counters_ptr",
-    "block_table_stride", "num_splits", "short_split_tokens", "long_split_tokens",
-)  # fmt: skip
+# Arguments whose alignment or value changes from step to step (see kernels/__init__.py): the
+# decode kernel's, and this step's positions and slots.
+STEP_VARYING = (*DECODE_STEP_VARYING, "positions_ptr", "slot_mapping_ptr")
 
 
 @triton.jit(do_not_specialize=STEP_VARYING)

@@ -141,6 +141,21 @@ class _Tables:
         )
 
 
+def _random_tables(device: torch.device, generator: torch.Generator) -> _Tables:
+    """Tables of 400 positions at angles of 0-6 radians (head_dim 64)."""
+    angles = torch.rand((400, 32), generator=generator, device=device) * 6
+    return _Tables(angles.cos(), angles.sin())
+
+
+def _far_qk_norm(dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> QKNorm:
+    """q/k norm weights far from 1 (head_dim 64), so a missing norm cannot pass."""
+    return QKNorm(
+        q_weight=(torch.rand(64, generator=generator, device=device) + 0.5).to(dtype),
+        k_weight=(torch.rand(64, generator=generator, device=device) * 2 - 1).to(dtype),
+        eps=1e-6,
+    )
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 )
@@ -188,16 +203,11 @@ def test_forward_rotary_with_qk_norm_matches_the_torch_backend(
     `forward`): the same cache and attention, and q normed and rotated in place."""
     step = _mixed_step(16, 2, 4, 64, dtype, device, generator)
     cache, meta = step.cache, step.meta
-    angles = torch.rand((400, 32), generator=generator, device=device) * 6
-    tables = _Tables(angles.cos(), angles.sin())
+    tables = _random_tables(device, generator)
     positions = torch.randint(0, 400, (step.q.shape[0],), generator=generator, device=device)
     # Rows far from unit RMS and weights far from 1, so a missing norm cannot pass.
     q, k = 4 * step.q, 4 * step.k
-    qk_norm = QKNorm(
-        q_weight=(torch.rand(64, generator=generator, device=device) + 0.5).to(dtype),
-        k_weight=(torch.rand(64, generator=generator, device=device) * 2 - 1).to(dtype),
-        eps=1e-6,
-    )
+    qk_norm = _far_qk_norm(dtype, device, generator)
     ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
     ref = TorchRefBackend().forward_rotary(
         q.clone(), k.clone(), step.v, positions, tables, ref_k_cache, ref_v_cache, meta, 0.125,
@@ -233,15 +243,10 @@ def test_forward_rotary_of_decodes_alone_matches_the_torch_backend(
     cache and attention, and q as projected, not rotated in place."""
     step = _mixed_step(16, 2, 4, 64, dtype, device, generator, decodes_only=True)
     cache, meta = step.cache, step.meta
-    angles = torch.rand((400, 32), generator=generator, device=device) * 6
-    tables = _Tables(angles.cos(), angles.sin())
+    tables = _random_tables(device, generator)
     positions = cache.seq_lens.long() - 1
     q, k = 4 * step.q, 4 * step.k
-    qk_norm = QKNorm(
-        q_weight=(torch.rand(64, generator=generator, device=device) + 0.5).to(dtype),
-        k_weight=(torch.rand(64, generator=generator, device=device) * 2 - 1).to(dtype),
-        eps=1e-6,
-    )
+    qk_norm = _far_qk_norm(dtype, device, generator)
     ref_k_cache, ref_v_cache = cache.k_cache.clone(), cache.v_cache.clone()
     ref = TorchRefBackend().forward_rotary(
         q.clone(), k.clone(), step.v, positions, tables, ref_k_cache, ref_v_cache, meta, 0.125,
@@ -271,8 +276,7 @@ def test_forward_rotary_of_many_decodes_writes_then_attends(
 
     step = _mixed_step(16, 2, 4, 64, torch.float32, device, generator, decodes_only=True)
     cache, meta = step.cache, step.meta
-    angles = torch.rand((400, 32), generator=generator, device=device) * 6
-    tables = _Tables(angles.cos(), angles.sin())
+    tables = _random_tables(device, generator)
     positions = cache.seq_lens.long() - 1
     backend = TritonAttentionBackend(num_sms=4)
     k_one, v_one, q_one = cache.k_cache.clone(), cache.v_cache.clone(), step.q.clone()
