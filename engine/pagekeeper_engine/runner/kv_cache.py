@@ -35,7 +35,6 @@ class KVPools:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.device = device
         self.device_pool = torch.zeros(
             pool_shape(model_config, block_size, num_gpu_blocks), dtype=dtype, device=device
         )
@@ -59,7 +58,7 @@ class KVPools:
             (self.device_pool, self.host_pool) if to_cpu else (self.host_pool, self.device_pool)
         )
         assert max(d for _, d in src_to_dst) < dst_pool.shape[2], "swap target beyond its pool"
-        if copy_blocks(src_pool, dst_pool, src_to_dst, self.device):
+        if copy_blocks(src_pool, dst_pool, src_to_dst, self.device_pool.device):
             self.num_swap_ooms += 1
 
 
