@@ -45,20 +45,6 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        workspace: Workspace,
-        *,
-        is_first: bool,
-    ) -> None:
-        """Advance the workspace's (hidden, residual) rows by one layer, in place. The first
-        layer finds the embeddings in `residual` and nothing yet in `hidden`."""
-        hidden = self._input_norm(workspace, positions.shape[0], is_first=is_first)
-        self.self_attn.project_and_attend(positions, hidden, meta, workspace)
-        self.after_attention(workspace, positions.shape[0])
-
     def before_attention(
         self,
         positions: torch.Tensor,
@@ -67,19 +53,17 @@ class DecoderLayer(nn.Module):
         *,
         is_first: bool,
     ) -> None:
-        """The input norm, the qkv projection and the KV write (per-row work only)."""
-        hidden = self._input_norm(workspace, positions.shape[0], is_first=is_first)
-        self.self_attn.project_and_write(positions, hidden, meta, workspace)
-
-    def _input_norm(self, workspace: Workspace, num_tokens: int, *, is_first: bool) -> torch.Tensor:
-        """The input norm into the workspace's `hidden` rows (the residual added first)."""
+        """The input norm (the residual added first), the qkv projection and the KV write
+        (per-row work only). The first layer finds the embeddings in `residual` and nothing
+        yet in `hidden`."""
+        num_tokens = positions.shape[0]
         hidden = workspace.rows("hidden", num_tokens)
         residual = workspace.rows("residual", num_tokens)
         if is_first:
             self.input_layernorm(residual, out=hidden)
         else:
             self.input_layernorm.forward_residual_(hidden, residual)
-        return hidden
+        self.self_attn.project_and_write(positions, hidden, meta, workspace)
 
     def after_attention(self, workspace: Workspace, num_tokens: int) -> None:
         """The output projection, the post-attention norm and the MLP (per-row work only)."""

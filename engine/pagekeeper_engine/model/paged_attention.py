@@ -69,30 +69,6 @@ class PagedAttention(nn.Module):
             return None
         return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        workspace: Workspace,
-        out: torch.Tensor,
-    ) -> None:
-        """x: (T, H) -> out (T, H), which may be x (read once, by the qkv projection)."""
-        self.project_and_attend(positions, x, meta, workspace)
-        self.project_out(workspace, out)
-
-    def project_and_attend(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        workspace: Workspace,
-    ) -> None:
-        """x: (T, H) -> the workspace's `attn` rows: the qkv projection, then `attend` (the
-        KV write and the attention, one launch at a small step of decodes alone)."""
-        qkv = self.qkv_proj(x, out=workspace.rows("qkv", x.shape[0]))
-        self.attend(positions, qkv, meta, out=workspace.rows("attn", x.shape[0]))
-
     def project_and_write(
         self,
         positions: torch.Tensor,
@@ -127,7 +103,9 @@ class PagedAttention(nn.Module):
         """qkv: (T, q + 2 kv), the projection's output -> out (T, q_size): this step's keys and
         values written to the cache, then the attention of q over it. The backend norms and
         rotates q and k on the way, in one launch at a small step of decodes alone (q may be
-        left rotated in place in qkv, or not). `pdl`: see `AttentionBackend.write_rotary`."""
+        left rotated in place in qkv, or not). The one-token fused layer's attention
+        (`model/row_fusion.py`); the other forwards write and read in separate stages
+        (`model/stages.py`). `pdl`: see `AttentionBackend.write_rotary`."""
         k_cache, v_cache = self._cache()
         q, k, v = self._heads(qkv)
         self.backend.forward_rotary(
