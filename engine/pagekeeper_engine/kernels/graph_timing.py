@@ -6,13 +6,34 @@ A callable is run once outside the capture (its kernels compile, a collective ma
 connection) and then captured; graphs are timed by replaying them in interleaved rounds, so
 that a clock or a neighbour's load that drifts during the timing hits every variant alike, and
 each keeps its best round.
+
+Every capture runs with Python's cyclic garbage collector paused (`gc_paused`): a collection
+that fires inside a capture can destroy a graph held only by unreachable objects (an earlier
+runner, a graph dropped in a reference cycle), and CUDA invalidates a capture during which
+another graph is destroyed. The capture then fails, and the generator it registered stays in
+capture mode, so every later random draw in the process fails too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (reference counting still frees); the
+    collector's earlier state is restored after it. Around every CUDA graph capture."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def capture(fn: Callable[[], object], repeats: int = 1) -> torch.cuda.CUDAGraph:
@@ -23,7 +44,7 @@ def capture(fn: Callable[[], object], repeats: int = 1) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         for _ in range(repeats):
             fn()
     return graph

@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.kernels.graph_timing import gc_paused
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.piecewise_graphs import PiecewiseGraphs
 from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, StepInputs
@@ -82,7 +83,13 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record every graph; the model's KV cache must be bound."""
+        """Record every graph; the model's KV cache must be bound. The cyclic garbage
+        collector is paused throughout (`gc_paused`: a collection inside a capture can
+        invalidate it)."""
+        with gc_paused():
+            self._capture()
+
+    def _capture(self) -> None:
         started = time.perf_counter()
         device = self.builder.device
         torch.cuda.empty_cache()  # so the reserved bytes below count the graphs' pool alone

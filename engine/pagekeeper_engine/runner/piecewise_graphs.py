@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.kernels.graph_timing import gc_paused
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.stages import ForwardStages
 from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, StepInputs
@@ -80,7 +81,7 @@ class PiecewiseGraphs:
             graphs = []
             for dense in stages.dense:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with gc_paused(), torch.cuda.graph(graph, pool=pool):
                     dense()
                 graphs.append(graph)
             self._pieces[rows] = (graphs, stages)
