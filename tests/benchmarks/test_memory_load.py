@@ -1,0 +1,50 @@
+"""memory_load's readings: the per-rank budgets parsed from what the engine's collector really
+exports, nvidia-smi's per-GPU figures, and each rank's peak held against its own budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.memory_load import MiB, parse_budgets, parse_gpu_used, rank_memory
+from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
+from tests.engine.server.test_metrics import make_ready, make_stats
+
+BUDGETS = [
+    {"allowed": 100 * MiB, "weights": 40 * MiB, "kv_cache": 50 * MiB},
+    {"allowed": 100 * MiB, "weights": 40 * MiB, "kv_cache": 48 * MiB},
+]
+
+
+def test_budgets_parse_per_rank_from_the_engines_exposition() -> None:
+    collector = EngineCollector(
+        "m", make_stats, lambda: False, lambda: make_ready([dict(b) for b in BUDGETS])
+    )
+    text = ServerMetrics("m", collector).render().decode()
+    assert parse_budgets(text) == [{k: float(v) for k, v in b.items()} for b in BUDGETS]
+
+
+def test_no_budget_exported_yet_parses_to_no_rank() -> None:
+    collector = EngineCollector("m", lambda: None, lambda: False)
+    assert parse_budgets(ServerMetrics("m", collector).render().decode()) == []
+
+
+def test_nvidia_smi_figures_per_gpu() -> None:
+    assert parse_gpu_used("81234\n79000\n") == [81234.0, 79000.0]
+    assert parse_gpu_used("") == []
+
+
+def test_each_rank_against_its_own_budget() -> None:
+    budgets = [{k: float(v) for k, v in b.items()} for b in BUDGETS]
+    series: list[dict[str, Any]] = [
+        {"gpu_used_mib": [90.0, 95.0]},
+        {"gpu_used_mib": [99.0, 101.0]},  # rank 1 over its 100 MiB
+        {"gpu_used_mib": []},  # nvidia-smi could not say
+    ]
+    ranks = rank_memory(series, budgets)
+    assert ranks == [
+        {"rank": 0, "peak_used_mib": 99.0, "allowed_mib": 100.0, "within": True},
+        {"rank": 1, "peak_used_mib": 101.0, "allowed_mib": 100.0, "within": False},
+    ]
+    (unread,) = rank_memory([{"gpu_used_mib": []}], budgets[:1])
+    assert math.isnan(unread["peak_used_mib"]) and unread["within"] is False
