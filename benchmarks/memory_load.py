@@ -169,7 +169,10 @@ def gpu_used_mib() -> list[float]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if visible and all(part.strip().isdigit() for part in visible.split(",")):
         argv.append(f"--id={visible}")
-    out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except FileNotFoundError:  # no NVIDIA driver tools on this host
+        return []
     return parse_gpu_used(out.stdout) if out.returncode == 0 else []
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.memory_load import MiB, parse_budgets, parse_gpu_used, rank_memory
+import pytest
+
+from benchmarks.memory_load import (
+    MiB,
+    gpu_used_mib,
+    parse_budgets,
+    parse_gpu_used,
+    rank_memory,
+)
 from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
 from tests.engine.server.test_metrics import make_ready, make_stats
 
@@ -48,3 +56,8 @@ def test_each_rank_against_its_own_budget() -> None:
     ]
     (unread,) = rank_memory([{"gpu_used_mib": []}], budgets[:1])
     assert math.isnan(unread["peak_used_mib"]) and unread["within"] is False
+
+
+def test_a_host_without_nvidia_smi_reads_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert gpu_used_mib() == []
