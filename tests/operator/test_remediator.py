@@ -177,3 +177,35 @@ def test_retries_do_not_keep_an_alert_alive_that_alertmanager_stopped_sending() 
     deliver(remediator, alert_json("chat-a"))
     assert len(cluster.eviction_attempts) == num_rounds + 1
     assert list(remediator.store.pending) == ["chat-a-Pagekeepe"]
+
+
+def test_an_alert_that_fires_again_in_one_cooldown_is_recorded_once() -> None:
+    spec = {"cooldownSeconds": 300, "hysteresisSeconds": 0}
+    cluster = FakeCluster(["chat-a", "chat-b"], spec=spec)
+    clock = Clock()
+    remediator = Remediator(cluster, clock=clock)
+    deliver(remediator, alert_json("chat-a"))
+    cluster.replace_pod("chat-a", "chat-c")
+    first_firing = clock.now - timedelta(seconds=10)
+
+    clock.advance(30)
+    assert deliver(remediator, alert_json("chat-b", starts_at=first_firing)) == [
+        ("chat-b", "skip", "cooldown")
+    ]
+    clock.advance(5)
+    resolved = alert_json("chat-b", status="resolved", starts_at=first_firing)
+    assert deliver(remediator, resolved) == [("chat-b", "skip", "resolved")]
+    clock.advance(5)  # the same series fires again: a new startsAt, the same cooldown
+    assert deliver(remediator, alert_json("chat-b", starts_at=clock.now)) == [
+        ("chat-b", "skip", "cooldown")
+    ]
+    assert history(cluster) == [
+        ("chat-a", KV, "evict", "evicted"),
+        ("chat-b", KV, "skip", "skipped"),
+    ]
+    assert [reason for _, reason, _ in cluster.events].count("RemediationDeferred") == 1
+
+    clock.advance(260)  # the cooldown is over: the second firing is acted on
+    [decision] = asyncio.run(remediator.retry_due())
+    assert (decision.pod, decision.verdict) == ("chat-b", "evict")
+    assert "chat-b-Pagekeepe" not in remediator.store.deferrals

@@ -214,8 +214,8 @@ class Remediator:
             return
         self.store.defer(alert, now, is_delivery)
         reason = decision.reason
-        if reason in RECORDED_SKIPS and self.store.note_once(decision.key, str(reason)):
-            message = f"{decision.alert}: {reason}: {decision.message}"
+        message = f"{decision.alert}: {reason}: {decision.message}"
+        if reason in RECORDED_SKIPS and self.store.note_deferral(decision.key[0], message):
             await self._record(decision, info, now, "skip", "skipped", message)
             server_key = (decision.namespace, decision.server or "")
             await self._event(server_key, "Normal", "RemediationDeferred", message)

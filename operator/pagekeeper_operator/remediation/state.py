@@ -47,8 +47,12 @@ class RemediationStore:
     # server -> pod -> when its eviction was accepted.
     evicting: dict[ServerKey, dict[str, datetime]] = field(default_factory=dict)
     pending: dict[str, _Pending] = field(default_factory=dict)
-    # (alert key, what) already written to status/Events, so a retried skip is recorded once.
+    # (alert key, what) already written to status/Events, so a retried refusal is recorded once.
     noted: set[tuple[AlertKey, str]] = field(default_factory=set)
+    # alert fingerprint -> the last deferral written for that series: an alert that resolves
+    # and fires again (a new startsAt) while deferred for the same reason until the same time
+    # is recorded once. One entry a series, dropped when the series is acted on.
+    deferrals: dict[str, str] = field(default_factory=dict)
 
     def memory(self) -> Memory:
         return Memory(
@@ -74,6 +78,7 @@ class RemediationStore:
 
     def acted(self, server: ServerKey, key: AlertKey, when: datetime) -> None:
         self.acted_keys.add(key)
+        self.deferrals.pop(key[0], None)
         self.last_action_at[server] = max(when, self.last_action_at.get(server, when))
 
     def evicted(self, server: ServerKey, pod: str, key: AlertKey, when: datetime) -> None:
@@ -115,6 +120,14 @@ class RemediationStore:
             if now - entry.seen_at > PENDING_TTL:
                 del self.pending[fingerprint]
         return [entry.alert for entry in self.pending.values()]
+
+    def note_deferral(self, fingerprint: str, message: str) -> bool:
+        """True when this alert series' deferral differs from the last one recorded for it (its
+        reason and detail, e.g. the cooldown's end): record it; False for a repeat."""
+        if self.deferrals.get(fingerprint) == message:
+            return False
+        self.deferrals[fingerprint] = message
+        return True
 
     def note_once(self, key: AlertKey, what: str) -> bool:
         """True the first time (key, what) is seen: record it; False after that."""
