@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -209,3 +210,20 @@ def test_an_alert_that_fires_again_in_one_cooldown_is_recorded_once() -> None:
     [decision] = asyncio.run(remediator.retry_due())
     assert (decision.pod, decision.verdict) == ("chat-b", "evict")
     assert "chat-b-Pagekeepe" not in remediator.store.deferrals
+
+
+def test_a_deferral_whose_detail_changes_while_it_is_retried_is_recorded_once() -> None:
+    spec = {"cooldownSeconds": 0, "hysteresisSeconds": 0, "maxUnavailable": 1}
+    cluster = FakeCluster(["chat-a", "chat-b", "chat-c"], spec=spec)
+    cluster.pods["chat-a"] = replace(cluster.pods["chat-a"], is_ready=False)
+    cluster.pods["chat-b"] = replace(cluster.pods["chat-b"], is_ready=False)
+    clock = Clock()
+    remediator = Remediator(cluster, clock=clock)
+    assert deliver(remediator, alert_json("chat-c")) == [("chat-c", "skip", "max-unavailable")]
+    cluster.pods["chat-b"] = replace(cluster.pods["chat-b"], is_ready=True)  # 1 down, not 2
+    clock.advance(30)
+    [decision] = asyncio.run(remediator.retry_due())
+    assert (decision.pod, decision.verdict) == ("chat-c", "skip")
+    assert "1 of 3 pods unavailable" in decision.message
+    assert history(cluster) == [("chat-c", KV, "skip", "skipped")]
+    assert "2 of 3 pods unavailable" in cluster.history[0].message

@@ -215,7 +215,10 @@ class Remediator:
         self.store.defer(alert, now, is_delivery)
         reason = decision.reason
         message = f"{decision.alert}: {reason}: {decision.message}"
-        if reason in RECORDED_SKIPS and self.store.note_deferral(decision.key[0], message):
+        # Once per firing and reason (its retries' details may change, e.g. the pods down),
+        # and not again for a new firing of the series deferred exactly as before.
+        is_new = reason in RECORDED_SKIPS and self.store.note_once(decision.key, str(reason))
+        if is_new and self.store.note_deferral(decision.key[0], message):
             await self._record(decision, info, now, "skip", "skipped", message)
             server_key = (decision.namespace, decision.server or "")
             await self._event(server_key, "Normal", "RemediationDeferred", message)

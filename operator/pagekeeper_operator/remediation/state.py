@@ -47,7 +47,7 @@ class RemediationStore:
     # server -> pod -> when its eviction was accepted.
     evicting: dict[ServerKey, dict[str, datetime]] = field(default_factory=dict)
     pending: dict[str, _Pending] = field(default_factory=dict)
-    # (alert key, what) already written to status/Events, so a retried refusal is recorded once.
+    # (alert key, what) already written to status/Events, so a retried skip is recorded once.
     noted: set[tuple[AlertKey, str]] = field(default_factory=set)
     # alert fingerprint -> the last deferral written for that series: an alert that resolves
     # and fires again (a new startsAt) while deferred for the same reason until the same time
