@@ -2,7 +2,8 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """One split-decode program's work, shared by the two decode kernels (`paged_decode`, and
 `rotary_decode`, which norms and rotates q and writes the new key and value first): the range of
-the context its split covers, the online softmax over that range's tiles, and what it does with
+the context its split covers, the online softmax over that range's tiles (`attend_tiles`, or
+`attend_tiles_after_first` when the first tile was loaded early), and what it does with
 the result (store the output, or a partial and its log-sum-exp, combined in the launch by the
 split that finishes last).
 """
@@ -53,6 +54,50 @@ def decode_program(
 
 
 @triton.jit
+def load_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,  # this sequence's row
+    kv_head,
+    n,  # the tile's first position, a multiple of BLOCK_N below `end` (or 0 with no tokens)
+    end,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One KV head's keys and values at positions n..n+BLOCK_N below `end`, (BLOCK_N,
+    HEAD_DIM) each in the cache's dtype; positions from `end` on read as zero."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_mask = (n + tl.arange(0, BLOCK_N)) < end
+    kv_offs = gather_kv_offsets(
+        block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
+    )
+    k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def softmax_tile(
+    q, k, v, n, end, scale_log2, m_i, l_i, acc, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """The online softmax's step over one tile (`load_tile`'s k and v at positions n..): the
+    new (acc, m, l). The tile is widened to q's dtype here (an FP8 cache; else a no-op)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    n_mask = (n + tl.arange(0, BLOCK_N)) < end
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(n_mask[None, :], scores, float("-inf"))  # (GROUP_PAD, BLOCK_N)
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def attend_tiles(
     q,  # (GROUP_PAD, HEAD_DIM) in the dots' dtype; padding rows zero
     k_cache_ptr,
@@ -72,27 +117,55 @@ def attend_tiles(
     """The online softmax of q against tokens start..end of one KV head: (acc, m, l), the
     unnormalised output (GROUP_PAD, HEAD_DIM) fp32, the running maximum and the mass (base 2).
     Each key tile is read once for the whole group of query heads."""
-    offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     for n in range(start, end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        kv_offs = gather_kv_offsets(
-            block_table_ptr, n, n_mask, offs_d, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N
+        k, v = load_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, n, end, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
+        acc, m_i, l_i = softmax_tile(
+            q, k, v, n, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
         )
-        # (BLOCK_N, HEAD_DIM), in q's dtype (an FP8 cache is widened here, else a no-op)
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))  # (GROUP_PAD, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attend_tiles_after_first(
+    q,
+    first_k,  # `load_tile` at `start`, already loaded (before a programmatic dependent's wait)
+    first_v,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    start,
+    end,
+    scale_log2,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`attend_tiles` with its first tile given: the same steps in the same order. An empty
+    range (start >= end) gives a first tile of zeros, all masked, so (0, -1e30, 0) as there."""
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    acc, m_i, l_i = softmax_tile(
+        q, first_k, first_v, start, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
+    )
+    for n in range(start + BLOCK_N, end, BLOCK_N):
+        k, v = load_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, n, end, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
+        acc, m_i, l_i = softmax_tile(
+            q, k, v, n, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
+        )
     return acc, m_i, l_i
 
 

@@ -11,6 +11,12 @@ waits for its own threads (a barrier), and then reads its tiles as `paged_decode
 (`decode_core.py`). The arithmetic is the two launches': q and k are rounded to the model's
 dtype after the rotation, as the in-place rotation stores them, so the output and the cache's
 bytes are theirs.
+
+Launched as a programmatic dependent of the qkv projection (the batch-1 layer), a program
+starts its chain of dependent loads (length, block table, first KV tile) before it waits for
+the projection: the earlier steps' keys and values and this step's inputs are final by then.
+The first tile of the split that holds the newest position read that slot before it was
+written, so that split reads the tile again after its store.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import check_device
-from pagekeeper_engine.kernels.decode_core import attend_tiles, decode_program, finish_split
+from pagekeeper_engine.kernels.decode_core import (
+    attend_tiles_after_first,
+    decode_program,
+    finish_split,
+    load_tile,
+)
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.kv_write import check_kv_write, check_qk_norm
 from pagekeeper_engine.kernels.paged_decode import SPLIT_RULE, SplitRule, prepare_decode
@@ -89,18 +100,28 @@ def _rotary_decode_kernel(
     HAS_QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    HALF: tl.constexpr = HEAD_DIM // 2
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    HALF: tl.constexpr = HEAD_DIM // 2
+    # Before the wait: what no kernel of this step writes. The step's inputs (lengths, block
+    # tables, positions) and the keys and values of earlier steps, so the split's first tile
+    # and its chain of dependent loads overlap the projection before it.
     seq, kv_head, split, seq_len, live, start, end = decode_program(
         seq_lens_ptr, num_splits, short_split_tokens, long_split_tokens, BLOCK_N, FUSED_REDUCE,
         SHORT_SPLITS,
+    )  # fmt: skip
+    block_table_ptr = block_tables_ptr + seq * block_table_stride
+    has_tokens = start < end  # an empty split's tile is at 0, all masked
+    first_k, first_v = load_tile(
+        k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, tl.where(has_tokens, start, 0),
+        tl.where(has_tokens, end, 0), NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
     position = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + position * HALF + offs_half)[None, :]  # (1, HALF) fp32
     sin = tl.load(sin_ptr + position * HALF + offs_half)[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     # This KV head's query heads, (normed and) rotated in registers; padding rows are zero.
     q_first = q_ptr + seq * q_token_stride + kv_head * GROUP * q_head_stride
     q1, q2 = load_heads(q_first, q_head_stride, GROUP, GROUP_PAD, HALF)
@@ -127,10 +148,14 @@ def _rotary_decode_kernel(
             v_row = v_row.to(tl.float32) * v_inv_scale
             tl.store(v_cache_ptr + dst + offs_d, v_row.to(v_cache_ptr.dtype.element_ty))
         tl.debug_barrier()
-    acc, m_i, l_i = attend_tiles(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * block_table_stride, kv_head,
-        start, end, scale_log2, NUM_KV_HEADS, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-        DOT_PRECISION,
+        if seq_len - 1 < start + BLOCK_N:  # the first tile, read before, holds the new token
+            first_k, first_v = load_tile(
+                k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end, NUM_KV_HEADS,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            )  # fmt: skip
+    acc, m_i, l_i = attend_tiles_after_first(
+        q, first_k, first_v, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end,
+        scale_log2, NUM_KV_HEADS, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     finish_split(
         acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split,
