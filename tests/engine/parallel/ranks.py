@@ -76,12 +76,15 @@ def packed_steps() -> list[list[ScheduledSeq]]:
 
 
 def step_logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-    """fp32 logits of every row of the step (None on ranks > 0)."""
+    """fp32 logits of every token row of the step (None on ranks > 0). On a GPU the packing
+    pads the step to a captured graph's rows; those come after the tokens, and no attention
+    writes their output, so their logits are whatever the buffers held: not compared."""
     with torch.inference_mode():
         inputs = runner.prepare_inputs(seqs)
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = runner.model.compute_logits(hidden)
-        return None if logits is None else logits.float()
+        num_rows = sum(s.num_tokens for s in seqs)
+        return None if logits is None else logits[:num_rows].float()
 
 
 def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
