@@ -120,15 +120,10 @@ def attend_tiles(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for n in range(start, end, BLOCK_N):
-        k, v = load_tile(
-            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, n, end, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N,
-        )  # fmt: skip
-        acc, m_i, l_i = softmax_tile(
-            q, k, v, n, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
-        )
-    return acc, m_i, l_i
+    return attend_more_tiles(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end,
+        scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -158,7 +153,33 @@ def attend_tiles_after_first(
     acc, m_i, l_i = softmax_tile(
         q, first_k, first_v, start, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
     )
-    for n in range(start + BLOCK_N, end, BLOCK_N):
+    return attend_more_tiles(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start + BLOCK_N,
+        end, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def attend_more_tiles(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    start,  # a tile's first position (BLOCK_N apart from the split's start)
+    end,
+    scale_log2,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online softmax's state (acc, m, l) carried on over the tiles from start to end."""
+    for n in range(start, end, BLOCK_N):
         k, v = load_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, n, end, NUM_KV_HEADS, HEAD_DIM,
             BLOCK_SIZE, BLOCK_N,
