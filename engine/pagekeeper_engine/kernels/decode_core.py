@@ -2,8 +2,8 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """One split-decode program's work, shared by the two decode kernels (`paged_decode`, and
 `rotary_decode`, which norms and rotates q and writes the new key and value first): the range of
-the context its split covers, the online softmax over that range's tiles (`attend_tiles`, or
-`attend_tiles_after_first` when the first tile was loaded early), and what it does with
+the context its split covers, the online softmax over that range's tiles (`attend_tiles`; or
+`softmax_tile` on a first tile loaded early, then `attend_more_tiles`), and what it does with
 the result (store the output, or a partial and its log-sum-exp, combined in the launch by the
 split that finishes last).
 """
@@ -117,9 +117,7 @@ def attend_tiles(
     """The online softmax of q against tokens start..end of one KV head: (acc, m, l), the
     unnormalised output (GROUP_PAD, HEAD_DIM) fp32, the running maximum and the mass (base 2).
     Each key tile is read once for the whole group of query heads."""
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    acc, m_i, l_i = softmax_start(GROUP_PAD, HEAD_DIM)
     return attend_more_tiles(
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end,
         scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
@@ -127,36 +125,12 @@ def attend_tiles(
 
 
 @triton.jit
-def attend_tiles_after_first(
-    q,
-    first_k,  # `load_tile` at `start`, already loaded (before a programmatic dependent's wait)
-    first_v,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    kv_head,
-    start,
-    end,
-    scale_log2,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """`attend_tiles` with its first tile given: the same steps in the same order. An empty
-    range (start >= end) gives a first tile of zeros, all masked, so (0, -1e30, 0) as there."""
+def softmax_start(GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax's state before any tile: (acc, m, l) = (0, -1e30, 0)."""
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    acc, m_i, l_i = softmax_tile(
-        q, first_k, first_v, start, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
-    )
-    return attend_more_tiles(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start + BLOCK_N,
-        end, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit

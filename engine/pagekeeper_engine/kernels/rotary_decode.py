@@ -27,10 +27,12 @@ import triton.language as tl
 
 from pagekeeper_engine.kernels import check_device
 from pagekeeper_engine.kernels.decode_core import (
-    attend_tiles_after_first,
+    attend_more_tiles,
     decode_program,
     finish_split,
     load_tile,
+    softmax_start,
+    softmax_tile,
 )
 from pagekeeper_engine.kernels.decode_splits import reduce_splits
 from pagekeeper_engine.kernels.kv_write import check_kv_write, check_qk_norm
@@ -153,9 +155,14 @@ def _rotary_decode_kernel(
                 k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end, NUM_KV_HEADS,
                 HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
-    acc, m_i, l_i = attend_tiles_after_first(
-        q, first_k, first_v, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start, end,
-        scale_log2, NUM_KV_HEADS, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    # The first tile, then the rest: an empty split's masked tile leaves the start state.
+    acc, m_i, l_i = softmax_start(GROUP_PAD, HEAD_DIM)
+    acc, m_i, l_i = softmax_tile(
+        q, first_k, first_v, start, end, scale_log2, m_i, l_i, acc, BLOCK_N, DOT_PRECISION
+    )
+    acc, m_i, l_i = attend_more_tiles(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, start + BLOCK_N,
+        end, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     finish_split(
         acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split,
