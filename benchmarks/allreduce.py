@@ -2,9 +2,11 @@
 tensor-parallel engine runs it: a bf16 tensor of (rows x hidden) summed in place, by NCCL
 through torch.distributed and by the one-shot all-reduce over symmetric memory
 (`distributed/oneshot.py`, set up through `TensorParallelGroup.enable_one_shot` as the engine
-does), with the threshold the engine's choice would take from these timings. The decode step's
-all-reduce term of the tensor-parallel floor is 2 x layers x the time at the batch's rows
-(`docs/benchmarks.md`).
+does), and the engine's own start-up choice. Beside them, what a
+layer runs after each row-parallel projection: the residual-add RMSNorm kernel alone, and the
+one-shot path's fused launch (the sum of the partial rows already in the buffer, added into the
+residual and normed). The decode step's all-reduce term of the tensor-parallel floor is
+2 x layers x the time at the batch's rows (`docs/benchmarks.md`).
 
     PYTHONPATH=engine python benchmarks/allreduce.py --size 2 --hidden 4096 8192
 """
@@ -31,10 +33,10 @@ from pagekeeper_engine.distributed.group import (
 )
 from pagekeeper_engine.distributed.oneshot import (
     AllReduceTiming,
-    choose_one_shot_max_bytes,
     combine_rank_timings,
 )
 from pagekeeper_engine.kernels.graph_timing import best_replays, capture
+from pagekeeper_engine.kernels.rms_norm import rms_norm
 
 ROWS = (1, 8, 64, 256, 2048)
 CALLS_PER_GRAPH = 10
@@ -58,6 +60,15 @@ def _graph_us(reduce_: Callable[[torch.Tensor], None], x: torch.Tensor, size: in
     return seconds * 1e6 / CALLS_PER_GRAPH
 
 
+def _norm_us(run: Callable[[torch.Tensor], None], x: torch.Tensor) -> float:
+    """The time per call of `run` on zero rows (they stay zero), as `_graph_us` times."""
+    x.zero_()
+    run(x)
+    graph = capture(functools.partial(run, x), CALLS_PER_GRAPH)
+    (seconds,) = best_replays([graph], ROUNDS, warm_up_rounds=WARM_UP_ROUNDS)
+    return seconds * 1e6 / CALLS_PER_GRAPH
+
+
 def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> None:
     """This rank's timings per hidden size (one-shot at inf where it is off or does not fit)
     and the start-up choice, on the queue."""
@@ -72,8 +83,10 @@ def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> 
         dist.all_reduce(x, group=group.device_group)
 
     found: dict[int, list[AllReduceTiming]] = {}
+    norms: dict[int, list[tuple[float, float]]] = {}  # (norm kernel us, fused launch us)
     for hidden in hiddens:
-        found[hidden] = []
+        found[hidden], norms[hidden] = [], []
+        weight = torch.ones(hidden, dtype=DTYPE, device=device)
         for rows in ROWS:
             x = torch.zeros(rows, hidden, dtype=DTYPE, device=device)
             nccl_us = _graph_us(nccl, x, size)
@@ -86,18 +99,36 @@ def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> 
             found[hidden].append(
                 AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us)
             )
-    results.put((rank, found, dataclasses.asdict(startup)))
+            residual = torch.zeros_like(x)
+            norm_us = _norm_us(
+                lambda y, r=residual, w=weight: rms_norm(y, w, 1e-6, r, out=y, summed=r), x
+            )
+            fused_us = math.inf
+            if one_shot is not None and one_shot.fits(x):
+                staged = one_shot.staged(rows, hidden)
+                fused_us = _norm_us(
+                    lambda y, s=staged, r=residual, w=weight: one_shot.reduce_add_norm_(
+                        s, r, w, 1e-6, y
+                    ),
+                    x,
+                )
+            norms[hidden].append((norm_us, fused_us))
+    results.put((rank, found, norms, dataclasses.asdict(startup)))
     # no destroy_process_group: with graphs that captured the communicator it can hang; the
     # process's exit releases NCCL
 
 
-def _row(hidden: int, timing: AllReduceTiming, size: int) -> dict[str, Any]:
+def _row(
+    hidden: int, timing: AllReduceTiming, norm: tuple[float, float], size: int
+) -> dict[str, Any]:
     # NCCL's bus bandwidth of a ring all-reduce: 2 (n - 1) / n of the bytes cross a link
     bus = timing.num_bytes * 2 * (size - 1) / size / timing.nccl_us / 1e3
     one_shot_us = timing.one_shot_us if math.isfinite(timing.one_shot_us) else None
+    fused_us = norm[1] if math.isfinite(norm[1]) else None
     return {"hidden": hidden, "rows": timing.num_bytes // (hidden * DTYPE.itemsize),
             "bytes": timing.num_bytes, "nccl_us": timing.nccl_us, "nccl_bus_gb_s": bus,
-            "one_shot_us": one_shot_us}  # fmt: skip
+            "one_shot_us": one_shot_us, "norm_us": norm[0],
+            "fused_one_shot_norm_us": fused_us}  # fmt: skip
 
 
 def main() -> None:
@@ -117,26 +148,31 @@ def main() -> None:
     for process in processes:
         process.start()
     reports = [results.get(timeout=300) for _ in range(args.size)]
-    by_rank = {rank: (found, startup) for rank, found, startup in reports}
+    by_rank = {rank: (found, startup, norms) for rank, found, norms, startup in reports}
     for process in processes:
         process.join()
-    found, rows, thresholds = by_rank[0][0], [], {}
+    found, rows = by_rank[0][0], []
     for hidden in found:
-        # each path at its slowest rank, and the threshold the engine's choice takes from them
+        # each path at its slowest rank
         timings = combine_rank_timings([by_rank[r][0][hidden] for r in range(args.size)])
-        rows += [_row(hidden, timing, args.size) for timing in timings]
-        thresholds[hidden] = choose_one_shot_max_bytes(timings)
+        slowest_norms = [
+            tuple(max(per_rank) for per_rank in zip(*same_rows, strict=True))
+            for same_rows in zip(*(by_rank[r][2][hidden] for r in range(args.size)), strict=True)
+        ]
+        rows += [
+            _row(hidden, timing, (norm[0], norm[1]), args.size)
+            for timing, norm in zip(timings, slowest_norms, strict=True)
+        ]
     startup = by_rank[0][1]
     print(f"# all-reduce over {args.size} GPUs ({torch.cuda.get_device_name()}), bf16, in graphs,"
           " the slowest rank's time")  # fmt: skip
     for row in rows:
-        one_shot = row["one_shot_us"]
+        one_shot, fused = row["one_shot_us"], row["fused_one_shot_norm_us"]
         one_shot_text = f"{one_shot:8.1f} us" if one_shot is not None else "   (off)"
+        fused_text = f"{fused:8.1f} us" if fused is not None else "   (off)"
         print(f"  hidden {row['hidden']:5d} x {row['rows']:5d} rows: NCCL {row['nccl_us']:8.1f} us "
-              f"(bus {row['nccl_bus_gb_s']:6.1f} GB/s), one-shot {one_shot_text}")  # fmt: skip
-    for hidden, max_bytes in thresholds.items():
-        print(f"  hidden {hidden}: one-shot up to {max_bytes} bytes "
-              f"({max_bytes // (hidden * DTYPE.itemsize)} rows), NCCL above")  # fmt: skip
+              f"(bus {row['nccl_bus_gb_s']:6.1f} GB/s), one-shot {one_shot_text}; "
+              f"add-norm {row['norm_us']:6.1f} us, fused sum + add-norm {fused_text}")  # fmt: skip
     print(f"  start-up choice (hidden {args.hidden[0]}): one-shot up to "
           f"{startup['one_shot_max_bytes']} bytes, off: {startup['off_reason']}")  # fmt: skip
     if args.json:
@@ -145,7 +181,6 @@ def main() -> None:
                 "size": args.size,
                 "device": torch.cuda.get_device_name(),
                 "rows": rows,
-                "one_shot_max_bytes": thresholds,
                 "startup": startup,
             }
             json.dump(summary, f, indent=1)

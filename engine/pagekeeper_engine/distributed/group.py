@@ -123,15 +123,43 @@ class TensorParallelGroup:
         (the size, dtype and layout of `x`; the agreed threshold), so all ranks take the same."""
         if not self.is_active:
             return
-        one_shot = self.one_shot
-        if (
-            one_shot is not None
-            and x.numel() * x.element_size() <= self.one_shot_max_bytes
-            and one_shot.fits(x)
-        ):
+        one_shot = self._one_shot_for(x.numel() * x.element_size())
+        if one_shot is not None and one_shot.fits(x):
             one_shot.all_reduce_(x)
         else:
             self._nccl_all_reduce_(x)
+
+    def partial_rows(self, num_rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a row-parallel projection writes its (num_rows, dim) partial sums when the
+        ranks add them up one-shot (the one-shot buffer's rows, for `reduce_add_norm_`); None
+        when they go through `all_reduce_` instead (or there is nothing to sum). Every rank
+        gets the same answer for the same shape."""
+        if not self.is_active:
+            return None
+        one_shot = self._one_shot_for(num_rows * dim * dtype.itemsize)
+        if one_shot is None or not one_shot.fits_rows(num_rows, dim, dtype):
+            return None
+        return one_shot.staged(num_rows, dim)
+
+    def reduce_add_norm_(
+        self,
+        staged: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+    ) -> None:
+        """residual += the ranks' sum of the `staged` rows that `partial_rows` gave, and
+        out = RMSNorm(residual), in one launch."""
+        one_shot = self.one_shot
+        assert one_shot is not None, "staged rows come from partial_rows"
+        one_shot.reduce_add_norm_(staged, residual, weight, eps, out)
+
+    def _one_shot_for(self, num_bytes: int) -> OneShotAllReduce | None:
+        """The one-shot path when a message of `num_bytes` takes it."""
+        if self.one_shot is None or num_bytes > self.one_shot_max_bytes:
+            return None
+        return self.one_shot
 
     def enable_one_shot(
         self, capacity_bytes: int, hidden_size: int, dtype: torch.dtype

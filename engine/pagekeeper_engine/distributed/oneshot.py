@@ -1,24 +1,28 @@
 """The one-shot all-reduce over peer-mapped (symmetric) memory, and when to use it over NCCL.
 
 Every rank holds a buffer of `capacity_bytes` that all the other ranks of the host have mapped
-(PyTorch's `torch.distributed._symmetric_memory`, CUDA backend, peer access over NVLink). To sum
-`x`, each rank copies it into its own buffer and one kernel per rank waits at a barrier on the
-buffers' signal pads, reads the same rows from every rank's buffer, writes their sum into `x`,
-and meets the others at a second barrier, so that the next copy cannot overwrite a buffer a peer
-is still reading. That is one launch and one trip across the links, against NCCL's fixed cost
-per call, which dominates at the few rows of a decode step; at large messages every rank reading
-every other rank's whole buffer loses to NCCL's ring. The buffer's address is fixed, so the copy
-and the kernel are captured in CUDA graphs like any other kernels.
+(PyTorch's `torch.distributed._symmetric_memory`, CUDA backend, peer access over NVLink), with
+a signal pad beside it. To sum `x`, each rank copies it into its own buffer and runs
+`kernels/peer_reduce.py`: its programs meet the peers' at the signal pads, read the same rows
+from every rank's buffer, write their sum into `x`, and meet again, so that the next write of a
+buffer cannot come while a peer still reads it. A row-parallel projection can write its partial
+sums straight into the buffer (`staged`) and have the sum added into the residual stream and
+normed in the same launch (`reduce_add_norm_`): one kernel where a copy, the sum and the norm
+were three. That is one trip across the links, against NCCL's fixed cost per call, which
+dominates at the few rows of a decode step; at large messages every rank reading every other
+rank's whole buffer loses to NCCL's ring. The buffer's address is fixed, so the kernel is
+captured in CUDA graphs like any other.
 
-Which sizes go one-shot is measured at start-up (`time_all_reduces` on each rank, the slowest
-rank's figure per size: `combine_rank_timings`) and decided by a pure function
+Which sizes go one-shot is measured at start-up, as the layers run them: the fused launch
+against NCCL's sum and the norm kernel (`time_all_reduces` on each rank, the slowest rank's
+figure per size: `combine_rank_timings`) and decided by a pure function
 (`choose_one_shot_max_bytes`), so that every rank takes the same path for the same message:
 ranks that disagreed would wait in different collectives forever.
 
 NVLink multicast stays off: a program that sets it up (cuMulticastCreate, PyTorch's multimem
 operations) can put a shared host's GPUs out of service. The one-shot kernel needs only plain
-peer loads, and `import_symmetric_memory` turns PyTorch's multicast set-up off before anything
-of symmetric memory runs.
+peer loads and atomics, and `import_symmetric_memory` turns PyTorch's multicast set-up off
+before anything of symmetric memory runs.
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagekeeper_engine.kernels.graph_timing import best_replays, capture
+
+if TYPE_CHECKING:  # the kernel module imports triton: loaded when a GPU group first needs it
+    from pagekeeper_engine.kernels.peer_reduce import PeerBuffers
 
 # Read by PyTorch's CUDA symmetric-memory backend when it maps a buffer: with "1" the rendezvous
 # maps peers' buffers only and never creates a multicast object.
@@ -41,6 +49,10 @@ DISABLE_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # few MiB each rank reading all the others' bytes loses to NCCL's ring on two or more GPUs.
 DEFAULT_CAPACITY_BYTES = 8 * 2**20
 
+# The widest row one program of the kernel sums (the widest hidden size served is 16,384).
+MAX_ROW_ELEMENTS = 16384
+
+TIMING_EPS = 1e-6  # the timed norms' epsilon (their rows are zeros)
 CALLS_PER_GRAPH = 10  # all-reduces in one timed graph: a replay's launch cost is spread over them
 NUM_WARM_UP_REPLAYS = 3
 NUM_ROUNDS = 5  # timed replays of each path, interleaved so that clock drift hits both alike
@@ -48,7 +60,8 @@ NUM_ROUNDS = 5  # timed replays of each path, interleaved so that clock drift hi
 
 @dataclass(frozen=True)
 class AllReduceTiming:
-    """One message size's all-reduce time by each path, in microseconds."""
+    """One message size's time by each path, in microseconds: the sum over the ranks and the
+    residual-add norm after it (NCCL, then the norm kernel; the one-shot path's one launch)."""
 
     num_bytes: int
     nccl_us: float
@@ -69,6 +82,7 @@ class AllReduceChoice:
             return f"NCCL for every size ({self.off_reason})"
         timed = ", ".join(
             f"{t.num_bytes} B: {t.one_shot_us:.1f} us one-shot / {t.nccl_us:.1f} us NCCL"
+            " (with the norm)"
             for t in self.timings
         )
         return f"one-shot up to {self.one_shot_max_bytes} bytes, NCCL above ({timed})"
@@ -126,11 +140,13 @@ def import_symmetric_memory() -> ModuleType:
 class OneShotAllReduce:
     """The one-shot sum over the ranks of one group, through a symmetric buffer of fixed
     capacity. `allocate` and `rendezvous` are start-up steps that every rank takes together;
-    `all_reduce_` takes a tensor that `fits`, eagerly or under CUDA graph capture."""
+    then `all_reduce_` takes a tensor that `fits`, and `reduce_add_norm_` the `staged` rows,
+    eagerly or under CUDA graph capture."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
         self.buffer = buffer  # (capacity,) of the model's dtype, mapped by every peer
         self.group_name = group_name
+        self.peers: PeerBuffers | None = None  # the ranks' mapped addresses, once rendezvoused
 
     @staticmethod
     def allocate(
@@ -141,11 +157,9 @@ class OneShotAllReduce:
         symm_mem = import_symmetric_memory()
         backend = symm_mem.get_backend(device) if hasattr(symm_mem, "get_backend") else "CUDA"
         if backend != "CUDA":
-            # The CUDA backend's kernel is the one described above and the one that honours
-            # DISABLE_MULTICAST; another backend (NVSHMEM, NCCL) is not set up here.
+            # The CUDA backend maps peers' buffers and signal pads for plain loads and atomics
+            # and honours DISABLE_MULTICAST; another backend (NVSHMEM, NCCL) is not set up here.
             raise RuntimeError(f"symmetric memory backend {backend}, not CUDA")
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
-            raise RuntimeError(f"torch {torch.__version__} has no one_shot_all_reduce_out")
         num_elements = capacity_bytes // dtype.itemsize
         # A normal tensor even when set up under inference mode: the steps write it inside
         # inference mode, the start-up checks may write it outside, and only a normal tensor
@@ -155,26 +169,99 @@ class OneShotAllReduce:
         return OneShotAllReduce(buffer, group_name)
 
     def rendezvous(self) -> None:
-        """Map every rank's buffer into every other rank (collective over the group)."""
+        """Map every rank's buffer into every other rank (collective over the group), and keep
+        the addresses the kernel reads them through."""
+        from pagekeeper_engine.kernels.peer_reduce import PeerBuffers  # noqa: PLC0415 (triton)
+
         symm_mem = import_symmetric_memory()
         assert os.environ.get(DISABLE_MULTICAST) == "1", f"{DISABLE_MULTICAST} must be 1"
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        rank, world = int(handle.rank), int(handle.world_size)
+        buffer_ptrs, pad_ptrs = list(handle.buffer_ptrs), list(handle.signal_pad_ptrs)
+        if buffer_ptrs[rank] != self.buffer.data_ptr():
+            raise RuntimeError("the mapped buffer does not start at this rank's tensor")
+        device = self.buffer.device
+        # One program an SM at most: past that the meetings cost more than the rows they share
+        # (docs/benchmarks.md, run 25).
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        pad_programs = PeerBuffers.pad_programs(signal_pad_bytes(symm_mem), world)
+        if pad_programs < 1:
+            raise RuntimeError(f"a signal pad of {signal_pad_bytes(symm_mem)} bytes")
+        max_programs = min(pad_programs, num_sms)
+        self.peers = PeerBuffers(
+            buffer=self.buffer,
+            buffer_ptrs=torch.tensor(buffer_ptrs, dtype=torch.int64, device=device),
+            pad_ptrs=torch.tensor(pad_ptrs, dtype=torch.int64, device=device),
+            rank=rank,
+            world=world,
+            max_programs=max_programs,
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether `x` can go one-shot: on this GPU, of the buffer's dtype, contiguous (the
-        kernel writes its output as a flat array) and no larger than the buffer."""
+        """Whether `x` can go one-shot: on this GPU, contiguous (the kernel writes its output
+        as rows of its last dimension) and of a shape that `fits_rows`."""
         return (
             x.device == self.buffer.device
-            and x.dtype == self.buffer.dtype
             and x.is_contiguous()
-            and x.numel() <= self.buffer.numel()
+            and x.dim() >= 1
+            and self.fits_rows(x.numel() // max(1, x.shape[-1]), x.shape[-1], x.dtype)
         )
+
+    def fits_rows(self, num_rows: int, dim: int, dtype: torch.dtype) -> bool:
+        """Whether (num_rows, dim) of `dtype` can go one-shot: the buffer's dtype, rows no
+        wider than one program holds, and no more values than the buffer."""
+        return (
+            dtype == self.buffer.dtype
+            and dim <= MAX_ROW_ELEMENTS
+            and num_rows * dim <= self.buffer.numel()
+        )
+
+    def staged(self, num_rows: int, dim: int) -> torch.Tensor:
+        """This rank's buffer as (num_rows, dim): where a projection writes the partial sums
+        that `reduce_add_norm_` adds up."""
+        assert num_rows * dim <= self.buffer.numel(), f"{num_rows} x {dim} exceeds the buffer"
+        return self.buffer[: num_rows * dim].view(num_rows, dim)
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks, in place; every rank calls it with the same shape."""
-        staged = self.buffer[: x.numel()].view(x.shape)
-        staged.copy_(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        peers = self.peers
+        assert peers is not None, "rendezvous first"
+        rows = x.view(-1, x.shape[-1])
+        self.staged(*rows.shape).copy_(rows)
+        _kernel().peer_reduce(peers, rows.shape[0], rows.shape[1], out=rows)
+
+    def reduce_add_norm_(
+        self,
+        staged: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+    ) -> None:
+        """residual += the ranks' sum of their `staged` rows (this rank's from `staged(...)`),
+        and out = RMSNorm(residual) with `weight` and `eps`; every rank calls it alike."""
+        peers = self.peers
+        assert peers is not None, "rendezvous first"
+        assert staged.data_ptr() == self.buffer.data_ptr() and staged.is_contiguous(), (
+            "staged must be the rows of `staged(...)`"
+        )
+        num_rows, dim = staged.shape
+        _kernel().peer_reduce(
+            peers, num_rows, dim, out=out, residual=residual, weight=weight, eps=eps
+        )
+
+
+def _kernel() -> ModuleType:
+    from pagekeeper_engine.kernels import peer_reduce  # noqa: PLC0415 (triton, on first use)
+
+    return peer_reduce
+
+
+def signal_pad_bytes(symm_mem: ModuleType) -> int:
+    """The size of each buffer's signal pad, as PyTorch allocates it."""
+    if hasattr(symm_mem, "get_signal_pad_size"):
+        return int(symm_mem.get_signal_pad_size())
+    return int(symm_mem._SymmetricMemory.signal_pad_size)
 
 
 def check_sum(one_shot: OneShotAllReduce, rank: int, size: int, hidden_size: int) -> None:
@@ -196,21 +283,40 @@ def time_all_reduces(
     hidden_size: int,
 ) -> list[AllReduceTiming]:
     """This rank's best time of each path on (rows, hidden_size) messages, in CUDA graphs as
-    the decode steps run them. A collective: every rank passes the same rows, and the loops
-    run a fixed number of times (a rank that ran one more all-reduce would wait forever)."""
+    the decode steps run them: what a layer runs after a row-parallel projection, NCCL's sum
+    then the residual-add norm kernel against the one-shot launch that does both. A
+    collective: every rank passes the same rows, and the loops run a fixed number of times (a
+    rank that ran one more all-reduce would wait forever)."""
+    dtype, device = one_shot.buffer.dtype, one_shot.buffer.device
+    weight = torch.ones(hidden_size, dtype=dtype, device=device)
     timings = []
     for num_rows in rows:
-        # Zeros: repeated in-place sums stay zero instead of overflowing to inf.
-        x = torch.zeros(
-            num_rows, hidden_size, dtype=one_shot.buffer.dtype, device=one_shot.buffer.device
+        # Zeros: repeated sums stay zero instead of overflowing to inf.
+        x = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)
+        residual = torch.zeros_like(x)
+        staged = one_shot.staged(num_rows, hidden_size)
+
+        nccl_then_norm = functools.partial(_nccl_then_norm, nccl_all_reduce_, x, residual, weight)
+        fused = functools.partial(
+            one_shot.reduce_add_norm_, staged, residual, weight, TIMING_EPS, x
         )
-        graphs = [
-            capture(functools.partial(nccl_all_reduce_, x), CALLS_PER_GRAPH),
-            capture(functools.partial(one_shot.all_reduce_, x), CALLS_PER_GRAPH),
-        ]
+        graphs = [capture(nccl_then_norm, CALLS_PER_GRAPH), capture(fused, CALLS_PER_GRAPH)]
         # By count alone: the graphs hold collectives (`best_replays`).
         nccl_s, one_shot_s = best_replays(graphs, NUM_ROUNDS, warm_up_rounds=NUM_WARM_UP_REPLAYS)
         nccl_us, one_shot_us = (t * 1e6 / CALLS_PER_GRAPH for t in (nccl_s, one_shot_s))
         timings.append(AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us))
         del graphs
     return timings
+
+
+def _nccl_then_norm(
+    nccl_all_reduce_: Callable[[torch.Tensor], None],
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    """What a layer runs on the NCCL path: the sum, then the residual-add norm kernel."""
+    from pagekeeper_engine.kernels.rms_norm import rms_norm  # noqa: PLC0415 (triton)
+
+    nccl_all_reduce_(x)
+    rms_norm(x, weight, TIMING_EPS, residual, out=x, summed=residual)

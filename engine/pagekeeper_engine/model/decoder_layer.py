@@ -27,6 +27,7 @@ class DecoderLayer(nn.Module):
         tp: TensorParallelGroup,
     ):
         super().__init__()
+        self.tp = tp
         self.self_attn = PagedAttention(
             hidden_size=config.hidden_size,
             num_heads=config.num_heads,
@@ -37,9 +38,8 @@ class DecoderLayer(nn.Module):
             rotary=rotary,
             backend=backend,
             dtype=dtype,
-            tp=tp,
         )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, tp=tp)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
@@ -61,14 +61,38 @@ class DecoderLayer(nn.Module):
         residual = workspace.rows("residual", num_tokens)
         if is_first:
             self.input_layernorm(residual, out=hidden)
-        else:
-            self.input_layernorm.forward_residual_(hidden, residual)
+        else:  # the previous layer's MLP left its partial sums in `partial_rows`
+            add_summed_and_norm(self.tp, self.input_layernorm, workspace, num_tokens)
         self.self_attn.project_and_write(positions, hidden, meta, workspace)
 
     def after_attention(self, workspace: Workspace, num_tokens: int) -> None:
-        """The output projection, the post-attention norm and the MLP (per-row work only)."""
+        """The output projection, the post-attention norm and the MLP (per-row work only),
+        which leaves its partial sums for the next norm (`add_summed_and_norm`)."""
         hidden = workspace.rows("hidden", num_tokens)
-        residual = workspace.rows("residual", num_tokens)
-        self.self_attn.project_out(workspace, out=hidden)
-        self.post_attention_layernorm.forward_residual_(hidden, residual)
-        self.mlp(hidden, workspace, out=hidden)
+        self.self_attn.project_out(workspace, out=partial_rows(self.tp, workspace, num_tokens))
+        add_summed_and_norm(self.tp, self.post_attention_layernorm, workspace, num_tokens)
+        self.mlp(hidden, workspace, out=partial_rows(self.tp, workspace, num_tokens))
+
+
+def partial_rows(tp: TensorParallelGroup, workspace: Workspace, num_tokens: int) -> torch.Tensor:
+    """Where a row-parallel projection (o, down) writes this rank's partial sums of a step:
+    the one-shot buffer's rows when the ranks add them up there, else `hidden`."""
+    hidden = workspace.rows("hidden", num_tokens)
+    staged = tp.partial_rows(num_tokens, hidden.shape[1], hidden.dtype)
+    return hidden if staged is None else staged
+
+
+def add_summed_and_norm(
+    tp: TensorParallelGroup, norm: RMSNorm, workspace: Workspace, num_tokens: int
+) -> None:
+    """residual += the ranks' sum of the partial sums at `partial_rows`, and hidden =
+    norm(residual): one launch on the one-shot path, an all-reduce (a no-op on one rank) and
+    the residual-add norm otherwise."""
+    hidden = workspace.rows("hidden", num_tokens)
+    residual = workspace.rows("residual", num_tokens)
+    staged = tp.partial_rows(num_tokens, hidden.shape[1], hidden.dtype)
+    if staged is None:
+        tp.all_reduce_(hidden)
+        norm.forward_residual_(hidden, residual)
+    else:
+        tp.reduce_add_norm_(staged, residual, norm.weight, norm.eps, out=hidden)

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.hf_config import RopeScaling
 from pagekeeper_engine.model.workspace import Workspace
 
@@ -157,8 +156,8 @@ class RotaryEmbedding(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one (2I, H) matrix.
 
-    Under tensor parallelism `intermediate_size` is this rank's columns and the down
-    projection's partial sums are all-reduced."""
+    Under tensor parallelism `intermediate_size` is this rank's columns and `out` receives the
+    down projection's partial sums, which the decoder layer adds up over the ranks."""
 
     def __init__(
         self,
@@ -166,10 +165,8 @@ class SwiGLU(nn.Module):
         intermediate_size: int,
         *,
         dtype: torch.dtype,
-        tp: TensorParallelGroup,
     ):
         super().__init__()
-        self.tp = tp
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
@@ -188,4 +185,3 @@ class SwiGLU(nn.Module):
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)
                 torch.mul(functional.silu(gate), up, out=activated)
             self.down_proj(activated, out=out[start:end])
-        self.tp.all_reduce_(out)

@@ -25,7 +25,7 @@ from pagekeeper_engine.attention.base import (
     KVScales,
 )
 from pagekeeper_engine.distributed.group import TensorParallelGroup
-from pagekeeper_engine.model.decoder_layer import DecoderLayer
+from pagekeeper_engine.model.decoder_layer import DecoderLayer, add_summed_and_norm
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagekeeper_engine.model.paged_attention import PagedAttention
@@ -129,7 +129,7 @@ class DecoderModel(nn.Module):
 
         def last() -> None:
             layers[-1].after_attention(workspace, num_tokens)
-            self.norm.forward_residual_(hidden, residual)
+            add_summed_and_norm(self.tp, self.norm, workspace, num_tokens)
 
         def attention(layer: DecoderLayer) -> Callable[[AttentionMetadata], None]:
             return lambda step_meta: layer.self_attn.attend_cached(step_meta, workspace, num_tokens)

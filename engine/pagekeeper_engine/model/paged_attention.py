@@ -12,7 +12,6 @@ from pagekeeper_engine.attention.base import (
     AttentionMetadata,
     QKNorm,
 )
-from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagekeeper_engine.model.workspace import Workspace
 
@@ -22,8 +21,8 @@ class PagedAttention(nn.Module):
 
     The runner binds `k_cache`/`v_cache` (num_blocks, block_size, num_kv_heads, head_dim) once
     after allocating the pool; the backend writes this step's keys there and reads the rest.
-    Under tensor parallelism the heads are this rank's and the output projection's partial sums
-    are all-reduced.
+    Under tensor parallelism the heads are this rank's and the output projection writes this
+    rank's partial sums, which the decoder layer adds up over the ranks.
     """
 
     def __init__(
@@ -38,10 +37,8 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
-        tp: TensorParallelGroup,
     ):
         super().__init__()
-        self.tp = tp
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -88,9 +85,9 @@ class PagedAttention(nn.Module):
         self.read(qkv, meta, out=workspace.rows("attn", num_tokens))
 
     def project_out(self, workspace: Workspace, out: torch.Tensor) -> None:
-        """The workspace's `attn` rows -> out (T, H), all-reduced over the ranks."""
+        """The workspace's `attn` rows -> out (T, H): this rank's partial sums under tensor
+        parallelism, not yet added up over the ranks."""
         self.o_proj(workspace.rows("attn", out.shape[0]), out=out)
-        self.tp.all_reduce_(out)
 
     def attend(
         self,

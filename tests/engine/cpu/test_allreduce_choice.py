@@ -115,6 +115,20 @@ def test_all_reduce_goes_one_shot_up_to_the_threshold_and_to_nccl_above(
     assert nccl == [24, 8]
 
 
+def test_partial_rows_are_the_buffer_exactly_where_all_reduce_goes_one_shot() -> None:
+    group = TensorParallelGroup(rank=0, size=2)
+    assert group.partial_rows(2, 8, torch.bfloat16) is None  # no one-shot path set up
+    one_shot = RecordingOneShot()
+    group.one_shot, group.one_shot_max_bytes = one_shot, 16 * 2  # 16 bf16 values
+    staged = group.partial_rows(2, 8, torch.bfloat16)  # at the threshold
+    assert staged is not None and staged.shape == (2, 8)
+    assert staged.data_ptr() == one_shot.buffer.data_ptr()
+    assert group.partial_rows(3, 8, torch.bfloat16) is None  # above it: NCCL
+    assert group.partial_rows(2, 4, torch.float32) is None  # the buffer holds bf16
+    with group.local_only():
+        assert group.partial_rows(1, 8, torch.bfloat16) is None  # nothing to sum
+
+
 def test_single_rank_never_touches_symmetric_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DISABLE_MULTICAST, raising=False)
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import fails
