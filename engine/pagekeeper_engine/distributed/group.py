@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from pagekeeper_engine.distributed.oneshot import (
-    DEFAULT_CAPACITY_BYTES,
     AllReduceChoice,
     AllReduceTiming,
     OneShotAllReduce,
+    capacity_bytes,
     check_sum,
     choose_one_shot_max_bytes,
     combine_rank_timings,
@@ -278,15 +278,21 @@ class TensorParallelGroup:
 
 
 def choose_all_reduce(
-    tp: TensorParallelGroup, is_disabled: bool, hidden_size: int, dtype: torch.dtype
+    tp: TensorParallelGroup,
+    is_disabled: bool,
+    hidden_size: int,
+    dtype: torch.dtype,
+    max_tokens: int,
 ) -> AllReduceChoice:
     """The path of the ranks' all-reduces: NCCL alone under --disable-custom-all-reduce, else
-    the one-shot path for the sizes every rank timed it faster (`TensorParallelGroup`)."""
+    the one-shot path for the sizes every rank timed it faster (`TensorParallelGroup`), over a
+    buffer sized for steps of up to `max_tokens` (`capacity_bytes`)."""
     if tp.size > 1 and is_disabled:  # the same flag on every rank: no collective to skip
         choice = AllReduceChoice(0, off_reason="--disable-custom-all-reduce")
         logger.info("tensor-parallel all-reduce: %s", choice.describe())
         return choice
-    return tp.enable_one_shot(DEFAULT_CAPACITY_BYTES, hidden_size, dtype)
+    capacity = capacity_bytes(tp.size, max_tokens, hidden_size, dtype.itemsize)
+    return tp.enable_one_shot(capacity, hidden_size, dtype)
 
 
 def _failure_of(name: str, step: Callable[[], None]) -> str | None:

@@ -46,8 +46,19 @@ if TYPE_CHECKING:  # the kernel module imports triton: loaded when a GPU group f
 DISABLE_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 # A buffer large enough for the decode steps' messages (up to 1024 rows of 4096 in bf16); past a
-# few MiB each rank reading all the others' bytes loses to NCCL's ring on two or more GPUs.
+# few MiB each rank reading all the others' bytes loses to NCCL's ring on four GPUs.
 DEFAULT_CAPACITY_BYTES = 8 * 2**20
+
+
+def capacity_bytes(num_ranks: int, max_tokens: int, hidden_size: int, itemsize: int) -> int:
+    """The one-shot buffer's size. At two ranks each reads one peer's rows, and the fused
+    launch beat NCCL and the norm through 2,048 rows of 4,096 (docs/benchmarks.md, run 25): the
+    buffer holds a whole step's rows, so that the prefill chunks' sums may go one-shot too
+    (the start-up timing decides). At more ranks, the decode steps' messages."""
+    if num_ranks == 2:
+        return max(DEFAULT_CAPACITY_BYTES, max_tokens * hidden_size * itemsize)
+    return DEFAULT_CAPACITY_BYTES
+
 
 # The widest row one program of the kernel sums (the widest hidden size served is 16,384).
 MAX_ROW_ELEMENTS = 16384

@@ -113,6 +113,7 @@ class ModelRunner:
             self.config.disable_custom_all_reduce,
             self.model_config.hidden_size,
             self.dtype,
+            self.max_num_batched_tokens,
         )
         self._set_up_memory(vocab_size)
         self._allocate_kv_cache()

@@ -12,9 +12,11 @@ import torch
 from pagekeeper_engine.config import parse_args
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.distributed.oneshot import (
+    DEFAULT_CAPACITY_BYTES,
     DISABLE_MULTICAST,
     AllReduceTiming,
     OneShotAllReduce,
+    capacity_bytes,
     choose_one_shot_max_bytes,
     combine_rank_timings,
     timed_rows,
@@ -78,6 +80,13 @@ def test_timed_rows_double_up_to_what_the_buffer_holds() -> None:
     assert timed_rows(100 * ROW, 4096, 2) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert timed_rows(ROW, 4096, 2) == [1]
     assert timed_rows(ROW - 1, 4096, 2) == []
+
+
+def test_two_ranks_size_the_buffer_for_a_whole_step_and_more_ranks_for_decode_steps() -> None:
+    assert capacity_bytes(2, 8192, 4096, 2) == 8192 * ROW  # the prefill chunks may go one-shot
+    assert capacity_bytes(2, 256, 4096, 2) == DEFAULT_CAPACITY_BYTES  # never below the default
+    assert capacity_bytes(4, 8192, 8192, 2) == DEFAULT_CAPACITY_BYTES
+    assert capacity_bytes(8, 8192, 8192, 2) == DEFAULT_CAPACITY_BYTES
 
 
 def test_one_shot_fits_only_contiguous_tensors_of_its_dtype_and_device_within_capacity() -> None:
@@ -163,10 +172,9 @@ def test_the_flag_keeps_nccl_without_timing_or_a_collective(
         raise AssertionError("enable_one_shot ran under --disable-custom-all-reduce")
 
     monkeypatch.setattr(group, "enable_one_shot", set_up)
-    choice = choose_all_reduce(group, True, 4096, torch.bfloat16)
+    choice = choose_all_reduce(group, True, 4096, torch.bfloat16, 8192)
     assert choice.describe() == "NCCL for every size (--disable-custom-all-reduce)"
     assert group.one_shot is None and group.one_shot_max_bytes == 0
     # At one rank there is nothing to disable: the group's own answer.
-    assert choose_all_reduce(TensorParallelGroup(), True, 4096, torch.bfloat16).off_reason == (
-        "a single rank"
-    )
+    alone = choose_all_reduce(TensorParallelGroup(), True, 4096, torch.bfloat16, 8192)
+    assert alone.off_reason == "a single rank"
