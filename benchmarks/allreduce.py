@@ -107,10 +107,7 @@ def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> 
             if one_shot is not None and one_shot.fits(x):
                 staged = one_shot.staged(rows, hidden)
                 fused_us = _norm_us(
-                    lambda y, s=staged, r=residual, w=weight: one_shot.reduce_add_norm_(
-                        s, r, w, 1e-6, y
-                    ),
-                    x,
+                    lambda y, s=staged, r=residual, w=weight: s.reduce_add_norm_(r, w, 1e-6, y), x
                 )
             norms[hidden].append((norm_us, fused_us))
     results.put((rank, found, norms, dataclasses.asdict(startup)))

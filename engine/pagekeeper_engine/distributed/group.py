@@ -29,6 +29,7 @@ from pagekeeper_engine.distributed.oneshot import (
     AllReduceChoice,
     AllReduceTiming,
     OneShotAllReduce,
+    StagedRows,
     capacity_bytes,
     check_sum,
     choose_one_shot_max_bytes,
@@ -129,31 +130,17 @@ class TensorParallelGroup:
         else:
             self._nccl_all_reduce_(x)
 
-    def partial_rows(self, num_rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def partial_rows(self, num_rows: int, dim: int, dtype: torch.dtype) -> StagedRows | None:
         """Where a row-parallel projection writes its (num_rows, dim) partial sums when the
-        ranks add them up one-shot (the one-shot buffer's rows, for `reduce_add_norm_`); None
-        when they go through `all_reduce_` instead (or there is nothing to sum). Every rank
-        gets the same answer for the same shape."""
+        ranks add them up one-shot (rows of the one-shot buffer, which one launch adds up and
+        norms: `StagedRows.reduce_add_norm_`); None when they go through `all_reduce_` instead
+        (or there is nothing to sum). Every rank gets the same answer for the same shape."""
         if not self.is_active:
             return None
         one_shot = self._one_shot_for(num_rows * dim * dtype.itemsize)
         if one_shot is None or not one_shot.fits_rows(num_rows, dim, dtype):
             return None
         return one_shot.staged(num_rows, dim)
-
-    def reduce_add_norm_(
-        self,
-        staged: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        out: torch.Tensor,
-    ) -> None:
-        """residual += the ranks' sum of the `staged` rows that `partial_rows` gave, and
-        out = RMSNorm(residual), in one launch."""
-        one_shot = self.one_shot
-        assert one_shot is not None, "staged rows come from partial_rows"
-        one_shot.reduce_add_norm_(staged, residual, weight, eps, out)
 
     def _one_shot_for(self, num_bytes: int) -> OneShotAllReduce | None:
         """The one-shot path when a message of `num_bytes` takes it."""

@@ -7,8 +7,8 @@ a signal pad beside it. To sum `x`, each rank copies it into its own buffer and 
 from every rank's buffer, write their sum into `x`, and meet again, so that the next write of a
 buffer cannot come while a peer still reads it. A row-parallel projection can write its partial
 sums straight into the buffer (`staged`) and have the sum added into the residual stream and
-normed in the same launch (`reduce_add_norm_`): one kernel where a copy, the sum and the norm
-were three. That is one trip across the links, against NCCL's fixed cost per call, which
+normed in the same launch (`StagedRows.reduce_add_norm_`): one kernel where a copy, the sum and
+the norm were three. That is one trip across the links, against NCCL's fixed cost per call, which
 dominates at the few rows of a decode step; at large messages every rank reading every other
 rank's whole buffer loses to NCCL's ring. The buffer's address is fixed, so the kernel is
 captured in CUDA graphs like any other.
@@ -151,7 +151,7 @@ def import_symmetric_memory() -> ModuleType:
 class OneShotAllReduce:
     """The one-shot sum over the ranks of one group, through a symmetric buffer of fixed
     capacity. `allocate` and `rendezvous` are start-up steps that every rank takes together;
-    then `all_reduce_` takes a tensor that `fits`, and `reduce_add_norm_` the `staged` rows,
+    then `all_reduce_` takes a tensor that `fits`, and `staged` gives rows to sum with the norm,
     eagerly or under CUDA graph capture."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
@@ -227,38 +227,38 @@ class OneShotAllReduce:
             and num_rows * dim <= self.buffer.numel()
         )
 
-    def staged(self, num_rows: int, dim: int) -> torch.Tensor:
-        """This rank's buffer as (num_rows, dim): where a projection writes the partial sums
-        that `reduce_add_norm_` adds up."""
+    def staged(self, num_rows: int, dim: int) -> StagedRows:
+        """This rank's buffer as (num_rows, dim) partial sums, for a projection to write and
+        `StagedRows.reduce_add_norm_` to add up."""
+        peers = self.peers
+        assert peers is not None, "rendezvous first"
         assert num_rows * dim <= self.buffer.numel(), f"{num_rows} x {dim} exceeds the buffer"
-        return self.buffer[: num_rows * dim].view(num_rows, dim)
+        return StagedRows(self.buffer[: num_rows * dim].view(num_rows, dim), peers)
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks, in place; every rank calls it with the same shape."""
-        peers = self.peers
-        assert peers is not None, "rendezvous first"
         rows = x.view(-1, x.shape[-1])
-        self.staged(*rows.shape).copy_(rows)
-        _kernel().peer_reduce(peers, rows.shape[0], rows.shape[1], out=rows)
+        staged = self.staged(*rows.shape)
+        staged.rows.copy_(rows)
+        _kernel().peer_reduce(staged.peers, rows.shape[0], rows.shape[1], out=rows)
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """A rank's (rows, dim) partial sums in its one-shot buffer (`rows`, where a row-parallel
+    projection writes them), and the ranks' buffers they are added up with."""
+
+    rows: torch.Tensor
+    peers: PeerBuffers
 
     def reduce_add_norm_(
-        self,
-        staged: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        out: torch.Tensor,
+        self, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     ) -> None:
-        """residual += the ranks' sum of their `staged` rows (this rank's from `staged(...)`),
-        and out = RMSNorm(residual) with `weight` and `eps`; every rank calls it alike."""
-        peers = self.peers
-        assert peers is not None, "rendezvous first"
-        assert staged.data_ptr() == self.buffer.data_ptr() and staged.is_contiguous(), (
-            "staged must be the rows of `staged(...)`"
-        )
-        num_rows, dim = staged.shape
+        """residual += the ranks' sum of their staged rows, and out = RMSNorm(residual) with
+        `weight` and `eps`, in one launch; every rank calls it alike (a collective)."""
+        num_rows, dim = self.rows.shape
         _kernel().peer_reduce(
-            peers, num_rows, dim, out=out, residual=residual, weight=weight, eps=eps
+            self.peers, num_rows, dim, out=out, residual=residual, weight=weight, eps=eps
         )
 
 
@@ -308,9 +308,7 @@ def time_all_reduces(
         staged = one_shot.staged(num_rows, hidden_size)
 
         nccl_then_norm = functools.partial(_nccl_then_norm, nccl_all_reduce_, x, residual, weight)
-        fused = functools.partial(
-            one_shot.reduce_add_norm_, staged, residual, weight, TIMING_EPS, x
-        )
+        fused = functools.partial(staged.reduce_add_norm_, residual, weight, TIMING_EPS, x)
         graphs = [capture(nccl_then_norm, CALLS_PER_GRAPH), capture(fused, CALLS_PER_GRAPH)]
         # By count alone: the graphs hold collectives (`best_replays`).
         nccl_s, one_shot_s = best_replays(graphs, NUM_ROUNDS, warm_up_rounds=NUM_WARM_UP_REPLAYS)

@@ -79,7 +79,7 @@ def partial_rows(tp: TensorParallelGroup, workspace: Workspace, num_tokens: int)
     the one-shot buffer's rows when the ranks add them up there, else `hidden`."""
     hidden = workspace.rows("hidden", num_tokens)
     staged = tp.partial_rows(num_tokens, hidden.shape[1], hidden.dtype)
-    return hidden if staged is None else staged
+    return hidden if staged is None else staged.rows
 
 
 def add_summed_and_norm(
@@ -95,4 +95,4 @@ def add_summed_and_norm(
         tp.all_reduce_(hidden)
         norm.forward_residual_(hidden, residual)
     else:
-        tp.reduce_add_norm_(staged, residual, norm.weight, norm.eps, out=hidden)
+        staged.reduce_add_norm_(residual, norm.weight, norm.eps, out=hidden)

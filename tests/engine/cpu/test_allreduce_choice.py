@@ -21,6 +21,7 @@ from pagekeeper_engine.distributed.oneshot import (
     combine_rank_timings,
     timed_rows,
 )
+from pagekeeper_engine.kernels.peer_reduce import PeerBuffers
 
 ROW = 4096 * 2  # bytes of one bf16 row of an 8B model
 
@@ -102,6 +103,8 @@ class RecordingOneShot(OneShotAllReduce):
     def __init__(self) -> None:
         super().__init__(torch.empty(64, dtype=torch.bfloat16), "0")
         self.numels: list[int] = []
+        no_addresses = torch.zeros(2, dtype=torch.int64)  # never launched: nothing mapped
+        self.peers = PeerBuffers(self.buffer, no_addresses, no_addresses, 0, 2, 1)
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         self.numels.append(x.numel())
@@ -130,8 +133,8 @@ def test_partial_rows_are_the_buffer_exactly_where_all_reduce_goes_one_shot() ->
     one_shot = RecordingOneShot()
     group.one_shot, group.one_shot_max_bytes = one_shot, 16 * 2  # 16 bf16 values
     staged = group.partial_rows(2, 8, torch.bfloat16)  # at the threshold
-    assert staged is not None and staged.shape == (2, 8)
-    assert staged.data_ptr() == one_shot.buffer.data_ptr()
+    assert staged is not None and staged.rows.shape == (2, 8)
+    assert staged.rows.data_ptr() == one_shot.buffer.data_ptr()
     assert group.partial_rows(3, 8, torch.bfloat16) is None  # above it: NCCL
     assert group.partial_rows(2, 4, torch.float32) is None  # the buffer holds bf16
     with group.local_only():

@@ -112,9 +112,9 @@ def _fused(
     for rows in ROWS:
         partial, residual = _integers(rows, size + 1, generator, device), shared(rows)
         want = expected(partial, residual.clone())
-        staged[rows].copy_(partial)
+        staged[rows].rows.copy_(partial)
         out = torch.empty_like(partial)
-        one_shot.reduce_add_norm_(staged[rows], residual, weight, EPS, out)
+        staged[rows].reduce_add_norm_(residual, weight, EPS, out)
         eager.append(close((out, residual), want))
     partials = [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=device) for rows in ROWS]
     residuals = [torch.zeros_like(p) for p in partials]
@@ -122,8 +122,8 @@ def _fused(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for rows, partial, residual, out in zip(ROWS, partials, residuals, outs, strict=True):
-            staged[rows].copy_(partial)  # as a projection writes its partial sums there
-            one_shot.reduce_add_norm_(staged[rows], residual, weight, EPS, out)
+            staged[rows].rows.copy_(partial)  # as a projection writes its partial sums there
+            staged[rows].reduce_add_norm_(residual, weight, EPS, out)
     replays = []
     for _ in range(3):
         wants = []
