@@ -232,8 +232,7 @@ class OneShotAllReduce:
         `StagedRows.reduce_add_norm_` to add up."""
         peers = self.peers
         assert peers is not None, "rendezvous first"
-        assert num_rows * dim <= self.buffer.numel(), f"{num_rows} x {dim} exceeds the buffer"
-        return StagedRows(self.buffer[: num_rows * dim].view(num_rows, dim), peers)
+        return StagedRows(peers.staged(num_rows, dim), peers)
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum `x` over the ranks, in place; every rank calls it with the same shape."""

@@ -18,8 +18,8 @@ rank, with the same grid on every rank:
    which is what lets a CUDA graph replay the kernel without host help.
 2. It sums its rows over the ranks' buffers, in rank order (the same fp32 sum, bit for bit, on
    every rank), and rounds the sum to the buffer's dtype, as an all-reduce's output is.
-3. With `norm`: residual += sum (rounded), and out = RMSNorm(residual), `kernels/rms_norm.py`'s
-   arithmetic; without: out = sum.
+3. With `norm`: residual += sum (rounded), and out = RMSNorm(residual) (`rms_norm.rms_norm_row`,
+   the norm kernel's arithmetic); without: out = sum.
 4. It meets the others again: no rank leaves the kernel, and so no rank's next projection
    overwrites its buffer, while a peer still reads the rows program p reads from it.
 
@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, check_like, next_power_of_2
+from pagekeeper_engine.kernels.rms_norm import rms_norm_row
 
 SIGNAL_WORD_BYTES = 4
 
@@ -94,11 +95,7 @@ def _peer_reduce_kernel(
             residual = tl.load(residual_row, mask=mask, other=0.0)
             x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
             tl.store(residual_row, x, mask=mask)
-            x32 = x.to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / DIM + eps)
-            normed = (x32 * inv_rms).to(dtype).to(tl.float32)
-            weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = (weight * normed).to(dtype)
+            x = rms_norm_row(x, weight_ptr, offs, mask, eps, DIM)
         tl.store(out_row, x, mask=mask)
     _meet(pads_ptr, program, RANK, WORLD)
 

@@ -45,12 +45,21 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + row * residual_row_stride + offs, mask=mask, other=0.0)
         tl.store(summed_ptr + row * summed_row_stride + offs, x, mask=mask)
+    out = rms_norm_row(x, weight_ptr, offs, mask, eps, DIM)
+    tl.store(out_ptr + row * out_row_stride + head * out_head_stride + offs, out, mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x, weight_ptr, offs, mask, eps, DIM: tl.constexpr):
+    """One row's norm in x's dtype (masked lanes zero): the fp32 statistic, the normalised row
+    rounded to x's dtype, then the weight multiply. Shared by the kernels that norm a row."""
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / DIM + eps)
-    normed = (x32 * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = weight * normed
-    tl.store(out_ptr + row * out_row_stride + head * out_head_stride + offs, out, mask=mask)
+    # The product of two half-precision values is exact in fp32, so rounding it once is the
+    # half-precision multiply (which the interpreter cannot run).
+    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (weight * normed).to(x.dtype)
 
 
 @triton.jit
