@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         residual = workspace.rows("residual", num_tokens)
         if is_first:
             self.input_layernorm(residual, out=hidden)
-        else:  # the previous layer's MLP left its partial sums in `partial_rows`
+        else:  # the previous layer's MLP left its partial sums (`after_attention`)
             add_summed_and_norm(self.tp, self.input_layernorm, workspace, num_tokens)
         self.self_attn.project_and_write(positions, hidden, meta, workspace)
 
@@ -69,23 +69,19 @@ class DecoderLayer(nn.Module):
         """The output projection, the post-attention norm and the MLP (per-row work only),
         which leaves its partial sums for the next norm (`add_summed_and_norm`)."""
         hidden = workspace.rows("hidden", num_tokens)
-        self.self_attn.project_out(workspace, out=partial_rows(self.tp, workspace, num_tokens))
+        # The o and down projections write this rank's partial sums here: the one-shot
+        # buffer's rows when the ranks add them up there, else `hidden`.
+        staged = self.tp.partial_rows(num_tokens, hidden.shape[1], hidden.dtype)
+        partial = hidden if staged is None else staged.rows
+        self.self_attn.project_out(workspace, out=partial)
         add_summed_and_norm(self.tp, self.post_attention_layernorm, workspace, num_tokens)
-        self.mlp(hidden, workspace, out=partial_rows(self.tp, workspace, num_tokens))
-
-
-def partial_rows(tp: TensorParallelGroup, workspace: Workspace, num_tokens: int) -> torch.Tensor:
-    """Where a row-parallel projection (o, down) writes this rank's partial sums of a step:
-    the one-shot buffer's rows when the ranks add them up there, else `hidden`."""
-    hidden = workspace.rows("hidden", num_tokens)
-    staged = tp.partial_rows(num_tokens, hidden.shape[1], hidden.dtype)
-    return hidden if staged is None else staged.rows
+        self.mlp(hidden, workspace, out=partial)
 
 
 def add_summed_and_norm(
     tp: TensorParallelGroup, norm: RMSNorm, workspace: Workspace, num_tokens: int
 ) -> None:
-    """residual += the ranks' sum of the partial sums at `partial_rows`, and hidden =
+    """residual += the ranks' sum of the partial sums `after_attention` left, and hidden =
     norm(residual): one launch on the one-shot path, an all-reduce (a no-op on one rank) and
     the residual-add norm otherwise."""
     hidden = workspace.rows("hidden", num_tokens)
