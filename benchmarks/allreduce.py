@@ -46,22 +46,19 @@ DTYPE = torch.bfloat16
 
 
 def _graph_us(reduce_: Callable[[torch.Tensor], None], x: torch.Tensor, size: int) -> float:
-    """Check that `reduce_` sums right, then its time per call: the best of ROUNDS replays of a
-    CUDA graph of CALLS_PER_GRAPH calls (the engine replays its all-reduces in graphs, and its
-    start-up choice times them so)."""
+    """Check that `reduce_` sums right, then its time per call (`_zeros_us`)."""
     for _ in range(20):
         reduce_(x)
     x.fill_(1.0)
     reduce_(x)
     assert float(x[0, 0]) == size and bool((x == size).all()), "the all-reduce summed wrongly"
-    x.zero_()  # the timed sums stay zero instead of overflowing
-    graph = capture(functools.partial(reduce_, x), CALLS_PER_GRAPH)
-    (seconds,) = best_replays([graph], ROUNDS, warm_up_rounds=WARM_UP_ROUNDS)
-    return seconds * 1e6 / CALLS_PER_GRAPH
+    return _zeros_us(reduce_, x)
 
 
-def _norm_us(run: Callable[[torch.Tensor], None], x: torch.Tensor) -> float:
-    """The time per call of `run` on zero rows (they stay zero), as `_graph_us` times."""
+def _zeros_us(run: Callable[[torch.Tensor], None], x: torch.Tensor) -> float:
+    """The time per call of `run` on zero rows (the timed sums stay zero instead of
+    overflowing): the best of ROUNDS replays of a CUDA graph of CALLS_PER_GRAPH calls (the
+    engine replays its all-reduces in graphs, and its start-up choice times them so)."""
     x.zero_()
     run(x)
     graph = capture(functools.partial(run, x), CALLS_PER_GRAPH)
@@ -100,13 +97,13 @@ def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> 
                 AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us)
             )
             residual = torch.zeros_like(x)
-            norm_us = _norm_us(
+            norm_us = _zeros_us(
                 lambda y, r=residual, w=weight: rms_norm(y, w, 1e-6, r, out=y, summed=r), x
             )
             fused_us = math.inf
             if one_shot is not None and one_shot.fits(x):
                 staged = one_shot.staged(rows, hidden)
-                fused_us = _norm_us(
+                fused_us = _zeros_us(
                     lambda y, s=staged, r=residual, w=weight: s.reduce_add_norm_(r, w, 1e-6, y), x
                 )
             norms[hidden].append((norm_us, fused_us))
