@@ -1,10 +1,11 @@
 """The collectives a tensor-parallel model runs, over `torch.distributed`.
 
 One `TensorParallelGroup` per process: the device group (NCCL between GPUs, gloo on the CPU)
-carries the forward pass's all-reduces, the logits' gather to rank 0 and the sampled tokens'
-broadcast from it; a gloo group beside it carries start-up facts between the ranks' hosts (the
-memory budgets). At size 1 every collective is a no-op and nothing of `torch.distributed` is
-touched, so the single-GPU engine runs exactly as it did.
+carries the forward pass's all-reduces, the sampling partials' all-gather and, for batches
+that rank 0 samples alone, the logits' gather to it and the sampled tokens' broadcast from it;
+a gloo group beside it carries start-up facts between the ranks' hosts (the memory budgets).
+At size 1 nothing of `torch.distributed` is touched (a gather copies the rank's own rows), so
+the single-GPU engine runs exactly as it did.
 
 `local_only()` suspends the collectives: the batch-1 GEMV choice times each rank's own compute
 that way (timed loops differ in length per rank, and a collective left waiting would hang).
@@ -232,16 +233,30 @@ class TensorParallelGroup:
                 return f"rank {rank}: {value}"
         return None
 
-    def gather_rows(self, local: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-        """local (N, C) from every rank -> (N, size * C) on rank 0, rank r's columns at
-        [r * C, (r + 1) * C), into `out` when given; None on the other ranks."""
+    def gather_(self, out: torch.Tensor | None, local: torch.Tensor) -> None:
+        """Every rank's `local` (contiguous) into rank 0's `out` (size, *local.shape), in rank
+        order; the other ranks pass None."""
         if not self.is_active:
-            return local if out is None else out.copy_(local)
-        parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_first else None
-        dist.gather(local.contiguous(), parts, dst=0, group=self.device_group)
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=1, out=out) if out is not None else torch.cat(parts, dim=1)
+            assert out is not None, "one rank gathers into its own buffer"
+            out[0].copy_(local)
+            return
+        assert local.is_contiguous(), "gathered rows must be contiguous"
+        parts = None if out is None else list(out.unbind(0))
+        assert (out is not None) == self.is_first, "rank 0 alone gathers into a buffer"
+        dist.gather(local, parts, dst=0, group=self.device_group)
+
+    def all_gather_(self, out: torch.Tensor, local: torch.Tensor) -> None:
+        """Every rank's `local` (contiguous) into every rank's `out` (size, *local.shape),
+        contiguous, in rank order."""
+        assert out.is_contiguous() and local.is_contiguous(), "all-gathered rows: contiguous"
+        assert out.shape == (self.size, *local.shape), (
+            f"out {tuple(out.shape)} holds no {self.size} x {tuple(local.shape)}"
+        )
+        if not self.is_active:
+            out[0].copy_(local)
+            return
+        # Flat: gloo gathers along the first dimension of a flat output only.
+        dist.all_gather_into_tensor(out.view(-1), local.view(-1), group=self.device_group)
 
     def broadcast_(self, x: torch.Tensor) -> None:
         """Every rank's `x` becomes rank 0's, in place."""

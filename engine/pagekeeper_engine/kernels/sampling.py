@@ -19,6 +19,12 @@ one SM. Here each row's vocabulary is split into BLOCK_V chunks, one program eac
 128,256), which write their running max and sum of exp for the logsumexp and their best score
 and its index; a second kernel, one program per row, merges the chunks and writes the token ids
 and the (2, N) float64 [ids; log-probabilities] the runner copies to the host.
+
+Under tensor parallelism each rank holds a shard of the vocabulary's logits: the first kernel
+runs over the shard alone (its chunks' indices offset to the whole vocabulary's), the ranks
+exchange the partials (a few kB a row instead of the logits) and every rank's second kernel
+merges all of them into the same tokens. A chunk's partials carry the raw logit at its best
+index, so the merge needs no logit from another rank.
 """
 
 from __future__ import annotations
@@ -30,37 +36,41 @@ import triton
 import triton.language as tl
 
 from pagekeeper_engine.kernels import NOISE_FLOOR, check_device, check_like, next_power_of_2
+from pagekeeper_engine.kernels.pick_scratch import BLOCK_V, PLANES, PickScratch
 
-BLOCK_V = 2048
+__all__ = ["BLOCK_V", "PLANES", "PickScratch", "chunk_partials", "combine_partials", "pick_tokens"]
+
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The planes, in order (jit code reads module globals only as constexprs).
+_MAX, _SUM, _BEST, _RAW_AT_BEST, _INDEX = (tl.constexpr(plane) for plane in range(PLANES))
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
-STEP_VARYING = (
-    "part_max_ptr",
-    "part_sum_ptr",
-    "part_best_ptr",
-    "part_index_ptr",
+_PARTS_VARYING = ("parts_ptr", "index_ptr", "plane_stride")
+_COMBINE_VARYING = (
+    *_PARTS_VARYING,
+    "rank_stride",
     "token_ids_ptr",
     "packed_ptr",
     "packed_row_stride",
 )
 
 
-@triton.jit(do_not_specialize=STEP_VARYING)
+@triton.jit(do_not_specialize=_PARTS_VARYING)
 def _chunk_partials_kernel(
     scores_ptr,
     raw_ptr,
     noise_ptr,
-    part_max_ptr,  # (N, NUM_CHUNKS) fp32: max of raw over the chunk
-    part_sum_ptr,  # (N, NUM_CHUNKS) fp32: sum of exp(raw - that max)
-    part_best_ptr,  # (N, NUM_CHUNKS) fp32: best race score
-    part_index_ptr,  # (N, NUM_CHUNKS) int32: its lowest vocabulary index
+    parts_ptr,  # (PLANES, N, NUM_CHUNKS) fp32
+    index_ptr,  # the same memory as int32: plane _INDEX holds the best indices
     scores_row_stride,
     raw_row_stride,
     noise_row_stride,
+    plane_stride,  # N * NUM_CHUNKS
     scale,
-    VOCAB: tl.constexpr,
+    VOCAB: tl.constexpr,  # the columns read: the (shard's) valid vocabulary
+    INDEX_OFFSET: tl.constexpr,  # column 0's index in the whole vocabulary
+    NO_INDEX: tl.constexpr,  # the whole vocabulary's size: a chunk with no valid column
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     HAS_NOISE: tl.constexpr,
@@ -84,93 +94,162 @@ def _chunk_partials_kernel(
         score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
     best = tl.max(score, axis=0)
     # `mask`: a padding lane never wins, even in a chunk whose scores are all -inf.
-    best_index = tl.min(tl.where((score == best) & mask, offs, VOCAB), axis=0)
+    best_local = tl.min(tl.where((score == best) & mask, offs, VOCAB), axis=0)
+    raw_at_best = tl.max(tl.where(offs == best_local, raw, float("-inf")), axis=0)
+    best_index = tl.where(best_local < VOCAB, best_local + INDEX_OFFSET, NO_INDEX)
 
     part = row * NUM_CHUNKS + chunk
-    tl.store(part_max_ptr + part, raw_max)
-    tl.store(part_sum_ptr + part, raw_sum)
-    tl.store(part_best_ptr + part, best)
-    tl.store(part_index_ptr + part, best_index)
+    tl.store(parts_ptr + _MAX * plane_stride + part, raw_max)
+    tl.store(parts_ptr + _SUM * plane_stride + part, raw_sum)
+    tl.store(parts_ptr + _BEST * plane_stride + part, best)
+    tl.store(parts_ptr + _RAW_AT_BEST * plane_stride + part, raw_at_best)
+    tl.store(index_ptr + _INDEX * plane_stride + part, best_index.to(tl.int32))
 
 
-@triton.jit(do_not_specialize=STEP_VARYING)
+@triton.jit(do_not_specialize=_COMBINE_VARYING)
 def _combine_chunks_kernel(
-    raw_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    part_best_ptr,
-    part_index_ptr,
+    parts_ptr,  # (RANKS, PLANES, N, NUM_CHUNKS) fp32
+    index_ptr,  # the same memory as int32
     token_ids_ptr,  # (N,) int64
     packed_ptr,  # (2, N) float64: ids, then log-probabilities
-    raw_row_stride,
+    plane_stride,
+    rank_stride,
     packed_row_stride,
-    VOCAB: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
+    VOCAB: tl.constexpr,  # the whole vocabulary's size
+    NUM_CHUNKS: tl.constexpr,  # a rank's
     CHUNKS_PAD: tl.constexpr,
+    RANKS: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, CHUNKS_PAD)
-    mask = offs < NUM_CHUNKS
-    parts = row * NUM_CHUNKS + offs
-    chunk_max = tl.load(part_max_ptr + parts, mask=mask, other=float("-inf"))
-    chunk_sum = tl.load(part_sum_ptr + parts, mask=mask, other=0.0)
+    offs = tl.arange(0, RANKS_PAD * CHUNKS_PAD)
+    rank = offs // CHUNKS_PAD
+    chunk = offs % CHUNKS_PAD
+    mask = (rank < RANKS) & (chunk < NUM_CHUNKS)
+    parts = rank.to(tl.int64) * rank_stride + row * NUM_CHUNKS + chunk
+    chunk_max = tl.load(parts_ptr + _MAX * plane_stride + parts, mask=mask, other=float("-inf"))
+    chunk_sum = tl.load(parts_ptr + _SUM * plane_stride + parts, mask=mask, other=0.0)
     row_max = tl.max(chunk_max, axis=0)
     # Padding and all -inf chunks weigh exp(-inf) = 0.
     lse = row_max + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - row_max), axis=0))
 
-    chunk_best = tl.load(part_best_ptr + parts, mask=mask, other=float("-inf"))
-    chunk_index = tl.load(part_index_ptr + parts, mask=mask, other=VOCAB)
+    chunk_best = tl.load(parts_ptr + _BEST * plane_stride + parts, mask=mask, other=float("-inf"))
+    chunk_raw = tl.load(parts_ptr + _RAW_AT_BEST * plane_stride + parts, mask=mask, other=0.0)
+    chunk_index = tl.load(index_ptr + _INDEX * plane_stride + parts, mask=mask, other=VOCAB)
     best = tl.max(chunk_best, axis=0)
-    # Chunk 0 always ties an all -inf row, so -inf never beats a finite score and such a row
-    # picks index 0, as torch.argmax does. Only an all-NaN row matches no chunk: the clamp keeps
-    # the read below in bounds.
+    # Rank 0's chunk 0 always ties an all -inf row (its index 0, below every padding chunk's
+    # VOCAB), so -inf never beats a finite score and such a row picks index 0, as torch.argmax
+    # does. Only an all-NaN row matches no chunk: the clamp keeps the token in range.
     token = tl.min(tl.where(chunk_best == best, chunk_index, VOCAB - 1), axis=0)
-    logprob = tl.load(raw_ptr + row * raw_row_stride + token).to(tl.float32) - lse
+    token = tl.minimum(token, VOCAB - 1)
+    raw = tl.max(tl.where(chunk_index == token, chunk_raw, float("-inf")), axis=0)
+    logprob = raw - lse
 
     tl.store(token_ids_ptr + row, token.to(tl.int64))
     tl.store(packed_ptr + row, token.to(tl.float64))
     tl.store(packed_ptr + packed_row_stride + row, logprob.to(tl.float64))
 
 
-class PickScratch:
-    """The pick's outputs and per-chunk partials for up to `max_rows` rows of a `vocab_size`
-    vocabulary, allocated once: a step's pick works in their leading rows and allocates
-    nothing. A step's ids and packed results stay valid until the next pick over the same
-    scratch is enqueued (stream order)."""
+def chunk_partials(
+    scores: torch.Tensor,  # (N, W) fp32 or raw's dtype: the logits after masks and cuts, or raw
+    raw: torch.Tensor,  # (N, W) fp32, bf16 or fp16: the model's unmodified logits
+    *,
+    scale: float = 1.0,  # 1 / temperature
+    noise: torch.Tensor | None = None,  # (N, W) fp32 Exp(1) draws, each >= 0
+    scratch: PickScratch,
+    valid: int | None = None,  # the columns read (default: all W); the rest are padding
+    index_offset: int = 0,  # column 0's index in the whole vocabulary
+    vocab_size: int | None = None,  # the whole vocabulary's (default: W)
+) -> torch.Tensor:
+    """The first launch: every chunk's partials of these columns, (PLANES, N, C) fp32 in
+    `scratch` (the gather's send buffer under tensor parallelism)."""
+    assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
+    assert raw.dtype in LOGIT_DTYPES, f"raw is {raw.dtype}, expected one of {LOGIT_DTYPES}"
+    check_like("raw", raw, raw)
+    assert scores.dtype in (torch.float32, raw.dtype), (
+        f"scores is {scores.dtype}, expected torch.float32 or raw's {raw.dtype}"
+    )
+    check_like("scores", scores, raw, scores.dtype)
+    if noise is not None:
+        check_like("noise", noise, raw, torch.float32)
+    assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
+    num_rows, width = raw.shape
+    valid = width if valid is None else valid
+    vocab_size = width if vocab_size is None else vocab_size
+    assert 0 <= valid <= width, f"valid {valid} outside the {width} columns"
+    assert index_offset >= 0 and index_offset + valid <= vocab_size, (
+        f"columns [{index_offset}, {index_offset + valid}) outside a vocabulary of {vocab_size}"
+    )
+    assert vocab_size >= 1, "raw has an empty vocabulary"
+    block_v, num_chunks = scratch.block_v, scratch.num_chunks
+    assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
+    assert num_chunks == triton.cdiv(width, block_v), (
+        f"scratch made for {num_chunks} chunks of {block_v}, raw has a vocabulary of {width}"
+    )
+    check_device("scratch", scratch.token_ids, raw.device)
+    _, _, parts = scratch.views(num_rows)
+    if num_rows == 0:
+        return parts
+    noise_or_scores = scores if noise is None else noise  # never read without noise
+    _chunk_partials_kernel[(num_rows, num_chunks)](
+        scores,
+        raw,
+        noise_or_scores,
+        parts,
+        parts.view(torch.int32),
+        scores.stride(0),
+        raw.stride(0),
+        noise_or_scores.stride(0),
+        num_rows * num_chunks,
+        scale,
+        VOCAB=valid,
+        INDEX_OFFSET=index_offset,
+        NO_INDEX=vocab_size,
+        NUM_CHUNKS=num_chunks,
+        BLOCK_V=block_v,
+        HAS_NOISE=noise is not None,
+        NOISE_FLOOR=NOISE_FLOOR,
+        num_warps=8,
+    )
+    return parts
 
-    def __init__(
-        self, max_rows: int, vocab_size: int, device: torch.device | str, block_v: int = BLOCK_V
-    ) -> None:
-        self.max_rows = max_rows
-        self.block_v = block_v
-        self.num_chunks = triton.cdiv(vocab_size, block_v) if vocab_size else 0
-        self.token_ids = torch.empty(max_rows, dtype=torch.int64, device=device)
-        self.packed = torch.empty(2 * max_rows, dtype=torch.float64, device=device)
-        self.parts = torch.empty(3 * max_rows * self.num_chunks, dtype=torch.float32, device=device)
-        self.part_index = torch.empty(max_rows * self.num_chunks, dtype=torch.int32, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        planes = (self.token_ids, self.packed, self.parts, self.part_index)
-        return sum(t.nbytes for t in planes)
-
-    def views(
-        self, num_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_ids (N,), packed (2, N) contiguous, part max / sum / best (N, C) fp32 and part
-        index (N, C) int32 for N = `num_rows`."""
-        assert num_rows <= self.max_rows, f"{num_rows} rows exceed the scratch's {self.max_rows}"
-        rows, chunks = num_rows, self.num_chunks
-        size = rows * chunks
-        part_max, part_sum, part_best = self.parts[: 3 * size].view(3, rows, chunks).unbind(0)
-        return (
-            self.token_ids[:rows],
-            self.packed[: 2 * rows].view(2, rows),
-            part_max,
-            part_sum,
-            part_best,
-            self.part_index[:size].view(rows, chunks),
-        )
+def combine_partials(
+    parts: torch.Tensor,  # (R, PLANES, N, C) fp32: every rank's partials, in rank order
+    scratch: PickScratch,
+    vocab_size: int,  # the whole vocabulary's
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second launch: token ids (N,) int64 and packed (2, N) float64 [ids;
+    log-probabilities] in `scratch`, merged from every rank's chunks."""
+    assert parts.dim() == 4 and parts.shape[1] == PLANES, (
+        f"parts must be (ranks, {PLANES}, rows, chunks), got {tuple(parts.shape)}"
+    )
+    ranks, _, num_rows, num_chunks = parts.shape
+    assert parts.dtype == torch.float32 and parts.is_contiguous(), "parts: contiguous fp32"
+    assert num_chunks == scratch.num_chunks, (
+        f"parts have {num_chunks} chunks a rank, the scratch {scratch.num_chunks}"
+    )
+    assert vocab_size >= 1, "an empty vocabulary"
+    check_device("parts", parts, scratch.token_ids.device)
+    token_ids, packed, _ = scratch.views(num_rows)
+    if num_rows == 0:
+        return token_ids, packed
+    _combine_chunks_kernel[(num_rows,)](
+        parts,
+        parts.view(torch.int32),
+        token_ids,
+        packed,
+        num_rows * num_chunks,
+        PLANES * num_rows * num_chunks,
+        packed.stride(0),
+        VOCAB=vocab_size,
+        NUM_CHUNKS=num_chunks,
+        CHUNKS_PAD=next_power_of_2(num_chunks),
+        RANKS=ranks,
+        RANKS_PAD=next_power_of_2(ranks),
+        num_warps=1,
+    )
+    return token_ids, packed
 
 
 def pick_tokens(
@@ -185,65 +264,10 @@ def pick_tokens(
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw. Ids below 2**53 are exact in float64."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
-    assert raw.dtype in LOGIT_DTYPES, f"raw is {raw.dtype}, expected one of {LOGIT_DTYPES}"
-    check_like("raw", raw, raw)
-    assert scores.dtype in (torch.float32, raw.dtype), (
-        f"scores is {scores.dtype}, expected torch.float32 or raw's {raw.dtype}"
-    )
-    check_like("scores", scores, raw, scores.dtype)
-    if noise is not None:
-        check_like("noise", noise, raw, torch.float32)
-    assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
-    num_rows, vocab_size = raw.shape
-    assert vocab_size >= 1, "raw has an empty vocabulary"
     if scratch is None:
-        scratch = PickScratch(num_rows, vocab_size, raw.device, block_v or BLOCK_V)
+        scratch = PickScratch(raw.shape[0], raw.shape[1], raw.device, block_v or BLOCK_V)
     assert block_v is None or block_v == scratch.block_v, (
         f"block_v {block_v} differs from the scratch's {scratch.block_v}"
     )
-    block_v, num_chunks = scratch.block_v, scratch.num_chunks
-    assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
-    assert num_chunks == triton.cdiv(vocab_size, block_v), (
-        f"scratch made for {num_chunks} chunks of {block_v}, raw has a vocabulary of {vocab_size}"
-    )
-    check_device("scratch", scratch.token_ids, raw.device)
-    token_ids, packed, part_max, part_sum, part_best, part_index = scratch.views(num_rows)
-    if num_rows == 0:
-        return token_ids, packed
-
-    noise_or_scores = scores if noise is None else noise  # never read without noise
-    _chunk_partials_kernel[(num_rows, num_chunks)](
-        scores,
-        raw,
-        noise_or_scores,
-        part_max,
-        part_sum,
-        part_best,
-        part_index,
-        scores.stride(0),
-        raw.stride(0),
-        noise_or_scores.stride(0),
-        scale,
-        VOCAB=vocab_size,
-        NUM_CHUNKS=num_chunks,
-        BLOCK_V=block_v,
-        HAS_NOISE=noise is not None,
-        NOISE_FLOOR=NOISE_FLOOR,
-        num_warps=8,
-    )
-    _combine_chunks_kernel[(num_rows,)](
-        raw,
-        part_max,
-        part_sum,
-        part_best,
-        part_index,
-        token_ids,
-        packed,
-        raw.stride(0),
-        packed.stride(0),
-        VOCAB=vocab_size,
-        NUM_CHUNKS=num_chunks,
-        CHUNKS_PAD=next_power_of_2(num_chunks),
-        num_warps=1,
-    )
-    return token_ids, packed
+    parts = chunk_partials(scores, raw, scale=scale, noise=noise, scratch=scratch)
+    return combine_partials(parts[None], scratch, raw.shape[1])

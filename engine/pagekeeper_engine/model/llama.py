@@ -3,10 +3,11 @@
 The forward pass takes the step's packed tokens and returns hidden states; logits are computed
 separately, only for the rows that will be sampled. Under tensor parallelism (`tp`) the model is
 one rank's shard (`model/shard.py`): its heads, MLP columns and vocabulary rows, with the
-partial sums all-reduced and the logits gathered to rank 0. Shapes depend only on the number of
-tokens, so a caller may pad to fixed sizes and capture the forward in a CUDA graph. Every per-token
-temporary lives in a `Workspace` (`model/workspace.py`): the one bound with `bind_workspace`,
-or, for a caller that bound none, one allocated for the call.
+partial sums all-reduced; a rank's logits are its vocabulary shard's (`gather_logits` joins
+them). Shapes depend only on the number of tokens, so a caller may pad to fixed sizes and
+capture the forward in a CUDA graph. Every per-token temporary lives in a `Workspace`
+(`model/workspace.py`): the one bound with `bind_workspace`, or, for a caller that bound none,
+one allocated for the call.
 """
 
 from __future__ import annotations
@@ -234,28 +235,38 @@ class CausalLM(nn.Module):
         assert self.workspace is not None, "a staged forward runs in the bound workspace"
         return self.model.stages(input_ids, positions, meta, self.workspace)
 
-    def compute_logits(
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """hidden: (N, hidden_size) -> logits (N, vocab_size) in the model's dtype, as the
-        lm_head writes them (the sampler reads them so; `.float()` where fp32 is wanted). With
-        `out` (the model's dtype, at least N rows), written into its leading rows: no allocation
-        of the step's size. Under tensor parallelism every rank computes its vocabulary shard
-        and rank 0 gets them all; the other ranks get None."""
-        if self.tp.is_active:
-            return self._gather_logits(hidden, out)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (N, hidden_size) -> this rank's logits (N, config.vocab_size) in the model's
+        dtype, as the lm_head writes them (the sampler reads them so; `.float()` where fp32 is
+        wanted): the whole vocabulary on one GPU, the rank's shard of it under tensor
+        parallelism (`gather_logits` joins the shards). With `out` (the model's dtype, at
+        least N rows), written into its leading rows: no allocation of the step's size."""
         if out is None:
             return functional.linear(hidden, self.lm_head_weight)
         return torch.mm(hidden, self.lm_head_weight.t(), out=out[: hidden.shape[0]])
 
-    def _gather_logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-        gathered = self.tp.gather_rows(torch.mm(hidden, self.lm_head_weight.t()), None)
-        if gathered is None:
+    def gather_logits(
+        self,
+        local: torch.Tensor,
+        gathered: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Every rank's `compute_logits` rows (N, shard) -> the whole (N, vocab_size) on rank 0,
+        each shard's padding columns cut off; None on the other ranks. Rank 0 receives the
+        shards in `gathered` (size, >= N, shard) and writes `out`'s leading rows where they are
+        given: nothing of the step's size is allocated then."""
+        num_rows, shard = local.shape
+        if self.tp.is_first and gathered is None:
+            gathered = local.new_empty(self.tp.size, num_rows, shard)
+        parts = None if gathered is None else gathered[:, :num_rows]
+        self.tp.gather_(parts, local)
+        if parts is None:
             return None
-        logits = gathered[:, : self.vocab_size]  # the last shard's padding rows cut off
-        if out is None:
-            return logits
-        return out[: hidden.shape[0]].copy_(logits)
+        whole = local.new_empty(num_rows, self.vocab_size) if out is None else out[:num_rows]
+        for rank in range(self.tp.size):
+            start, stop = self.shard.of_rank(rank).vocab_columns
+            whole[:, start:stop].copy_(parts[rank, :, : stop - start])
+        return whole
 
     # -- weights ---------------------------------------------------------------------------
 

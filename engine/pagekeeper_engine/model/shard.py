@@ -95,6 +95,17 @@ class ShardPlan:
         return self.rank * self.vocab_shard
 
     @property
+    def vocab_columns(self) -> tuple[int, int]:
+        """[start, stop) of the vocabulary this rank's shard holds: shorter than `vocab_shard`
+        on the last rank (its padding), or empty."""
+        start = min(self.vocab_start, self.config.vocab_size)
+        return start, min(self.vocab_start + self.vocab_shard, self.config.vocab_size)
+
+    def of_rank(self, rank: int) -> ShardPlan:
+        """The same model's plan for another rank of the group."""
+        return ShardPlan.for_rank(self.config, rank, self.size)
+
+    @property
     def local_config(self) -> ModelConfig:
         """The model as this rank builds it: its heads, MLP columns and vocabulary shard."""
         return replace(
@@ -130,8 +141,7 @@ class ShardPlan:
             return TensorSlice(
                 dim, self.rank * width, (self.rank + 1) * width, cfg.intermediate_size
             )
-        start = min(self.vocab_start, cfg.vocab_size)
-        stop = min(self.vocab_start + self.vocab_shard, cfg.vocab_size)
+        start, stop = self.vocab_columns
         return TensorSlice(dim, start, stop, cfg.vocab_size)
 
 

@@ -57,11 +57,10 @@ class RunnerProfileTarget:
         step = self.steps.prepare_inputs(seqs)
         hidden = model(step.input_ids, step.positions, step.meta)  # (T, H)
         rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
-        # (num_sampled_rows, V); None on ranks > 0
+        # (num_sampled_rows, V or the rank's shard), sampled as a step samples them
         logits = model.compute_logits(hidden[rows], self.steps.logits_out)
-        if logits is not None:
-            params = [seqs[i % len(seqs)].sampling for i in range(num_sampled_rows)]
-            self.steps.sampler(logits, params, [0] * num_sampled_rows)
+        params = [seqs[i % len(seqs)].sampling for i in range(num_sampled_rows)]
+        self.steps.sample_rows(logits, params, [0] * num_sampled_rows)
 
     def capture_graphs(self) -> int:
         """Capture the step graphs over the bound cache; their pool's bytes (0: none)."""

@@ -11,8 +11,9 @@ travel to the host as `step_results.py` describes. `execute` is `launch(...).res
 Under tensor parallelism there is one runner per rank, each over its shard of the model and of
 every KV block (`model/shard.py`). Rank 0's runner, in the engine core, hands each step to
 `followers` (the other ranks, `executor/workers.py`) before it runs it; every rank then runs the
-same forward in lockstep, rank 0 samples, and the sampled ids are broadcast so every rank's next
-step reads the same placeholders.
+same forward in lockstep. The ranks pick the common batches across their vocabulary shards
+(`shard_pick.py`); rank 0 samples the others and broadcasts the ids, so every rank's next step
+reads the same placeholders.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from pagekeeper_engine.runner.kv_cache import (
 from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
 from pagekeeper_engine.runner.profile_target import RunnerProfileTarget
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
+from pagekeeper_engine.runner.shard_pick import shard_picker_for
 from pagekeeper_engine.runner.step_faults import (
     FatalOnFailure,
     StepFollowers,
@@ -181,11 +183,15 @@ class ModelRunner:
         )
         self.model.bind_workspace(self.workspace)
         # Sampling's rows, beside the workspace and before the profile: part of the activations.
-        # Only rank 0 samples; the other ranks' buffers are empty.
+        # Only rank 0 samples whole logits; the other ranks' buffers are empty. Under tensor
+        # parallelism every rank also holds its shard's rows (`shard_pick`).
         self.sampler_buffers = SamplerBuffers(
             config.max_num_seqs, vocab_size if self.tp.is_first else 0, self.dtype, self.device
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
+        self.shard_picker = shard_picker_for(
+            self.model, config.max_num_seqs, config.seed, self.eos_token_ids
+        )
         self.kv_layout = kv_layout(self.model_config, self.block_size, self.kv_cache_dtype)
         self.bytes_per_block = self.kv_layout.bytes_per_block
         self.inputs = StepInputBuilder(
@@ -199,9 +205,10 @@ class ModelRunner:
             self.model,
             self.inputs,
             self.sampler,
-            self.sampler_buffers.logits if self.tp.is_first else None,
+            self.sampler_buffers.logits if self.shard_picker is None else self.shard_picker.logits,
             HostResultBuffers(self.device, config.max_num_seqs),
             self.tp,
+            self.shard_picker,
         )
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._num_launched = 0
@@ -211,7 +218,9 @@ class ModelRunner:
         )
         self.profile_target = RunnerProfileTarget(
             self.steps,
-            self.workspace.nbytes + self.sampler_buffers.nbytes,
+            self.workspace.nbytes
+            + self.sampler_buffers.nbytes
+            + (0 if self.shard_picker is None else self.shard_picker.nbytes),
             lambda num_blocks: pool_shape(self.model_config, self.block_size, num_blocks),
             self.kv_cache_dtype,
             self.device,
@@ -306,7 +315,7 @@ class ModelRunner:
             self.inputs,
             graph_batch_sizes(self.config.max_num_seqs),
             piecewise_token_sizes(self.max_num_batched_tokens),
-            self.sampler_buffers.logits if self.tp.size == 1 else None,
+            self.steps.logits_out,
         )
         self.graphs.capture()
         return self.graphs.pool_bytes

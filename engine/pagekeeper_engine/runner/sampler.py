@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
-
-if TYPE_CHECKING:
-    from pagekeeper_engine.kernels.sampling import PickScratch
+from pagekeeper_engine.kernels.pick_scratch import PickScratch
+from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
 @dataclass(frozen=True)
@@ -34,84 +32,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[float]
-
-
-# Logits the top-k / top-p cut sorts at once (whole rows, at least one): its scratch and the
-# sort's own temporaries (about 75 MiB for 16 rows of a 152k vocabulary) scale with this, never
-# with the batch, and stay below the smallest fragmentation buffer of the start-up budget.
-CUT_CHUNK_ELEMENTS = 1 << 20
-
-
-def cut_chunk_rows(max_rows: int, vocab_size: int) -> int:
-    return max(1, min(max_rows, CUT_CHUNK_ELEMENTS // max(vocab_size, 1)))
-
-
-class CutScratch:
-    """The top-k / top-p cut's working rows: sorted values and ids, probabilities, mass."""
-
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
-        self.num_rows = num_rows
-        self.values = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-        self.ids = torch.empty(num_rows, vocab_size, dtype=torch.int64, device=device)
-        self.probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-        self.mass = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-        self.mask = torch.empty(num_rows, vocab_size, dtype=torch.bool, device=device)
-        self.ranks = torch.arange(vocab_size, device=device)
-        self.row = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        planes = (self.values, self.ids, self.probs, self.mass, self.mask, self.ranks, self.row)
-        return sum(t.nbytes for t in planes)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor,  # (N, V) fp32
-    top_k: torch.Tensor,  # (N,) int64; 0 or >= V means no cut
-    top_p: torch.Tensor,  # (N,) fp32 in (0, 1]
-    *,
-    scale: float = 1.0,  # 1 / temperature: top-p measures the mass of softmax(logits * scale)
-    out: torch.Tensor | None = None,  # (N, V) fp32, may be `logits` itself; default: a new one
-    scratch: CutScratch | None = None,
-) -> torch.Tensor:
-    """Logits with everything outside each row's top-k, then top-p nucleus, set to -inf.
-
-    Top-p keeps the smallest prefix of tokens (by descending probability, renormalised after the
-    top-k cut) whose mass reaches top_p: a token stays when the mass strictly before it is below
-    top_p, so the most likely token always stays. Rows are cut `scratch.num_rows` at a time in
-    the scratch's rows.
-    """
-    num_rows, vocab_size = logits.shape
-    out = torch.empty_like(logits) if out is None else out
-    if scratch is None:
-        scratch = CutScratch(cut_chunk_rows(num_rows, vocab_size), vocab_size, logits.device)
-    assert out.shape == logits.shape, f"out {tuple(out.shape)} != logits {tuple(logits.shape)}"
-    top_k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-    for start in range(0, num_rows, scratch.num_rows):
-        end = min(start + scratch.num_rows, num_rows)
-        n = end - start
-        values, ids = scratch.values[:n], scratch.ids[:n]
-        probs, mass, mask, row = (
-            scratch.probs[:n],
-            scratch.mass[:n],
-            scratch.mask[:n],
-            scratch.row[:n],
-        )
-        torch.sort(logits[start:end], dim=-1, descending=True, out=(values, ids))  # (n, V)
-        torch.ge(scratch.ranks[None, :], top_k[start:end, None], out=mask)
-        values.masked_fill_(mask, float("-inf"))
-        # softmax(values * scale) in place: the row's maximum is its first value.
-        torch.mul(values[:, :1], scale, out=row)
-        torch.mul(values, scale, out=probs)
-        probs.sub_(row).exp_()
-        torch.sum(probs, dim=-1, keepdim=True, out=row)
-        probs.div_(row)
-        torch.cumsum(probs, dim=-1, out=mass)
-        mass.sub_(probs)  # the mass strictly before each token
-        torch.ge(mass, top_p[start:end, None], out=mask)
-        values.masked_fill_(mask, float("-inf"))
-        out[start:end].fill_(float("-inf")).scatter_(-1, ids, values)
-    return out
 
 
 def pick_tokens_ref(
@@ -151,19 +71,35 @@ def pick_tokens(
     return sampling.pick_tokens(scores, raw, scale=scale, noise=noise, scratch=scratch)
 
 
-def _has_cut(params: Sequence[SamplingParams]) -> bool:
+def has_cut(params: Sequence[SamplingParams]) -> bool:
     return any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
 
-def _cut_top_k_top_p(
-    scores: torch.Tensor,  # (N, V) fp32, cut in place
-    params: Sequence[SamplingParams],
-    scale: float,
-    scratch: CutScratch,
-) -> None:
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=scores.device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=scores.device)
-    apply_top_k_top_p(scores, top_k, top_p, scale=scale, out=scores, scratch=scratch)
+def early_stop_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: frozenset[int]
+) -> frozenset[int]:
+    """The tokens a row may not pick yet: those that would stop it short of min_tokens."""
+    if num_output_tokens >= params.min_tokens:
+        return frozenset()
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+
+
+@dataclass(frozen=True)
+class UniformRace:
+    """A batch whose rows all pick alike: greedy (no noise), or racing at one scale 1 / T."""
+
+    greedy: bool
+    scale: float
+
+
+def uniform_race(params: Sequence[SamplingParams]) -> UniformRace | None:
+    """How every row of the batch picks, when they all pick alike; None for a mixed batch."""
+    if all(p.is_greedy for p in params):
+        return UniformRace(greedy=True, scale=1.0)
+    temperatures = {p.temperature for p in params}
+    if any(p.is_greedy for p in params) or len(temperatures) != 1:
+        return None
+    return UniformRace(greedy=False, scale=1.0 / temperatures.pop())
 
 
 class SamplerBuffers:
@@ -185,8 +121,6 @@ class SamplerBuffers:
         self.cut = CutScratch(cut_chunk_rows(max_rows, vocab_size), vocab_size, device)
         self.pick: PickScratch | None = None
         if torch.device(device).type == "cuda":
-            from pagekeeper_engine.kernels.sampling import PickScratch  # noqa: PLC0415
-
             self.pick = PickScratch(max_rows, vocab_size, device)
 
     @property
@@ -243,18 +177,17 @@ class Sampler:
         assert len(params) == logits.shape[0] == len(num_output_tokens), "one parameter set per row"
         buffers = self._buffers_for(logits)
         masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
-        is_greedy = [p.is_greedy for p in params]
-        if all(is_greedy):
+        race = uniform_race(params)
+        if race is not None and race.greedy:
             return pick_tokens(masked, logits, scratch=buffers.pick)
-        temperatures = {p.temperature for p in params}
-        if not any(is_greedy) and len(temperatures) == 1:
-            scale = 1.0 / temperatures.pop()
+        if race is not None:
+            scale = race.scale
             scores = masked
-            if _has_cut(params):
+            if has_cut(params):
                 scores = buffers.scores[: len(params)]
                 if masked is not scores:
                     scores.copy_(masked)
-                _cut_top_k_top_p(scores, params, scale, buffers.cut)
+                cut_top_k_top_p(scores, params, scale, buffers.cut)
             noise = self._draw_noise(buffers.noise, params, num_output_tokens)
             return pick_tokens(scores, logits, scale=scale, noise=noise, scratch=buffers.pick)
         scores = self._mixed_scores(masked, params, num_output_tokens, buffers)
@@ -271,9 +204,7 @@ class Sampler:
         or their fp32 copy in `buffers.scores` with those tokens at -inf."""
         masked = logits
         for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
-            if num_out >= p.min_tokens:
-                continue
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            stop_ids = early_stop_ids(p, num_out, self.eos_token_ids)
             if not stop_ids:
                 continue
             if masked is logits:
@@ -307,8 +238,8 @@ class Sampler:
         noise = self._draw_noise(
             buffers.noise, random_params, [num_output_tokens[i] for i in random_rows]
         )
-        if _has_cut(random_params):
-            _cut_top_k_top_p(scaled, random_params, 1.0, buffers.cut)
+        if has_cut(random_params):
+            cut_top_k_top_p(scaled, random_params, 1.0, buffers.cut)
         scaled.sub_(noise.clamp_(min=NOISE_FLOOR).log_())  # the draws are spent here
         return scores.index_copy_(0, rows, scaled)
 

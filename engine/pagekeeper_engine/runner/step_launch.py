@@ -5,9 +5,11 @@ The step's sequences are packed into tensors and attention metadata (`step_input
 a captured graph's shape where one fits. A decode whose previous token was sampled by the step
 before it finds a placeholder in its input row: the previous step's ids are gathered into those
 rows on the device, so a step can be launched before the one before it has come back. The
-forward pass runs eagerly or as a graph replay, logits are computed only for the rows that are
-sampled (or taken from the replay that computed them), rank 0 samples, and under tensor
-parallelism the ids are broadcast so every rank's next step reads the same placeholders.
+forward pass runs eagerly or as a graph replay, and logits are computed only for the rows that
+are sampled (or taken from the replay that computed them). Under tensor parallelism each rank
+holds its vocabulary shard's logits: the common batches are picked across the shards
+(`shard_pick`), every rank getting the same ids; any other batch is gathered to rank 0, which
+samples it and broadcasts the ids, so every rank's next step reads the same placeholders.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs
 from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.shard_pick import ShardPicker
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
 
@@ -34,16 +38,21 @@ class StepLauncher:
         model: CausalLM,
         inputs: StepInputBuilder,
         sampler: Sampler,
-        logits_out: torch.Tensor | None,  # where rank 0's logits go; None on the other ranks
+        logits_out: torch.Tensor,  # (max rows, V or the rank's shard): where the LM head writes
         results: HostResultBuffers,
         tp: TensorParallelGroup,
+        shards: ShardPicker | None = None,  # under tensor parallelism
     ):
+        assert (shards is not None) == (tp.size > 1), "a shard picker exactly under TP"
         self.model = model
         self.inputs = inputs
         self.sampler = sampler
         self.logits_out = logits_out
         self.results = results
         self.tp = tp
+        self.shards = shards
+        # Rank 0's whole logits for the batches it samples alone (the sampler's rows).
+        self.whole_logits = sampler.buffers.logits if sampler.buffers is not None else None
         self.graphs: StepGraphs | None = None
         # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
         # request's row in them: the next step's placeholder inputs come from there.
@@ -75,25 +84,44 @@ class StepLauncher:
         )
         if not step.sampled_seqs:
             return PendingStep(len(seqs), [], None, None)
-        logits = self._logits(step, hidden)  # (N, V), the model's dtype; None on ranks > 0
+        logits = self._logits(step, hidden)  # (N, V or the rank's shard), the model's dtype
         picked = [seqs[i] for i in step.sampled_seqs]
-        if logits is None:  # rank > 0: rank 0 samples, and its ids come back here
-            token_ids = torch.empty(len(picked), dtype=torch.int64, device=hidden.device)
-            self.tp.broadcast_(token_ids)
-            self._remember(token_ids, picked)
-            return PendingStep(len(seqs), [], None, None)
-        token_ids, packed = self.sampler.sample(  # (N,) int64, (2, N) float64
+        token_ids, packed = self.sample_rows(
             logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
         )
-        self.tp.broadcast_(token_ids)
         self._remember(token_ids, picked)
+        if packed is None:  # rank > 0: rank 0 hands the results over
+            return PendingStep(len(seqs), [], None, None)
         return self.results.send(len(seqs), step.sampled_seqs, packed)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # (N, V or the rank's shard): compute_logits' rows
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's ids (N,) int64 and, on rank 0, the (2, N) float64 [ids; log-probs] for
+        the host (None on the other ranks), left on the device."""
+        if self.shards is None:
+            return self.sampler.sample(logits, params, num_output_tokens)
+        picked = self.shards.pick(logits, params, num_output_tokens)
+        if picked is not None:
+            token_ids, packed = picked
+            return token_ids, packed if self.tp.is_first else None
+        whole = self.model.gather_logits(logits, self.shards.gathered_logits, self.whole_logits)
+        if whole is None:  # rank > 0: rank 0 samples, and its ids come back here
+            token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+            self.tp.broadcast_(token_ids)
+            return token_ids, None
+        token_ids, packed = self.sampler.sample(whole, params, num_output_tokens)
+        self.tp.broadcast_(token_ids)
+        return token_ids, packed
 
     def _remember(self, token_ids: torch.Tensor, picked: Sequence[ScheduledSeq]) -> None:
         self._previous_sampled = token_ids
         self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
 
-    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits: those the step's decode graph computed where it did."""
         num_sampled = len(step.sampled_seqs)
         if step.samples_leading_rows:

@@ -1,10 +1,10 @@
 """One tensor-parallel rank of a CPU test, in its own spawned process (gloo).
 
 Each rank joins the parent's rendezvous, loads its shard of every checkpoint it is given, and
-runs the same steps: a packed step of two prefills, a mixed decode-and-chunk step, then greedy
+runs the same steps: a packed step of two prefills, a mixed decode-and-chunk step, then
 generation through `execute` (rank 0) and `launch` (the others), as the engine core and the
-workers do. Rank 0 puts the gathered logits (numpy arrays: a tensor on a queue travels as a
-handle that dies with its process) and the generated ids on the queue.
+workers do, for each of `SAMPLINGS`. Rank 0 puts the gathered logits (numpy arrays: a tensor
+on a queue travels as a handle that dies with its process) and the generated ids on the queue.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq, SchedulerOutput
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.distributed.group import (
     TensorParallelGroup,
@@ -42,6 +43,13 @@ GPU_RANK_COUNTS = [
 ]
 
 NUM_GENERATED = 6
+# Greedy and seeded random batches are picked across the vocabulary shards (`shard_pick`); a
+# top-k cut gathers the whole logits to rank 0. Seeded rows draw the same noise at any size.
+SAMPLINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "seeded": SamplingParams(temperature=0.8, seed=11),
+    "top-k": SamplingParams(temperature=0.8, top_k=5, seed=12),
+}
 RESULT_POLL_S = 1.0  # how often a wait for results looks for a rank that died
 
 
@@ -82,24 +90,28 @@ def step_logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> torch.Tensor |
     with torch.inference_mode():
         inputs = runner.prepare_inputs(seqs)
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = runner.model.compute_logits(hidden)
+        logits = runner.model.gather_logits(runner.model.compute_logits(hidden))
         num_rows = sum(s.num_tokens for s in seqs)
         return None if logits is None else logits[:num_rows].float()
 
 
-def generate(runner: ModelRunner, is_first: bool) -> list[list[int]]:
-    """Greedy tokens of two requests, stepped together; every rank runs every step. Decode
-    inputs are placeholders, as under asynchronous scheduling: each rank takes the token rank 0
-    sampled and broadcast."""
+def generate(
+    runner: ModelRunner, is_first: bool, sampling: SamplingParams = SAMPLINGS["greedy"]
+) -> list[list[int]]:
+    """The tokens of two requests, stepped together; every rank runs every step. Decode
+    inputs are placeholders, as under asynchronous scheduling: each rank takes the token the
+    ranks picked together across their vocabulary shards."""
     prompts = {"x": tokens(7, offset=5), "y": tokens(12, offset=29)}
     generated: dict[str, list[int]] = {rid: [] for rid in prompts}
     blocks = {"x": [5, 6], "y": [7, 8, 9]}
     lengths = dict.fromkeys(prompts, 0)
-    for _ in range(NUM_GENERATED):
+    for step in range(NUM_GENERATED):  # every request has `step` output tokens before it
         seqs = []
         for rid, prompt in prompts.items():
-            new = prompt if lengths[rid] == 0 else [PLACEHOLDER_TOKEN_ID]
-            seqs.append(seq(rid, new, lengths[rid], blocks[rid]))
+            new = prompt if step == 0 else [PLACEHOLDER_TOKEN_ID]
+            seqs.append(
+                seq(rid, new, lengths[rid], blocks[rid], sampling=sampling, num_output_tokens=step)
+            )
             lengths[rid] += len(new)
         out = SchedulerOutput(seqs, sum(s.num_tokens for s in seqs))
         if is_first:
@@ -126,7 +138,9 @@ def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, re
             runner = ModelRunner(config, progress=False, tp=group)
             logits = [step_logits(runner, steps) for steps in packed_steps()]
             runner = ModelRunner(config, progress=False, tp=group)
-            tokens_out = generate(runner, group.is_first)
+            tokens_out = {
+                name: generate(runner, group.is_first, params) for name, params in SAMPLINGS.items()
+            }
             logits = [None if x is None else x.cpu().numpy() for x in logits]
             found[path.name] = (logits, tokens_out, runner.num_gpu_blocks)
         # random weights drawn whole and cut per rank: the same model at every size

@@ -2,8 +2,9 @@
 
 For Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm, tied embeddings), each rank loads only its
 shard from the checkpoint; the gathered logits of a packed prefill step and of a mixed
-decode-and-chunk step equal the single-process runner's to 1e-4 in fp32, and greedy generation
-through the step path (rank 0 samples, the ids are broadcast) gives the same tokens. The tiny
+decode-and-chunk step equal the single-process runner's to 1e-4 in fp32, and generation through
+the step path gives the same tokens: greedy and seeded random batches picked across the ranks'
+vocabulary shards, and a top-k batch that rank 0 samples from the gathered logits. The tiny
 models have 2 KV heads, so 4 ranks replicate each one twice, and a vocabulary of 97, so the
 last vocabulary shard carries padding.
 """
@@ -20,6 +21,7 @@ from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import TOLERANCE, write_checkpoint
 from tests.engine.parallel.ranks import (
     GPU_RANK_COUNTS,
+    SAMPLINGS,
     generate,
     packed_steps,
     run_rank,
@@ -78,7 +80,8 @@ def check_against_one_process(
                 f"{found['one_shot_max_bytes']} bytes"
             )
         single = ModelRunner(runner_config(path, 1, device=device), progress=False)
-        assert generated == generate(single, is_first=True), path.name
+        for name, params in SAMPLINGS.items():
+            assert generated[name] == generate(single, True, params), (path.name, name)
         assert num_blocks == single.num_gpu_blocks
         assert torch.isfinite(logits[0]).all()
     dummy = ModelRunner(runner_config(checkpoints[0], 1, "dummy", device), progress=False)
