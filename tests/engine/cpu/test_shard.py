@@ -7,30 +7,9 @@ import dataclasses
 
 import pytest
 
-from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.shard import ShardError, ShardPlan, TensorSlice
+from tests.engine.shapes import LLAMA_8B
 
-# Llama-3.1-8B: 32 heads, 8 KV heads, head_dim 128, MLP 14336, vocabulary 128256.
-LLAMA_8B = ModelConfig(
-    arch="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling=None,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    has_qk_norm=False,
-    torch_dtype="bfloat16",
-    eos_token_ids=(128001,),
-    bos_token_id=128000,
-)
 LAYER = "model.layers.3"
 
 

@@ -7,12 +7,13 @@ reference's that the CPU engine runs) are stacked in rank order as the all-gathe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
 from pagekeeper_engine.kernels.sampling import chunk_partials, combine_partials
-from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.runner.sampler import pick_tokens_ref
 from pagekeeper_engine.runner.shard_pick import (
@@ -20,31 +21,13 @@ from pagekeeper_engine.runner.shard_pick import (
     chunk_partials_ref,
     combine_partials_ref,
 )
+from tests.engine.shapes import LLAMA_8B
 
 BLOCK_V = 16
 
 
 def shards_of(vocab_size: int, ranks: int) -> list[VocabShard]:
-    config = ModelConfig(
-        arch="llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        has_qk_norm=False,
-        torch_dtype=None,
-        eos_token_ids=(),
-        bos_token_id=None,
-    )
+    config = dataclasses.replace(LLAMA_8B, vocab_size=vocab_size)
     return [VocabShard.of(ShardPlan.for_rank(config, r, ranks)) for r in range(ranks)]
 
 
