@@ -183,15 +183,12 @@ class ModelRunner:
         )
         self.model.bind_workspace(self.workspace)
         # Sampling's rows, beside the workspace and before the profile: part of the activations.
-        # Only rank 0 samples whole logits; the other ranks' buffers are empty. Under tensor
-        # parallelism every rank also holds its shard's rows (`shard_pick`).
+        # Only rank 0 samples whole logits; under tensor parallelism every rank also holds its
+        # vocabulary shard's rows (`shard_pick`).
         self.sampler_buffers = SamplerBuffers(
             config.max_num_seqs, vocab_size if self.tp.is_first else 0, self.dtype, self.device
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
-        self.shard_picker = shard_picker_for(
-            self.model, config.max_num_seqs, config.seed, self.eos_token_ids
-        )
         self.kv_layout = kv_layout(self.model_config, self.block_size, self.kv_cache_dtype)
         self.bytes_per_block = self.kv_layout.bytes_per_block
         self.inputs = StepInputBuilder(
@@ -205,10 +202,9 @@ class ModelRunner:
             self.model,
             self.inputs,
             self.sampler,
-            self.sampler_buffers.logits if self.shard_picker is None else self.shard_picker.logits,
             HostResultBuffers(self.device, config.max_num_seqs),
             self.tp,
-            self.shard_picker,
+            shard_picker_for(self.model, config.max_num_seqs, config.seed, self.eos_token_ids),
         )
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._num_launched = 0
@@ -218,9 +214,7 @@ class ModelRunner:
         )
         self.profile_target = RunnerProfileTarget(
             self.steps,
-            self.workspace.nbytes
-            + self.sampler_buffers.nbytes
-            + (0 if self.shard_picker is None else self.shard_picker.nbytes),
+            self.workspace.nbytes + self.steps.sampling_nbytes,
             lambda num_blocks: pool_shape(self.model_config, self.block_size, num_blocks),
             self.kv_cache_dtype,
             self.device,

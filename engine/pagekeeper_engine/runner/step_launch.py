@@ -37,27 +37,35 @@ class StepLauncher:
         self,
         model: CausalLM,
         inputs: StepInputBuilder,
-        sampler: Sampler,
-        logits_out: torch.Tensor,  # (max rows, V or the rank's shard): where the LM head writes
+        sampler: Sampler,  # with its buffers (empty on ranks > 0)
         results: HostResultBuffers,
         tp: TensorParallelGroup,
         shards: ShardPicker | None = None,  # under tensor parallelism
     ):
         assert (shards is not None) == (tp.size > 1), "a shard picker exactly under TP"
+        assert sampler.buffers is not None, "a step samples in buffers allocated once"
         self.model = model
         self.inputs = inputs
         self.sampler = sampler
-        self.logits_out = logits_out
+        self.sampler_buffers = sampler.buffers
+        # (max rows, V or the rank's shard): where the LM head writes, graphs included.
+        self.logits_out = sampler.buffers.logits if shards is None else shards.logits
         self.results = results
         self.tp = tp
         self.shards = shards
         # Rank 0's whole logits for the batches it samples alone (the sampler's rows).
-        self.whole_logits = sampler.buffers.logits if sampler.buffers is not None else None
+        self.whole_logits = sampler.buffers.logits
         self.graphs: StepGraphs | None = None
         # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
         # request's row in them: the next step's placeholder inputs come from there.
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[str, int] = {}
+
+    @property
+    def sampling_nbytes(self) -> int:
+        """The sampler's and the shard picker's rows: activations the start-up budget counts."""
+        shards = 0 if self.shards is None else self.shards.nbytes
+        return self.sampler_buffers.nbytes + shards
 
     def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
         """Pack the step's sequences (decodes first) into tensors and attention metadata; a
