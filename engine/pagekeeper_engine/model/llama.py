@@ -168,6 +168,8 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None else TensorParallelGroup()
         self.shard = ShardPlan.for_rank(config, self.tp.rank, self.tp.size)
         self.vocab_size = config.vocab_size
+        # [start, stop) of the vocabulary on each rank, in rank order (`gather_logits`).
+        self.vocab_columns = [self.shard.of_rank(r).vocab_columns for r in range(self.tp.size)]
         config = self.shard.local_config
         self.config = config  # this rank's: its heads, MLP columns and vocabulary shard
         self.model = DecoderModel(config, max_position, backend, dtype, self.tp)
@@ -263,8 +265,7 @@ class CausalLM(nn.Module):
         if parts is None:
             return None
         whole = local.new_empty(num_rows, self.vocab_size) if out is None else out[:num_rows]
-        for rank in range(self.tp.size):
-            start, stop = self.shard.of_rank(rank).vocab_columns
+        for rank, (start, stop) in enumerate(self.vocab_columns):
             whole[:, start:stop].copy_(parts[rank, :, : stop - start])
         return whole
 
