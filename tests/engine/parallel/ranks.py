@@ -9,6 +9,7 @@ on a queue travels as a handle that dies with its process) and the generated ids
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import queue
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq, SchedulerOutput
@@ -50,6 +52,7 @@ SAMPLINGS = {
     "seeded": SamplingParams(temperature=0.8, seed=11),
     "top-k": SamplingParams(temperature=0.8, top_k=5, seed=12),
 }
+LEAVE_TIMEOUT = datetime.timedelta(seconds=60)  # for the last rank to finish its work
 RESULT_POLL_S = 1.0  # how often a wait for results looks for a rank that died
 
 
@@ -152,6 +155,9 @@ def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, re
         found["one_shot_max_bytes"] = group.one_shot_max_bytes
         if group.is_first:
             results.put(found)
+        # The ranks leave together: a rank that tore its gloo connections down while a peer
+        # still used them aborted that peer's process at exit, now and then at 4 ranks.
+        dist.monitored_barrier(group=group.cpu_group, timeout=LEAVE_TIMEOUT)
     finally:
         group.destroy()
 
