@@ -53,8 +53,6 @@ class StepLauncher:
         self.results = results
         self.tp = tp
         self.shards = shards
-        # Rank 0's whole logits for the batches it samples alone (the sampler's rows).
-        self.whole_logits = sampler.buffers.logits
         self.graphs: StepGraphs | None = None
         # The newest launched step's sampled ids (N,) int64 on the device, and each sampled
         # request's row in them: the next step's placeholder inputs come from there.
@@ -116,7 +114,10 @@ class StepLauncher:
         if picked is not None:
             token_ids, packed = picked
             return token_ids, packed if self.tp.is_first else None
-        whole = self.model.gather_logits(logits, self.shards.gathered_logits, self.whole_logits)
+        # rank 0 samples the whole logits in the sampler's rows
+        whole = self.model.gather_logits(
+            logits, self.shards.gathered_logits, self.sampler_buffers.logits
+        )
         if whole is None:  # rank > 0: rank 0 samples, and its ids come back here
             token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
             self.tp.broadcast_(token_ids)
