@@ -1,12 +1,12 @@
 """All-reduce time and bandwidth between the GPUs of one host, one process per GPU, as the
 tensor-parallel engine runs it: a bf16 tensor of (rows x hidden) summed in place, by NCCL
-through torch.distributed and by the one-shot all-reduce over symmetric memory
-(`distributed/oneshot.py`, set up through `TensorParallelGroup.enable_one_shot` as the engine
-does), and the engine's own start-up choice. Beside them, what a
-layer runs after each row-parallel projection: the residual-add RMSNorm kernel alone, and the
-one-shot path's fused launch (the sum of the partial rows already in the buffer, added into the
-residual and normed). The decode step's all-reduce term of the tensor-parallel floor is
-2 x layers x the time at the batch's rows (`docs/benchmarks.md`).
+through torch.distributed and by the one-shot all-reduce over symmetric memory, each rank's rows
+pushed to its peers and pulled from them (`distributed/oneshot.py`, set up through
+`TensorParallelGroup.enable_one_shot` as the engine does), and the engine's own start-up
+choice. Beside them, what a layer runs after each row-parallel projection: the residual-add
+RMSNorm kernel alone, and the one-shot path's fused launch each way (the sum of the partial rows
+already in the buffer, added into the residual and normed). The decode step's all-reduce term of
+the tensor-parallel floor is 2 x layers x the time at the batch's rows (`docs/benchmarks.md`).
 
     PYTHONPATH=engine python benchmarks/allreduce.py --size 2 --hidden 4096 8192
 """
@@ -26,15 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagekeeper_engine.distributed.allreduce_choice import AllReduceTiming, combine_rank_timings
 from pagekeeper_engine.distributed.group import (
     TensorParallelGroup,
     join_rendezvous,
     serve_rendezvous,
 )
-from pagekeeper_engine.distributed.oneshot import (
-    AllReduceTiming,
-    combine_rank_timings,
-)
+from pagekeeper_engine.distributed.oneshot import ONE_SHOT_WAYS
 from pagekeeper_engine.kernels.graph_timing import best_replays, capture
 from pagekeeper_engine.kernels.rms_norm import rms_norm
 
@@ -80,49 +78,57 @@ def _rank(rank: int, size: int, port: int, hiddens: list[int], results: Any) -> 
         dist.all_reduce(x, group=group.device_group)
 
     found: dict[int, list[AllReduceTiming]] = {}
-    norms: dict[int, list[tuple[float, float]]] = {}  # (norm kernel us, fused launch us)
+    # (norm kernel us, fused launch pushed us, pulled us)
+    norms: dict[int, list[tuple[float, float, float]]] = {}
     for hidden in hiddens:
         found[hidden], norms[hidden] = [], []
         weight = torch.ones(hidden, dtype=DTYPE, device=device)
         for rows in ROWS:
             x = torch.zeros(rows, hidden, dtype=DTYPE, device=device)
             nccl_us = _graph_us(nccl, x, size)
-            # Every rank has the same buffer and shapes, so all take this branch alike.
-            one_shot_us = (
-                _graph_us(one_shot.all_reduce_, x, size)
-                if one_shot is not None and one_shot.fits(x)
-                else math.inf
-            )
-            found[hidden].append(
-                AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us)
-            )
             residual = torch.zeros_like(x)
             norm_us = _zeros_us(
                 lambda y, r=residual, w=weight: rms_norm(y, w, 1e-6, r, out=y, summed=r), x
             )
-            fused_us = math.inf
-            if one_shot is not None and one_shot.fits(x):
-                staged = one_shot.staged(rows, hidden)
-                fused_us = _zeros_us(
+            plain, fused = (
+                {"push": math.inf, "pull": math.inf},
+                {"push": math.inf, "pull": math.inf},
+            )
+            for way in ONE_SHOT_WAYS:
+                # Every rank has the same buffer and shapes, so all take this branch alike.
+                if one_shot is None or not one_shot.fits_rows(rows, hidden, DTYPE, way):
+                    continue
+                plain[way] = _graph_us(functools.partial(one_shot.all_reduce_, way=way), x, size)
+                staged = one_shot.staged(rows, hidden, way)
+                fused[way] = _zeros_us(
                     lambda y, s=staged, r=residual, w=weight: s.reduce_add_norm_(r, w, 1e-6, y), x
                 )
-            norms[hidden].append((norm_us, fused_us))
+            num_bytes = x.numel() * x.element_size()
+            found[hidden].append(AllReduceTiming(num_bytes, nccl_us, plain["push"], plain["pull"]))
+            norms[hidden].append((norm_us, fused["push"], fused["pull"]))
     results.put((rank, found, norms, dataclasses.asdict(startup)))
     # no destroy_process_group: with graphs that captured the communicator it can hang; the
     # process's exit releases NCCL
 
 
 def _row(
-    hidden: int, timing: AllReduceTiming, norm: tuple[float, float], size: int
+    hidden: int, timing: AllReduceTiming, norm: tuple[float, float, float], size: int
 ) -> dict[str, Any]:
     # NCCL's bus bandwidth of a ring all-reduce: 2 (n - 1) / n of the bytes cross a link
     bus = timing.num_bytes * 2 * (size - 1) / size / timing.nccl_us / 1e3
-    one_shot_us = timing.one_shot_us if math.isfinite(timing.one_shot_us) else None
-    fused_us = norm[1] if math.isfinite(norm[1]) else None
     return {"hidden": hidden, "rows": timing.num_bytes // (hidden * DTYPE.itemsize),
             "bytes": timing.num_bytes, "nccl_us": timing.nccl_us, "nccl_bus_gb_s": bus,
-            "one_shot_us": one_shot_us, "norm_us": norm[0],
-            "fused_one_shot_norm_us": fused_us}  # fmt: skip
+            "push_us": _finite(timing.push_us), "pull_us": _finite(timing.pull_us),
+            "norm_us": norm[0], "fused_push_norm_us": _finite(norm[1]),
+            "fused_pull_norm_us": _finite(norm[2])}  # fmt: skip
+
+
+def _finite(us: float) -> float | None:
+    return us if math.isfinite(us) else None
+
+
+def _us(us: float | None) -> str:
+    return f"{us:6.1f} us" if us is not None else "   (off)"
 
 
 def main() -> None:
@@ -154,21 +160,21 @@ def main() -> None:
             for same_rows in zip(*(by_rank[r][2][hidden] for r in range(args.size)), strict=True)
         ]
         rows += [
-            _row(hidden, timing, (norm[0], norm[1]), args.size)
+            _row(hidden, timing, (norm[0], norm[1], norm[2]), args.size)
             for timing, norm in zip(timings, slowest_norms, strict=True)
         ]
     startup = by_rank[0][1]
     print(f"# all-reduce over {args.size} GPUs ({torch.cuda.get_device_name()}), bf16, in graphs,"
           " the slowest rank's time")  # fmt: skip
     for row in rows:
-        one_shot, fused = row["one_shot_us"], row["fused_one_shot_norm_us"]
-        one_shot_text = f"{one_shot:8.1f} us" if one_shot is not None else "   (off)"
-        fused_text = f"{fused:8.1f} us" if fused is not None else "   (off)"
-        print(f"  hidden {row['hidden']:5d} x {row['rows']:5d} rows: NCCL {row['nccl_us']:8.1f} us "
-              f"(bus {row['nccl_bus_gb_s']:6.1f} GB/s), one-shot {one_shot_text}; "
-              f"add-norm {row['norm_us']:6.1f} us, fused sum + add-norm {fused_text}")  # fmt: skip
+        print(f"  hidden {row['hidden']:5d} x {row['rows']:5d} rows: NCCL {row['nccl_us']:6.1f} us "
+              f"(bus {row['nccl_bus_gb_s']:6.1f} GB/s), push {_us(row['push_us'])}, pull "
+              f"{_us(row['pull_us'])}; add-norm {row['norm_us']:5.1f} us, fused sum + "
+              f"add-norm: push {_us(row['fused_push_norm_us'])}, "
+              f"pull {_us(row['fused_pull_norm_us'])}")  # fmt: skip
     print(f"  start-up choice (hidden {args.hidden[0]}): one-shot up to "
-          f"{startup['one_shot_max_bytes']} bytes, off: {startup['off_reason']}")  # fmt: skip
+          f"{startup['one_shot_max_bytes']} bytes, pushed up to {startup['push_max_bytes']}, "
+          f"off: {startup['off_reason']}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             summary = {

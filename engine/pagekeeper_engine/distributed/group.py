@@ -11,7 +11,8 @@ the single-GPU engine runs exactly as it did.
 that way (timed loops differ in length per rank, and a collective left waiting would hang).
 
 On GPUs, `enable_one_shot` may move the small all-reduces from NCCL to the one-shot all-reduce
-over symmetric memory (`oneshot`), up to a size all ranks measured and agreed on at start-up.
+over symmetric memory (`oneshot`), pushed or pulled, up to sizes all ranks measured and agreed
+on at start-up (`allreduce_choice`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from pagekeeper_engine.distributed.oneshot import (
+from pagekeeper_engine.distributed.allreduce_choice import (
     AllReduceChoice,
     AllReduceTiming,
+    OneShotWay,
+    choose,
+    combine_rank_timings,
+    timed_rows,
+)
+from pagekeeper_engine.distributed.oneshot import (
     OneShotAllReduce,
     StagedRows,
     capacity_bytes,
     check_sum,
-    choose_one_shot_max_bytes,
-    combine_rank_timings,
     time_all_reduces,
-    timed_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,8 +83,9 @@ class TensorParallelGroup:
         self.device: torch.device | None = None  # this rank's, once initialized at size > 1
         self._suspended = False
         self.one_shot: OneShotAllReduce | None = None  # set up by `enable_one_shot`
-        self.one_shot_max_bytes = 0  # all-reduces of at most this many bytes go one-shot
-        self._one_shot_choice: AllReduceChoice | None = None  # `enable_one_shot`'s, once made
+        # Which sizes go one-shot, and which way: `enable_one_shot`'s choice, once made.
+        self.one_shot_choice = AllReduceChoice(0, off_reason="not set up")
+        self._one_shot_chosen = False
 
     @staticmethod
     def initialize(rank: int, size: int, store: Any, device: torch.device) -> TensorParallelGroup:
@@ -125,9 +130,9 @@ class TensorParallelGroup:
         (the size, dtype and layout of `x`; the agreed threshold), so all ranks take the same."""
         if not self.is_active:
             return
-        one_shot = self._one_shot_for(x.numel() * x.element_size())
-        if one_shot is not None and one_shot.fits(x):
-            one_shot.all_reduce_(x)
+        one_shot, way = self._one_shot_for(x.numel() * x.element_size())
+        if one_shot is not None and way is not None and one_shot.fits(x, way):
+            one_shot.all_reduce_(x, way)
         else:
             self._nccl_all_reduce_(x)
 
@@ -138,16 +143,16 @@ class TensorParallelGroup:
         (or there is nothing to sum). Every rank gets the same answer for the same shape."""
         if not self.is_active:
             return None
-        one_shot = self._one_shot_for(num_rows * dim * dtype.itemsize)
-        if one_shot is None or not one_shot.fits_rows(num_rows, dim, dtype):
+        one_shot, way = self._one_shot_for(num_rows * dim * dtype.itemsize)
+        if one_shot is None or way is None or not one_shot.fits_rows(num_rows, dim, dtype, way):
             return None
-        return one_shot.staged(num_rows, dim)
+        return one_shot.staged(num_rows, dim, way)
 
-    def _one_shot_for(self, num_bytes: int) -> OneShotAllReduce | None:
-        """The one-shot path when a message of `num_bytes` takes it."""
-        if self.one_shot is None or num_bytes > self.one_shot_max_bytes:
-            return None
-        return self.one_shot
+    def _one_shot_for(self, num_bytes: int) -> tuple[OneShotAllReduce | None, OneShotWay | None]:
+        """The one-shot path and its way when a message of `num_bytes` takes it."""
+        if self.one_shot is None:
+            return None, None
+        return self.one_shot, self.one_shot_choice.way(num_bytes)
 
     def enable_one_shot(
         self, capacity_bytes: int, hidden_size: int, dtype: torch.dtype
@@ -164,22 +169,21 @@ class TensorParallelGroup:
         if self.device is None or self.device.type != "cuda":  # the same on every rank
             return AllReduceChoice(0, off_reason="not on GPUs")
         assert not self._suspended, "enable_one_shot times collectives: not under local_only()"
-        if self._one_shot_choice is not None:
+        if self._one_shot_chosen:
             return self._later_choice(dtype)
+        self._one_shot_chosen = True
         rows = timed_rows(capacity_bytes, hidden_size, dtype.itemsize)
         one_shot, failure = self._set_up_one_shot(capacity_bytes, hidden_size, dtype, rows)
         if one_shot is None:
             choice = AllReduceChoice(0, off_reason=failure)
-            self._one_shot_choice = choice
+            self.one_shot_choice = choice
             logger.warning("tensor-parallel all-reduce: %s", choice.describe())
             return choice
         local = time_all_reduces(self._nccl_all_reduce_, one_shot, rows, hidden_size)
         per_rank = cast(list[list[AllReduceTiming]], self.all_gather_object(local))
-        timings = combine_rank_timings(per_rank)
-        choice = AllReduceChoice(choose_one_shot_max_bytes(timings), tuple(timings))
+        choice = choose(combine_rank_timings(per_rank))
         self.one_shot = one_shot
-        self.one_shot_max_bytes = choice.one_shot_max_bytes
-        self._one_shot_choice = choice
+        self.one_shot_choice = choice
         logger.info("tensor-parallel all-reduce: %s", choice.describe())
         return choice
 
@@ -187,8 +191,7 @@ class TensorParallelGroup:
         """The choice for a later runner on this group (every rank makes the same calls, so
         none enters a collective here): the first runner's, whose buffer and threshold route by
         bytes and fit any tensor of its dtype; a model of another dtype fits none of it."""
-        choice = self._one_shot_choice
-        assert choice is not None
+        choice = self.one_shot_choice
         if self.one_shot is not None and self.one_shot.buffer.dtype != dtype:
             choice = AllReduceChoice(
                 0, off_reason=f"the group's one-shot buffer holds {self.one_shot.buffer.dtype}"
@@ -201,8 +204,8 @@ class TensorParallelGroup:
     ) -> tuple[OneShotAllReduce | None, str | None]:
         """The one-shot path mapped and checked on every rank, or None and the lowest failing
         rank's reason. Each step that can fail on one rank alone ends in a vote, so that no
-        rank enters a collective (the rendezvous, a one-shot kernel's barrier) that a peer
-        skips."""
+        rank enters a collective (the rendezvous, a one-shot kernel's wait for its peers' rows)
+        that a peer skips."""
         device = self.device
         assert device is not None, "set up on the GPU of an initialized group"
         if not rows:  # the same on every rank: no vote
@@ -211,7 +214,9 @@ class TensorParallelGroup:
         failure: str | None = None
         try:
             group_name = self.device_group.group_name
-            one_shot = OneShotAllReduce.allocate(capacity_bytes, dtype, device, group_name)
+            one_shot = OneShotAllReduce.allocate(
+                capacity_bytes, dtype, device, self.size, group_name
+            )
         except Exception as exc:  # an old torch, no symmetric-memory backend
             failure = f"allocation: {exc!r}"
         failure = self._first_failure(failure)

@@ -1,33 +1,33 @@
 """The one-shot all-reduce over peer-mapped (symmetric) memory, and when to use it over NCCL.
 
-Every rank holds a buffer of `capacity_bytes` that all the other ranks of the host have mapped
-(PyTorch's `torch.distributed._symmetric_memory`, CUDA backend, peer access over NVLink), with
-a signal pad beside it. To sum `x`, each rank copies it into its own buffer and runs
-`kernels/peer_reduce.py`: its programs meet the peers' at the signal pads, read the same rows
-from every rank's buffer, write their sum into `x`, and meet again, so that the next write of a
-buffer cannot come while a peer still reads it. A row-parallel projection can write its partial
+Every rank holds a buffer that all the other ranks of the host have mapped (PyTorch's
+`torch.distributed._symmetric_memory`, CUDA backend, peer access over NVLink): a staging region
+of `capacity_bytes` and two slots of receiving regions, one per peer, that hold sentinels until a
+peer's rows land. To sum `x`, each rank copies it into its staging region and runs
+`kernels/peer_reduce.py`: its programs push their rows into every peer's receiving region, sum
+what lands in their own as it lands, and write the sentinels back; launches alternate slots, so
+no launch waits for its peers a second time. A row-parallel projection can write its partial
 sums straight into the buffer (`staged`) and have the sum added into the residual stream and
 normed in the same launch (`StagedRows.reduce_add_norm_`): one kernel where a copy, the sum and
 the norm were three. That is one trip across the links, against NCCL's fixed cost per call, which
-dominates at the few rows of a decode step; at large messages every rank reading every other
-rank's whole buffer loses to NCCL's ring. The buffer's address is fixed, so the kernel is
+dominates at the few rows of a decode step; at large messages every rank pushing its whole rows
+to every other rank loses to NCCL's ring. The buffer's address is fixed, so the kernel is
 captured in CUDA graphs like any other.
 
-Which sizes go one-shot is measured at start-up, as the layers run them: the fused launch
-against NCCL's sum and the norm kernel (`time_all_reduces` on each rank, the slowest rank's
-figure per size: `combine_rank_timings`) and decided by a pure function
-(`choose_one_shot_max_bytes`), so that every rank takes the same path for the same message:
-ranks that disagreed would wait in different collectives forever.
+Which sizes go one-shot, and which way, is measured at start-up as the layers run them: the
+fused launch pushed and pulled against NCCL's sum and the norm kernel (`time_all_reduces` on
+each rank), and decided from every rank's timings by a pure function (`allreduce_choice`).
 
 NVLink multicast stays off: a program that sets it up (cuMulticastCreate, PyTorch's multimem
 operations) can put a shared host's GPUs out of service. The one-shot kernel needs only plain
-peer loads and atomics, and `import_symmetric_memory` turns PyTorch's multicast set-up off
+peer stores, and `import_symmetric_memory` turns PyTorch's multicast set-up off
 before anything of symmetric memory runs.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagekeeper_engine.distributed.allreduce_choice import AllReduceTiming, OneShotWay
 from pagekeeper_engine.kernels.graph_timing import best_replays, capture
 
 if TYPE_CHECKING:  # the kernel module imports triton: loaded when a GPU group first needs it
@@ -48,6 +49,10 @@ DISABLE_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # A buffer large enough for the decode steps' messages (up to 1024 rows of 4096 in bf16); past a
 # few MiB each rank reading all the others' bytes loses to NCCL's ring on four GPUs.
 DEFAULT_CAPACITY_BYTES = 8 * 2**20
+ONE_SHOT_WAYS: tuple[OneShotWay, ...] = ("push", "pull")
+# The most a push launch sums: pushing wins only the small messages (docs/benchmarks.md, run 27),
+# and each rank holds two receiving regions of it per peer.
+PUSH_CAPACITY_BYTES = 8 * 2**20
 
 
 def capacity_bytes(num_ranks: int, max_tokens: int, hidden_size: int, itemsize: int) -> int:
@@ -66,76 +71,7 @@ MAX_ROW_ELEMENTS = 16384
 TIMING_EPS = 1e-6  # the timed norms' epsilon (their rows are zeros)
 CALLS_PER_GRAPH = 10  # all-reduces in one timed graph: a replay's launch cost is spread over them
 NUM_WARM_UP_REPLAYS = 3
-NUM_ROUNDS = 5  # timed replays of each path, interleaved so that clock drift hits both alike
-
-
-@dataclass(frozen=True)
-class AllReduceTiming:
-    """One message size's time by each path, in microseconds: the sum over the ranks and the
-    residual-add norm after it (NCCL, then the norm kernel; the one-shot path's one launch)."""
-
-    num_bytes: int
-    nccl_us: float
-    one_shot_us: float
-
-
-@dataclass(frozen=True)
-class AllReduceChoice:
-    """Which all-reduces run one-shot: those of at most `one_shot_max_bytes` (0: none), with
-    the timings behind it, or the reason the one-shot path is off."""
-
-    one_shot_max_bytes: int
-    timings: tuple[AllReduceTiming, ...] = ()
-    off_reason: str | None = None
-
-    def describe(self) -> str:
-        if self.off_reason is not None:
-            return f"NCCL for every size ({self.off_reason})"
-        timed = ", ".join(
-            f"{t.num_bytes} B: {t.one_shot_us:.1f} us one-shot / {t.nccl_us:.1f} us NCCL"
-            " (with the norm)"
-            for t in self.timings
-        )
-        return f"one-shot up to {self.one_shot_max_bytes} bytes, NCCL above ({timed})"
-
-
-def timed_rows(capacity_bytes: int, hidden_size: int, itemsize: int) -> list[int]:
-    """The row counts timed at start-up: 1, 2, 4, ... and the most rows the buffer holds."""
-    max_rows = capacity_bytes // (hidden_size * itemsize)
-    rows = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
-    if rows and rows[-1] != max_rows:
-        rows.append(max_rows)
-    return rows
-
-
-def combine_rank_timings(per_rank: Sequence[Sequence[AllReduceTiming]]) -> list[AllReduceTiming]:
-    """Every rank's timings (in rank order) -> one per size, each path at its slowest rank's
-    time: a collective ends when its last rank does."""
-    sizes = [t.num_bytes for t in per_rank[0]]
-    assert all([t.num_bytes for t in timings] == sizes for timings in per_rank), (
-        f"the ranks timed different sizes: {[[t.num_bytes for t in ts] for ts in per_rank]}"
-    )
-    return [
-        AllReduceTiming(
-            num_bytes=same_size[0].num_bytes,
-            nccl_us=max(t.nccl_us for t in same_size),
-            one_shot_us=max(t.one_shot_us for t in same_size),
-        )
-        for same_size in zip(*per_rank, strict=True)
-    ]
-
-
-def choose_one_shot_max_bytes(timings: Sequence[AllReduceTiming]) -> int:
-    """The largest size of the leading run, from the smallest size up, where one-shot is
-    strictly faster; 0 when it loses (or ties) at the smallest. A win after a loss is taken for
-    noise: the one-shot's cost grows with the bytes faster than NCCL's, so it does not win
-    again, and one threshold keeps the choice a single comparison."""
-    max_bytes = 0
-    for timing in sorted(timings, key=lambda t: t.num_bytes):
-        if timing.one_shot_us >= timing.nccl_us:
-            break
-        max_bytes = timing.num_bytes
-    return max_bytes
+NUM_ROUNDS = 5  # timed replays of each way, interleaved so that clock drift hits all alike
 
 
 def import_symmetric_memory() -> ModuleType:
@@ -152,32 +88,55 @@ class OneShotAllReduce:
     """The one-shot sum over the ranks of one group, through a symmetric buffer of fixed
     capacity. `allocate` and `rendezvous` are start-up steps that every rank takes together;
     then `all_reduce_` takes a tensor that `fits`, and `staged` gives rows to sum with the norm,
-    eagerly or under CUDA graph capture."""
+    eagerly or under CUDA graph capture, either way (`kernels/peer_reduce.py`)."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
-        self.buffer = buffer  # (capacity,) of the model's dtype, mapped by every peer
+    def __init__(
+        self, memory: torch.Tensor, counts: torch.Tensor, staging: int, group_name: str
+    ) -> None:
+        self.memory = memory  # every region, of the model's dtype, mapped by every peer
+        self.buffer = memory[:staging]  # the staging region: what a rank sums
+        self.counts = counts  # the kernel's push launch count, on this GPU
+        self.staging = staging
+        self.region = 0  # elements a receiving region holds, once the ranks are known
         self.group_name = group_name
         self.peers: PeerBuffers | None = None  # the ranks' mapped addresses, once rendezvoused
 
     @staticmethod
     def allocate(
-        capacity_bytes: int, dtype: torch.dtype, device: torch.device, group_name: str
+        capacity_bytes: int, dtype: torch.dtype, device: torch.device, world: int, group_name: str
     ) -> OneShotAllReduce:
-        """This rank's buffer, not yet mapped by the peers (a local step: it can fail on one
-        rank alone, which the ranks must learn before the collective `rendezvous`)."""
+        """This rank's buffer (a staging region of `capacity_bytes` and its receiving regions,
+        `kernels/peer_reduce.py`), cleared and not yet mapped by the peers (a local step: it can
+        fail on one rank alone, which the ranks must learn before the collective `rendezvous`)."""
+        from pagekeeper_engine.kernels.peer_reduce import (  # noqa: PLC0415 (triton)
+            LAUNCH_COUNT_WORDS,
+            PeerBuffers,
+            buffer_elements,
+        )
+
         symm_mem = import_symmetric_memory()
         backend = symm_mem.get_backend(device) if hasattr(symm_mem, "get_backend") else "CUDA"
         if backend != "CUDA":
-            # The CUDA backend maps peers' buffers and signal pads for plain loads and atomics
-            # and honours DISABLE_MULTICAST; another backend (NVSHMEM, NCCL) is not set up here.
+            # The CUDA backend maps peers' buffers and signal pads for plain loads, stores and
+            # atomics and honours DISABLE_MULTICAST; another backend (NVSHMEM, NCCL) is not set
+            # up here.
             raise RuntimeError(f"symmetric memory backend {backend}, not CUDA")
-        num_elements = capacity_bytes // dtype.itemsize
+        staging = capacity_bytes // dtype.itemsize
+        region = min(capacity_bytes, PUSH_CAPACITY_BYTES) // dtype.itemsize
         # A normal tensor even when set up under inference mode: the steps write it inside
         # inference mode, the start-up checks may write it outside, and only a normal tensor
         # can be written in both.
         with torch.inference_mode(False):
-            buffer = symm_mem.empty(num_elements, dtype=dtype, device=device)
-        return OneShotAllReduce(buffer, group_name)
+            elements = buffer_elements(world, staging, region)
+            memory = symm_mem.empty(elements, dtype=dtype, device=device)
+            PeerBuffers.clear(memory, staging)
+            counts = torch.zeros(LAUNCH_COUNT_WORDS, dtype=torch.int32, device=device)
+        # Cleared before any peer can push: the peers push only after the rendezvous, which
+        # this rank joins after this.
+        torch.cuda.synchronize(device)
+        one_shot = OneShotAllReduce(memory, counts, staging, group_name)
+        one_shot.region = region
+        return one_shot
 
     def rendezvous(self) -> None:
         """Map every rank's buffer into every other rank (collective over the group), and keep
@@ -186,69 +145,74 @@ class OneShotAllReduce:
 
         symm_mem = import_symmetric_memory()
         assert os.environ.get(DISABLE_MULTICAST) == "1", f"{DISABLE_MULTICAST} must be 1"
-        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        handle = symm_mem.rendezvous(self.memory, self.group_name)
         rank, world = int(handle.rank), int(handle.world_size)
         buffer_ptrs, pad_ptrs = list(handle.buffer_ptrs), list(handle.signal_pad_ptrs)
-        if buffer_ptrs[rank] != self.buffer.data_ptr():
+        if buffer_ptrs[rank] != self.memory.data_ptr():
             raise RuntimeError("the mapped buffer does not start at this rank's tensor")
-        device = self.buffer.device
+        device = self.memory.device
         # One program an SM at most: past that the meetings cost more than the rows they share
         # (docs/benchmarks.md, run 25).
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         pad_programs = PeerBuffers.pad_programs(signal_pad_bytes(symm_mem), world)
         if pad_programs < 1:
             raise RuntimeError(f"a signal pad of {signal_pad_bytes(symm_mem)} bytes")
-        max_programs = min(pad_programs, num_sms)
         self.peers = PeerBuffers(
-            buffer=self.buffer,
+            buffer=self.memory,
             buffer_ptrs=torch.tensor(buffer_ptrs, dtype=torch.int64, device=device),
             pad_ptrs=torch.tensor(pad_ptrs, dtype=torch.int64, device=device),
+            counts=self.counts,
             rank=rank,
             world=world,
-            max_programs=max_programs,
+            staging=self.staging,
+            region=self.region,
+            max_programs=min(pad_programs, num_sms),
         )
 
-    def fits(self, x: torch.Tensor) -> bool:
-        """Whether `x` can go one-shot: on this GPU, contiguous (the kernel writes its output
-        as rows of its last dimension) and of a shape that `fits_rows`."""
+    def fits(self, x: torch.Tensor, way: OneShotWay) -> bool:
+        """Whether `x` can go one-shot `way`: on this GPU, contiguous (the kernel writes its
+        output as rows of its last dimension) and of a shape that `fits_rows`."""
         return (
             x.device == self.buffer.device
             and x.is_contiguous()
             and x.dim() >= 1
-            and self.fits_rows(x.numel() // max(1, x.shape[-1]), x.shape[-1], x.dtype)
+            and self.fits_rows(x.numel() // max(1, x.shape[-1]), x.shape[-1], x.dtype, way)
         )
 
-    def fits_rows(self, num_rows: int, dim: int, dtype: torch.dtype) -> bool:
-        """Whether (num_rows, dim) of `dtype` can go one-shot: the buffer's dtype, rows no
-        wider than one program holds, and no more values than the buffer."""
+    def fits_rows(self, num_rows: int, dim: int, dtype: torch.dtype, way: OneShotWay) -> bool:
+        """Whether (num_rows, dim) of `dtype` can go one-shot `way`: the buffer's dtype, rows no
+        wider than one program holds, and no more values than the staging region (pulled) or
+        a receiving region (pushed)."""
         return (
             dtype == self.buffer.dtype
             and dim <= MAX_ROW_ELEMENTS
-            and num_rows * dim <= self.buffer.numel()
+            and num_rows * dim <= (self.region if way == "push" else self.staging)
         )
 
-    def staged(self, num_rows: int, dim: int) -> StagedRows:
-        """This rank's buffer as (num_rows, dim) partial sums, for a projection to write and
-        `StagedRows.reduce_add_norm_` to add up."""
+    def staged(self, num_rows: int, dim: int, way: OneShotWay) -> StagedRows:
+        """This rank's staging region as (num_rows, dim) partial sums, for a projection to
+        write and `StagedRows.reduce_add_norm_` to add up `way`."""
         peers = self.peers
         assert peers is not None, "rendezvous first"
-        return StagedRows(peers.staged(num_rows, dim), peers)
+        return StagedRows(peers.staged(num_rows, dim), peers, way)
 
-    def all_reduce_(self, x: torch.Tensor) -> None:
-        """Sum `x` over the ranks, in place; every rank calls it with the same shape."""
+    def all_reduce_(self, x: torch.Tensor, way: OneShotWay) -> None:
+        """Sum `x` over the ranks, in place; every rank calls it with the same shape and way."""
         rows = x.view(-1, x.shape[-1])
-        staged = self.staged(*rows.shape)
+        staged = self.staged(rows.shape[0], rows.shape[1], way)
         staged.rows.copy_(rows)
-        _kernel().peer_reduce(staged.peers, rows.shape[0], rows.shape[1], out=rows)
+        push = way == "push"
+        _kernel().peer_reduce(staged.peers, rows.shape[0], rows.shape[1], push=push, out=rows)
 
 
 @dataclass(frozen=True)
 class StagedRows:
     """A rank's (rows, dim) partial sums in its one-shot buffer (`rows`, where a row-parallel
-    projection writes them), and the ranks' buffers they are added up with."""
+    projection writes them), the ranks' buffers they are added up with, and which way."""
 
     rows: torch.Tensor
     peers: PeerBuffers
+    way: OneShotWay
 
     def reduce_add_norm_(
         self, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
@@ -257,7 +221,14 @@ class StagedRows:
         `weight` and `eps`, in one launch; every rank calls it alike (a collective)."""
         num_rows, dim = self.rows.shape
         _kernel().peer_reduce(
-            self.peers, num_rows, dim, out=out, residual=residual, weight=weight, eps=eps
+            self.peers,
+            num_rows,
+            dim,
+            push=self.way == "push",
+            out=out,
+            residual=residual,
+            weight=weight,
+            eps=eps,
         )
 
 
@@ -275,15 +246,16 @@ def signal_pad_bytes(symm_mem: ModuleType) -> int:
 
 
 def check_sum(one_shot: OneShotAllReduce, rank: int, size: int, hidden_size: int) -> None:
-    """One eager one-shot of a row of small integers against their known sum (exact in any
-    float dtype): raises when the path gives a wrong answer."""
+    """One eager one-shot of a row of small integers each way against their known sum (exact
+    in any float dtype): raises when a way gives a wrong answer."""
     buffer = one_shot.buffer
-    x = torch.full((1, hidden_size), rank + 1, dtype=buffer.dtype, device=buffer.device)
-    one_shot.all_reduce_(x)
     expected = size * (size + 1) // 2
-    if not torch.equal(x, torch.full_like(x, expected)):
-        found = (float(x.min()), float(x.max()))
-        raise RuntimeError(f"the one-shot sum gave values in {found}, not {expected}")
+    for way in ONE_SHOT_WAYS:
+        x = torch.full((1, hidden_size), rank + 1, dtype=buffer.dtype, device=buffer.device)
+        one_shot.all_reduce_(x, way)
+        if not torch.equal(x, torch.full_like(x, expected)):
+            found = (float(x.min()), float(x.max()))
+            raise RuntimeError(f"the one-shot sum ({way}) gave values in {found}, not {expected}")
 
 
 def time_all_reduces(
@@ -292,11 +264,12 @@ def time_all_reduces(
     rows: Sequence[int],
     hidden_size: int,
 ) -> list[AllReduceTiming]:
-    """This rank's best time of each path on (rows, hidden_size) messages, in CUDA graphs as
+    """This rank's best time of each way on (rows, hidden_size) messages, in CUDA graphs as
     the decode steps run them: what a layer runs after a row-parallel projection, NCCL's sum
-    then the residual-add norm kernel against the one-shot launch that does both. A
-    collective: every rank passes the same rows, and the loops run a fixed number of times (a
-    rank that ran one more all-reduce would wait forever)."""
+    then the residual-add norm kernel against the one-shot launch that does both, pushed (where
+    the receiving regions hold it) and pulled. A collective: every rank passes the same rows,
+    and the loops run a fixed number of times (a rank that ran one more all-reduce would wait
+    forever)."""
     dtype, device = one_shot.buffer.dtype, one_shot.buffer.device
     weight = torch.ones(hidden_size, dtype=dtype, device=device)
     timings = []
@@ -304,15 +277,31 @@ def time_all_reduces(
         # Zeros: repeated sums stay zero instead of overflowing to inf.
         x = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)
         residual = torch.zeros_like(x)
-        staged = one_shot.staged(num_rows, hidden_size)
-
+        ways = [w for w in ONE_SHOT_WAYS if one_shot.fits_rows(num_rows, hidden_size, dtype, w)]
         nccl_then_norm = functools.partial(_nccl_then_norm, nccl_all_reduce_, x, residual, weight)
-        fused = functools.partial(staged.reduce_add_norm_, residual, weight, TIMING_EPS, x)
-        graphs = [capture(nccl_then_norm, CALLS_PER_GRAPH), capture(fused, CALLS_PER_GRAPH)]
+        runs = [nccl_then_norm] + [
+            functools.partial(
+                one_shot.staged(num_rows, hidden_size, way).reduce_add_norm_,
+                residual,
+                weight,
+                TIMING_EPS,
+                x,
+            )
+            for way in ways
+        ]
+        graphs = [capture(run, CALLS_PER_GRAPH) for run in runs]
         # By count alone: the graphs hold collectives (`best_replays`).
-        nccl_s, one_shot_s = best_replays(graphs, NUM_ROUNDS, warm_up_rounds=NUM_WARM_UP_REPLAYS)
-        nccl_us, one_shot_us = (t * 1e6 / CALLS_PER_GRAPH for t in (nccl_s, one_shot_s))
-        timings.append(AllReduceTiming(x.numel() * x.element_size(), nccl_us, one_shot_us))
+        seconds = best_replays(graphs, NUM_ROUNDS, warm_up_rounds=NUM_WARM_UP_REPLAYS)
+        nccl_us, *ways_us = (t * 1e6 / CALLS_PER_GRAPH for t in seconds)
+        by_way = dict(zip(ways, ways_us, strict=True))
+        timings.append(
+            AllReduceTiming(
+                x.numel() * x.element_size(),
+                nccl_us,
+                push_us=by_way.get("push", math.inf),
+                pull_us=by_way.get("pull", math.inf),
+            )
+        )
         del graphs
     return timings
 

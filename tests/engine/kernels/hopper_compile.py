@@ -1,15 +1,23 @@
-"""Compiles the token pick's two launches for sm_90 (Hopper) without running them: `python -m
-tests.engine.kernels.hopper_compile`, in a process where TRITON_INTERPRET is unset (the
-interpreter accepts what the compiler refuses). Prints "compiled" and each rank count done.
+"""Compiles kernels for sm_90 (Hopper) without running them, in a process where
+TRITON_INTERPRET is unset (the interpreter accepts what the compiler refuses): `python -m
+tests.engine.kernels.hopper_compile pick` (the token pick's two launches) or `... peer_reduce`
+(the one-shot all-reduce, both ways, with and without the norm). Prints "compiled" and each
+rank count done.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
+
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagekeeper_engine.kernels import NOISE_FLOOR, next_power_of_2, sampling
+from pagekeeper_engine.kernels import NOISE_FLOOR, next_power_of_2, peer_reduce, sampling
 from pagekeeper_engine.kernels.pick_scratch import BLOCK_V
 
 VOCAB = 128256  # Llama 3's
@@ -39,7 +47,6 @@ COMBINE = {
 
 def compile_pick(ranks: int) -> None:
     """Both launches as the last rank of `ranks` runs them over its vocabulary shard."""
-    target = GPUTarget("cuda", 90, 32)
     shard = -(-VOCAB // ranks)
     chunks = -(-shard // BLOCK_V)
     partial_constants: dict[str, object] = {
@@ -58,18 +65,70 @@ def compile_pick(ranks: int) -> None:
         "RANKS": ranks,
         "RANKS_PAD": next_power_of_2(ranks),
     }
-    for kernel, arguments, constants in (
-        (sampling._chunk_partials_kernel, PARTIALS, partial_constants),
-        (sampling._combine_chunks_kernel, COMBINE, combine_constants),
-    ):
-        signature = {**arguments, **dict.fromkeys(constants, "constexpr")}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-        assert triton.compile(source, target=target).asm["cubin"], f"{kernel} gave no cubin"
+    _compile(sampling._chunk_partials_kernel, PARTIALS, partial_constants)
+    _compile(sampling._combine_chunks_kernel, COMBINE, combine_constants)
+
+
+PEER_REDUCE = {
+    "buffers_ptr": "*i64",
+    "pads_ptr": "*i64",
+    "counts_ptr": "*i32",
+    "residual_ptr": "*bf16",
+    "weight_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "num_rows": "i32",
+    "staging": "i32",
+    "region": "i32",
+    "residual_row_stride": "i32",
+    "out_row_stride": "i32",
+    "eps": "fp32",
+}
+
+
+def compile_peer_reduce(ranks: int) -> None:
+    """The one-shot all-reduce of bf16 rows of 4,096 as the last rank of `ranks` runs it, each
+    way, with the norm and without."""
+    bits_dtype, sentinel = peer_reduce.sentinel_bits(torch.bfloat16)
+    for norm, push in itertools.product((False, True), (False, True)):
+        constants: dict[str, object] = {
+            "RANK": ranks - 1,
+            "WORLD": ranks,
+            "DIM": 4096,
+            "BLOCK": 4096,
+            "NORM": norm,
+            "PUSH": push,
+            "BITS": peer_reduce._TRITON_BITS[bits_dtype],
+            "SENTINEL": sentinel,
+        }
+        _compile(peer_reduce._peer_reduce_kernel, PEER_REDUCE, constants)
+
+
+def _compile(kernel: object, arguments: dict[str, str], constants: dict[str, object]) -> None:
+    target = GPUTarget("cuda", 90, 32)
+    signature = {**arguments, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    assert triton.compile(source, target=target).asm["cubin"], f"{kernel} gave no cubin"
+
+
+def compile_for_hopper(kernels: str) -> list[str]:
+    """Run this module on `kernels` in a subprocess without the interpreter; its words."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engine.kernels.hopper_compile", kernels],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
 
 
 if __name__ == "__main__":
+    compile_one = {"pick": compile_pick, "peer_reduce": compile_peer_reduce}[sys.argv[1]]
     print("compiled", end="")
     for ranks in (1, 2, 4):
-        compile_pick(ranks)
+        compile_one(ranks)
         print(f" {ranks}", end="", flush=True)
     print()

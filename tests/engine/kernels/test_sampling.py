@@ -1,9 +1,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
 from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
+from tests.engine.kernels.hopper_compile import compile_for_hopper
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
 SMALL_BLOCK_V = 16
@@ -253,14 +251,4 @@ def test_the_pick_compiles_for_hopper() -> None:
     # The interpreter runs what the compiler refuses (a module global read inside a kernel
     # that is not a constexpr, for one), so both launches are also compiled for sm_90, with or
     # without a GPU, in a process where the interpreter is off.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.engine.kernels.hopper_compile"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["compiled", "1", "2", "4"]
+    assert compile_for_hopper("pick") == ["compiled", "1", "2", "4"]

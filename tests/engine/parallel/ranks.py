@@ -151,8 +151,8 @@ def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, re
         runner = ModelRunner(config, progress=False, tp=group)
         dummy = step_logits(runner, packed_steps()[0])
         found["dummy"] = None if dummy is None else dummy.cpu().numpy()
-        # which all-reduces went one-shot (0 bytes: none), to read a failure by
-        found["one_shot_max_bytes"] = group.one_shot_max_bytes
+        # which all-reduces went one-shot and which way, to read a failure by
+        found["one_shot"] = group.one_shot_choice.describe()
         if group.is_first:
             results.put(found)
         # The ranks leave together: a rank that tore its gloo connections down while a peer

@@ -1,7 +1,8 @@
 """The one-shot all-reduce on two and four GPUs, set up through the group as the engine sets it
-up: it sums what NCCL sums, eagerly and from a CUDA graph that holds several all-reduces back to
-back over the one buffer, replayed with new inputs (a rank that refilled its buffer while a peer
-still read it would give a wrong sum here). Its fused form (partial sums written into the
+up: it sums what NCCL sums, pushed and pulled, eagerly and from a CUDA graph that holds several
+all-reduces of both ways back to back over the one buffer, replayed with new inputs (a rank that
+refilled its buffer while a peer still read it, or pushed into a slot before a peer had emptied
+it, would give a wrong sum here, or wait forever). Its fused form (partial sums written into the
 buffer, then the sum added into the residual and normed in one launch) gives what NCCL's sum
 and the residual-add norm kernel give, in the same two ways."""
 
@@ -13,12 +14,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pagekeeper_engine.distributed.allreduce_choice import OneShotWay
 from pagekeeper_engine.distributed.group import TensorParallelGroup, join_rendezvous
 from pagekeeper_engine.kernels.rms_norm import rms_norm
 from tests.engine.parallel.ranks import GPU_RANK_COUNTS, spawn_ranks
 
 HIDDEN = 256
 ROWS = (1, 3, 64, 512)
+# The all-reduces of one graph, in order: both ways mixed, an odd number of pushes (a replay
+# starts on the other slot from the one before), each way at sizes the other took just before.
+CALLS: tuple[tuple[int, OneShotWay], ...] = (
+    (1, "push"),
+    (3, "pull"),
+    (64, "push"),
+    (512, "pull"),
+    (3, "push"),
+    (1, "pull"),
+    (64, "pull"),
+    (512, "push"),
+    (1, "push"),
+)
+ROWS_OF_CALLS = [rows for rows, _ in CALLS]
 EXACT_BF16_INTEGER = 256  # 2**8: bf16 holds every integer up to it exactly
 EPS = 1e-6
 RESULT_TIMEOUT_S = 300.0
@@ -52,20 +68,20 @@ def _rank(rank: int, size: int, port: int, results: Any) -> None:
             dist.all_reduce(x, group=group.device_group)
         return sums
 
-    inputs = [_integers(rows, size, generator, device) for rows in ROWS]
+    inputs = [_integers(rows, size, generator, device) for rows, _ in CALLS]
     eager = [x.clone() for x in inputs]
-    for x in eager:
-        one_shot.all_reduce_(x)
+    for x, (_, way) in zip(eager, CALLS, strict=True):
+        one_shot.all_reduce_(x, way)
     found["eager_equal"] = all(map(torch.equal, eager, nccl_sums(inputs)))
 
     static = [x.clone() for x in inputs]  # the addresses the graph reads and writes
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x in static:
-            one_shot.all_reduce_(x)
+        for x, (_, way) in zip(static, CALLS, strict=True):
+            one_shot.all_reduce_(x, way)
     replays = []
     for _ in range(3):
-        fresh = [_integers(rows, size, generator, device) for rows in ROWS]
+        fresh = [_integers(rows, size, generator, device) for rows, _ in CALLS]
         for x, new in zip(static, fresh, strict=True):
             x.copy_(new)
         graph.replay()
@@ -106,24 +122,28 @@ def _fused(
 
     one_shot = group.one_shot
     assert one_shot is not None
-    # Every size, whatever threshold the timing chose (`partial_rows` applies it).
-    staged = {rows: one_shot.staged(rows, HIDDEN) for rows in ROWS}
+    # Every size and way, whatever thresholds the timing chose (`partial_rows` applies them).
+    staged = [one_shot.staged(rows, HIDDEN, way) for rows, way in CALLS]
     eager = []
-    for rows in ROWS:
+    for rows, staged_rows in zip(ROWS_OF_CALLS, staged, strict=True):
         partial, residual = _integers(rows, size + 1, generator, device), shared(rows)
         want = expected(partial, residual.clone())
-        staged[rows].rows.copy_(partial)
+        staged_rows.rows.copy_(partial)
         out = torch.empty_like(partial)
-        staged[rows].reduce_add_norm_(residual, weight, EPS, out)
+        staged_rows.reduce_add_norm_(residual, weight, EPS, out)
         eager.append(close((out, residual), want))
-    partials = [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=device) for rows in ROWS]
+    partials = [
+        torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=device) for rows in ROWS_OF_CALLS
+    ]
     residuals = [torch.zeros_like(p) for p in partials]
     outs = [torch.empty_like(p) for p in partials]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for rows, partial, residual, out in zip(ROWS, partials, residuals, outs, strict=True):
-            staged[rows].rows.copy_(partial)  # as a projection writes its partial sums there
-            staged[rows].reduce_add_norm_(residual, weight, EPS, out)
+        for staged_rows, partial, residual, out in zip(
+            staged, partials, residuals, outs, strict=True
+        ):
+            staged_rows.rows.copy_(partial)  # as a projection writes its partial sums there
+            staged_rows.reduce_add_norm_(residual, weight, EPS, out)
     replays = []
     for _ in range(3):
         wants = []
@@ -151,5 +171,5 @@ def test_one_shot_sums_what_nccl_sums_on_gpus(size: int) -> None:
         assert found[rank]["off_reason"] is None, found[rank]["off_reason"]
         assert found[rank]["eager_equal"] is True, f"rank {rank}: {found[rank]}"
         assert found[rank]["replays_equal"] == [True, True, True], f"rank {rank}: {found[rank]}"
-        assert found[rank]["fused_eager"] == [True] * len(ROWS), f"rank {rank}: {found[rank]}"
+        assert found[rank]["fused_eager"] == [True] * len(CALLS), f"rank {rank}: {found[rank]}"
         assert found[rank]["fused_replays"] == [True, True, True], f"rank {rank}: {found[rank]}"

@@ -76,8 +76,7 @@ def check_against_one_process(
             assert diff < tolerance, (
                 f"{path.name} step {step}: max |diff| {diff}, rows over the tolerance "
                 f"{(row_diffs >= tolerance).nonzero().flatten().tolist()} of "
-                f"{row_diffs.shape[0]}; one-shot all-reduces up to "
-                f"{found['one_shot_max_bytes']} bytes"
+                f"{row_diffs.shape[0]}; all-reduces: {found['one_shot']}"
             )
         single = ModelRunner(runner_config(path, 1, device=device), progress=False)
         for name, params in SAMPLINGS.items():
