@@ -3,15 +3,16 @@
 Every rank holds a buffer that all the other ranks of the host have mapped (PyTorch's
 `torch.distributed._symmetric_memory`, CUDA backend, peer access over NVLink): a staging region
 of `capacity_bytes` and two slots of receiving regions, one per peer, that hold sentinels until a
-peer's rows land. To sum `x`, each rank copies it into its staging region and runs
-`kernels/peer_reduce.py`: its programs push their rows into every peer's receiving region, sum
-what lands in their own as it lands, and write the sentinels back; launches alternate slots, so
-no launch waits for its peers a second time. A row-parallel projection can write its partial
+peer's rows land, with a signal pad beside it. To sum `x`, each rank copies it into its staging
+region and runs `kernels/peer_reduce.py` one of two ways: pushed, its programs store their rows
+into every peer's receiving region and sum what lands in their own as it lands (one wait for the
+peers); pulled, they meet the peers' at the signal pads, read every rank's staged rows, and meet
+again before any buffer may be rewritten. A row-parallel projection can write its partial
 sums straight into the buffer (`staged`) and have the sum added into the residual stream and
 normed in the same launch (`StagedRows.reduce_add_norm_`): one kernel where a copy, the sum and
 the norm were three. That is one trip across the links, against NCCL's fixed cost per call, which
-dominates at the few rows of a decode step; at large messages every rank pushing its whole rows
-to every other rank loses to NCCL's ring. The buffer's address is fixed, so the kernel is
+dominates at the few rows of a decode step; at large messages every rank moving every other
+rank's whole rows loses to NCCL's ring. The buffer's address is fixed, so the kernel is
 captured in CUDA graphs like any other.
 
 Which sizes go one-shot, and which way, is measured at start-up as the layers run them: the
@@ -20,8 +21,8 @@ each rank), and decided from every rank's timings by a pure function (`allreduce
 
 NVLink multicast stays off: a program that sets it up (cuMulticastCreate, PyTorch's multimem
 operations) can put a shared host's GPUs out of service. The one-shot kernel needs only plain
-peer stores, and `import_symmetric_memory` turns PyTorch's multicast set-up off
-before anything of symmetric memory runs.
+peer loads, stores and atomics, and `import_symmetric_memory` turns PyTorch's multicast set-up
+off before anything of symmetric memory runs.
 """
 
 from __future__ import annotations
@@ -91,13 +92,18 @@ class OneShotAllReduce:
     eagerly or under CUDA graph capture, either way (`kernels/peer_reduce.py`)."""
 
     def __init__(
-        self, memory: torch.Tensor, counts: torch.Tensor, staging: int, group_name: str
+        self,
+        memory: torch.Tensor,
+        counts: torch.Tensor,
+        staging: int,
+        region: int,
+        group_name: str,
     ) -> None:
         self.memory = memory  # every region, of the model's dtype, mapped by every peer
         self.buffer = memory[:staging]  # the staging region: what a rank sums
         self.counts = counts  # the kernel's push launch count, on this GPU
         self.staging = staging
-        self.region = 0  # elements a receiving region holds, once the ranks are known
+        self.region = region  # elements a receiving region holds: the most a push sums
         self.group_name = group_name
         self.peers: PeerBuffers | None = None  # the ranks' mapped addresses, once rendezvoused
 
@@ -134,9 +140,7 @@ class OneShotAllReduce:
         # Cleared before any peer can push: the peers push only after the rendezvous, which
         # this rank joins after this.
         torch.cuda.synchronize(device)
-        one_shot = OneShotAllReduce(memory, counts, staging, group_name)
-        one_shot.region = region
-        return one_shot
+        return OneShotAllReduce(memory, counts, staging, region, group_name)
 
     def rendezvous(self) -> None:
         """Map every rank's buffer into every other rank (collective over the group), and keep

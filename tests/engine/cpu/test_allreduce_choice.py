@@ -139,8 +139,7 @@ def test_two_ranks_size_the_buffer_for_a_whole_step_and_more_ranks_for_decode_st
 
 def test_one_shot_fits_only_contiguous_tensors_of_its_dtype_and_device_within_capacity() -> None:
     memory = torch.empty(16, dtype=torch.bfloat16)  # a staging region of 8, receiving ones of 4
-    one_shot = OneShotAllReduce(memory, torch.zeros(2, dtype=torch.int32), 8, "0")
-    one_shot.region = 4
+    one_shot = OneShotAllReduce(memory, torch.zeros(2, dtype=torch.int32), 8, 4, "0")
     assert one_shot.fits(torch.empty(2, 4, dtype=torch.bfloat16), "pull")
     assert not one_shot.fits(torch.empty(2, 4, dtype=torch.bfloat16), "push")  # past a region
     assert one_shot.fits(torch.empty(1, 4, dtype=torch.bfloat16), "push")
@@ -156,8 +155,7 @@ class RecordingOneShot(OneShotAllReduce):
     def __init__(self) -> None:
         # A staging region of 64 values and receiving regions of 32.
         counts = torch.zeros(2, dtype=torch.int32)
-        super().__init__(torch.empty(64 + 2 * 32, dtype=torch.bfloat16), counts, 64, "0")
-        self.region = 32
+        super().__init__(torch.empty(64 + 2 * 32, dtype=torch.bfloat16), counts, 64, 32, "0")
         self.calls: list[tuple[int, OneShotWay]] = []
         no_addresses = torch.zeros(2, dtype=torch.int64)  # never launched: nothing mapped
         self.peers = PeerBuffers(self.memory, no_addresses, no_addresses, counts, 0, 2, 64, 32, 1)
