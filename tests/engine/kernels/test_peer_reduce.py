@@ -204,6 +204,30 @@ def test_a_pulling_rank_adds_one_to_its_word_in_every_pad_each_meeting_and_takes
         assert bool(_is_sentinel(ranks[peer].buffer[rows * dim :]).all()), "no region written"
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_each_peer_s_rows_are_taken_from_its_own_place_and_summed_in_rank_order(
+    way: str, device: torch.device
+) -> None:
+    # fp32 keeps 2**-14 beside 0 but not beside 65,504: in rank order 0 + 65,504 - 65,504 +
+    # 2**-14 = 2**-14, while ranks 1 and 3 swapped give 0 + 2**-14 - 65,504 + 65,504 = 0. A
+    # rank that read a peer's rows from another peer's place would sum in another order.
+    world, rank, dim = 4, 2, 16
+    values = (0.0, 65504.0, -65504.0, 2.0**-14)
+    ranks = [Rank(world, dim, dim, device, torch.float16) for _ in range(world)]
+    peers = _peers(ranks, rank, 1)
+    parts = [torch.full((1, dim), v, device=device, dtype=torch.float16) for v in values]
+    peers.staged(1, dim).copy_(parts[rank])
+    for source in range(world):
+        if source != rank and way == "push":  # slot 0: the first push launch's
+            ranks[rank].received(0, (rank - source) % world)[:dim] = parts[source].flatten()
+        if source != rank and way == "pull":  # staged, and at both of this rank's meetings
+            ranks[source].buffer[:dim] = parts[source].flatten()
+            ranks[rank].pad[source] = 2
+    out = torch.empty(1, dim, device=device, dtype=torch.float16)
+    peer_reduce(peers, 1, dim, push=way == "push", out=out)
+    assert out.flatten().tolist() == [2.0**-14] * dim
+
+
 def test_the_kernel_compiles_for_hopper() -> None:
     # The interpreter runs what the compiler refuses; on a GPU the launch compiles anyway.
     assert compile_for_hopper("peer_reduce") == ["compiled", "1", "2", "4"]
