@@ -84,8 +84,7 @@ class TensorParallelGroup:
         self._suspended = False
         self.one_shot: OneShotAllReduce | None = None  # set up by `enable_one_shot`
         # Which sizes go one-shot, and which way: `enable_one_shot`'s choice, once made.
-        self.one_shot_choice = AllReduceChoice(0, off_reason="not set up")
-        self._one_shot_chosen = False
+        self.one_shot_choice: AllReduceChoice | None = None
 
     @staticmethod
     def initialize(rank: int, size: int, store: Any, device: torch.device) -> TensorParallelGroup:
@@ -150,7 +149,7 @@ class TensorParallelGroup:
 
     def _one_shot_for(self, num_bytes: int) -> tuple[OneShotAllReduce | None, OneShotWay | None]:
         """The one-shot path and its way when a message of `num_bytes` takes it."""
-        if self.one_shot is None:
+        if self.one_shot is None or self.one_shot_choice is None:
             return None, None
         return self.one_shot, self.one_shot_choice.way(num_bytes)
 
@@ -169,9 +168,8 @@ class TensorParallelGroup:
         if self.device is None or self.device.type != "cuda":  # the same on every rank
             return AllReduceChoice(0, off_reason="not on GPUs")
         assert not self._suspended, "enable_one_shot times collectives: not under local_only()"
-        if self._one_shot_chosen:
-            return self._later_choice(dtype)
-        self._one_shot_chosen = True
+        if self.one_shot_choice is not None:
+            return self._later_choice(self.one_shot_choice, dtype)
         rows = timed_rows(capacity_bytes, hidden_size, dtype.itemsize)
         one_shot, failure = self._set_up_one_shot(capacity_bytes, hidden_size, dtype, rows)
         if one_shot is None:
@@ -187,11 +185,11 @@ class TensorParallelGroup:
         logger.info("tensor-parallel all-reduce: %s", choice.describe())
         return choice
 
-    def _later_choice(self, dtype: torch.dtype) -> AllReduceChoice:
+    def _later_choice(self, first: AllReduceChoice, dtype: torch.dtype) -> AllReduceChoice:
         """The choice for a later runner on this group (every rank makes the same calls, so
-        none enters a collective here): the first runner's, whose buffer and threshold route by
-        bytes and fit any tensor of its dtype; a model of another dtype fits none of it."""
-        choice = self.one_shot_choice
+        none enters a collective here): the `first` runner's, whose buffer and thresholds route
+        by bytes and fit any tensor of its dtype; a model of another dtype fits none of it."""
+        choice = first
         if self.one_shot is not None and self.one_shot.buffer.dtype != dtype:
             choice = AllReduceChoice(
                 0, off_reason=f"the group's one-shot buffer holds {self.one_shot.buffer.dtype}"

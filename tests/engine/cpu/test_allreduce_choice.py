@@ -238,7 +238,7 @@ def test_the_flag_keeps_nccl_without_timing_or_a_collective(
     monkeypatch.setattr(group, "enable_one_shot", set_up)
     choice = choose_all_reduce(group, True, 4096, torch.bfloat16, 8192)
     assert choice.describe() == "NCCL for every size (--disable-custom-all-reduce)"
-    assert group.one_shot is None and group.one_shot_choice.one_shot_max_bytes == 0
+    assert group.one_shot is None and group.one_shot_choice is None
     # At one rank there is nothing to disable: the group's own answer.
     alone = choose_all_reduce(TensorParallelGroup(), True, 4096, torch.bfloat16, 8192)
     assert alone.off_reason == "a single rank"

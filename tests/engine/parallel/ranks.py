@@ -152,7 +152,8 @@ def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, re
         dummy = step_logits(runner, packed_steps()[0])
         found["dummy"] = None if dummy is None else dummy.cpu().numpy()
         # which all-reduces went one-shot and which way, to read a failure by
-        found["one_shot"] = group.one_shot_choice.describe()
+        choice = group.one_shot_choice
+        found["one_shot"] = "not set up" if choice is None else choice.describe()
         if group.is_first:
             results.put(found)
         # The ranks leave together: a rank that tore its gloo connections down while a peer
