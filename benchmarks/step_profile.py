@@ -13,12 +13,19 @@ the device, not the host, sets the step.
     PYTHONPATH=engine:. python benchmarks/step_profile.py --shape qwen3-0.6b
     PYTHONPATH=engine:. python benchmarks/step_profile.py --shape llama-3.1-8b --batches 256,64,1
     PYTHONPATH=engine:. python benchmarks/step_profile.py --no-w-nano --batches 1 --context 128
+    PYTHONPATH=engine:. python benchmarks/step_profile.py --shape llama-3.1-8b \
+        --tensor-parallel-size 2 --batches 256,64,1
+
+Under tensor parallelism the tables are rank 0's, whose runner runs in this process; a
+collective's launches then include what rank 0 waited for the others, which its shortest
+launch against its median shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -107,24 +114,27 @@ def kernel_table(spans: Sequence[DeviceSpan], num_steps: int) -> list[dict[str, 
     each added to the timeline ("effective_us": from the later of its start and the previous
     spans' end to its end). A kernel launched early under programmatic dependent launch waits
     inside its duration for the one before it; the effective column counts that wait once,
-    so it sums to the device's busy time. Most effective time first."""
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    so it sums to the device's busy time. Per launch, the shortest and the median duration: a
+    collective's shortest launch is about its own cost, its median adds what it waited for
+    its peers. Most effective time first."""
+    durations: dict[str, list[float]] = defaultdict(list)
+    effective: dict[str, float] = defaultdict(float)
     covered_to = float("-inf")
     for span in sorted(spans, key=lambda span: span.start_us):
         end = span.start_us + span.duration_us
-        row = by_name[span.name]
-        row[0] += 1
-        row[1] += span.duration_us
-        row[2] += max(0.0, end - max(covered_to, span.start_us))
+        durations[span.name].append(span.duration_us)
+        effective[span.name] += max(0.0, end - max(covered_to, span.start_us))
         covered_to = max(covered_to, end)
     rows = [
         {
             "kernel": name,
-            "launches": count / num_steps,
-            "us": micros / num_steps,
-            "effective_us": effective / num_steps,
+            "launches": len(own) / num_steps,
+            "us": sum(own) / num_steps,
+            "effective_us": effective[name] / num_steps,
+            "min_us": min(own),
+            "median_us": statistics.median(own),
         }
-        for name, (count, micros, effective) in by_name.items()
+        for name, own in durations.items()
     ]
     return sorted(rows, key=lambda row: -row["effective_us"])
 
@@ -194,6 +204,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="where a decode step's time goes")
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks; the kernel tables are rank 0's (its runner runs in this process)",
+    )
     parser.add_argument("--batches", default="256,128,64,16,1", help="decode batches to profile")
     parser.add_argument("--context", type=int, default=1000, help="their prompts' tokens")
     parser.add_argument(
@@ -213,9 +229,12 @@ def main() -> None:
         async_scheduling=True,
         safety="on",
         kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=1,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}, "
+        f"tensor parallel {args.tensor_parallel_size}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         engine, _ = build_engine(write_checkpoint(args.shape, Path(tmp)), settings)
         seconds, bins = timed_w_nano(engine) if args.w_nano else (0.0, [])
@@ -233,11 +252,11 @@ def main() -> None:
             f"{profile['device_span_ms']:.3f} ms a step, busy {busy_ms:.3f} ms, "
             f"{sum(k['launches'] for k in kernels):.0f} launches"
         )
-        print("  effective us, own us, launches, kernel")
+        print("  effective us, own us, launches, a launch's shortest and median us, kernel")
         for k in kernels[:16]:
             print(
-                f"  {k['effective_us']:9.1f} {k['us']:9.1f} {k['launches']:6.1f}x  "
-                f"{k['kernel'][:70]}"
+                f"  {k['effective_us']:9.1f} {k['us']:9.1f} {k['launches']:6.1f}x "
+                f"{k['min_us']:7.1f} {k['median_us']:7.1f}  {k['kernel'][:60]}"
             )
     if args.json:
         report = {"w_nano_s": seconds, "bins": [asdict(b) for b in bins], "decode": profiles}

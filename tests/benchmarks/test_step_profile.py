@@ -55,8 +55,22 @@ def test_kernels_are_summed_by_name_per_step() -> None:
     ]
     table = kernel_table(spans, num_steps=2)
     assert [row["kernel"] for row in table] == ["attn", "gemm", "norm"]
-    assert table[0] == {"kernel": "attn", "launches": 1.0, "us": 11.0, "effective_us": 11.0}
+    assert table[0] == {
+        "kernel": "attn",
+        "launches": 1.0,
+        "us": 11.0,
+        "effective_us": 11.0,
+        "min_us": 10.0,
+        "median_us": 11.0,
+    }
     assert table[2]["launches"] == 0.5
+
+
+def test_a_collectives_shortest_launch_stands_apart_from_its_median() -> None:
+    """A launch that waited for its peers is long; the shortest shows the kernel's own cost."""
+    spans = [DeviceSpan("reduce", 10.0 * i, us) for i, us in enumerate((3.0, 9.0, 8.0, 30.0))]
+    (row,) = kernel_table(spans, num_steps=4)
+    assert (row["min_us"], row["median_us"], row["us"]) == (3.0, 8.5, 12.5)
 
 
 def test_an_early_launched_kernel_counts_only_what_it_adds() -> None:
