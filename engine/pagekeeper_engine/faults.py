@@ -9,6 +9,7 @@ are inside that step's collectives, so no rank can fail the step alone and go on
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 # "<rank>:<step>": that tensor-parallel rank (0 without tensor parallelism) raises in its
 # <step>-th launched step, counting from 1. For the fault tests only; unset in production.
@@ -50,3 +51,21 @@ def injected_fault_step(rank: int, env: Mapping[str, str]) -> int | None:
     if not sep or not fault_rank.isdigit() or not step.isdigit() or int(step) < 1:
         raise ValueError(f"{INJECT_STEP_FAULT_ENV}={text!r}: expected <rank>:<step>, step >= 1")
     return int(step) if int(fault_rank) == rank else None
+
+
+@dataclass
+class StepFaultInjection:
+    """Counts one rank's launched steps and fails the one `INJECT_STEP_FAULT_ENV` names."""
+
+    rank: int
+    fault_step: int | None  # `injected_fault_step`
+    launched: int = 0
+
+    def count(self) -> None:
+        """One more step launched; InjectedStepFaultError at the named one."""
+        self.launched += 1
+        if self.launched == self.fault_step:
+            raise InjectedStepFaultError(
+                f"rank {self.rank}: fault injected in step {self.launched} "
+                f"({INJECT_STEP_FAULT_ENV})"
+            )

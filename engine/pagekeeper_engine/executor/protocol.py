@@ -2,7 +2,8 @@
 
 A worker starts from a `WorkerSpec` (spawn pickles it into the new process). Each step travels
 to every worker as MessagePack over its own ZMQ PUSH socket (IPC, no high-water mark), decoded
-into `SchedulerOutput` and nothing else; `None` tells a worker to stop. A worker that must exit
+into `FollowerStep` (rank 0's packed inputs, `runner/follower_step.py`) and nothing else; `None`
+tells a worker to stop. A worker that must exit
 sends a `RankReport` (MessagePack over a pipe, never pickle) first, so rank 0 can name the
 reason, and says with its exit code whether it refused the same start-up budget as rank 0.
 """
@@ -16,7 +17,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.runner.follower_step import FollowerStep
 
 EXIT_SHARED_REFUSAL = 3  # a worker refused what rank 0 refused too (the combined budget)
 
@@ -35,8 +36,8 @@ def step_encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def step_decoder() -> msgspec.msgpack.Decoder[SchedulerOutput | None]:
-    return msgspec.msgpack.Decoder(SchedulerOutput | None)
+def step_decoder() -> msgspec.msgpack.Decoder[FollowerStep | None]:
+    return msgspec.msgpack.Decoder(FollowerStep | None)
 
 
 class RankReport(msgspec.Struct, array_like=True):

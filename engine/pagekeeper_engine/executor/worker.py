@@ -108,10 +108,10 @@ def _serve(spec: WorkerSpec, reports: Connection) -> int:
     logger.info("ready (pid %d): %d KV blocks", os.getpid(), runner.num_gpu_blocks)
     try:
         while True:
-            out = decode(inbox.recv())
-            if out is None:
+            step = decode(inbox.recv())
+            if step is None:
                 return 0
-            runner.launch(out)
+            runner.follow(step)
     except EngineOutOfMemoryError as exc:
         _report_oom(spec, reports, "runtime", str(exc))
         return 1

@@ -24,7 +24,6 @@ import torch
 import zmq
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup, serve_rendezvous
 from pagekeeper_engine.executor.protocol import WorkerSpec, step_encoder
 from pagekeeper_engine.executor.watchdog import RankWatchdog
@@ -32,6 +31,7 @@ from pagekeeper_engine.executor.worker import run_worker
 from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.model.hf_config import load_model_config
 from pagekeeper_engine.model.shard import check_divisible
+from pagekeeper_engine.runner.follower_step import FollowerStep
 from pagekeeper_engine.runner.runner import ModelRunner
 
 STOP_TIMEOUT_S = 10.0
@@ -74,8 +74,8 @@ class WorkerRanks:
             self._reports.append(reports)
         self._watchdog = RankWatchdog(self.processes, self._reports, on_failure)
 
-    def send(self, out: SchedulerOutput) -> None:
-        data = self._encode(out)
+    def send(self, step: FollowerStep) -> None:
+        data = self._encode(step)
         for socket in self._sockets:
             socket.send(data, copy=False)
 

@@ -54,7 +54,7 @@ class RunnerProfileTarget:
     def run_profile_batch(self, seqs: Sequence[ScheduledSeq], num_sampled_rows: int) -> None:
         """Forward `seqs`, then the logits and the sampling of `num_sampled_rows` rows."""
         model = self.steps.model
-        step = self.steps.prepare_inputs(seqs)
+        step = self.steps.prepare(seqs)
         hidden = model(step.input_ids, step.positions, step.meta)  # (T, H)
         rows = torch.arange(num_sampled_rows, device=self.device) % hidden.shape[0]
         # (num_sampled_rows, V or the rank's shard), sampled as a step samples them

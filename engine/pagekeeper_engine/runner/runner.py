@@ -30,12 +30,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
-from pagekeeper_engine.faults import (
-    INJECT_STEP_FAULT_ENV,
-    FatalEngineError,
-    InjectedStepFaultError,
-    injected_fault_step,
-)
+from pagekeeper_engine.faults import FatalEngineError, StepFaultInjection, injected_fault_step
 from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
@@ -53,6 +48,7 @@ from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes, padding_forward
+from pagekeeper_engine.runner.follower_step import FollowerStep, follower_step
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
 from pagekeeper_engine.runner.kv_cache import (
     KVPools,
@@ -207,8 +203,9 @@ class ModelRunner:
             shard_picker_for(self.model, config.max_num_seqs, config.seed, self.eos_token_ids),
         )
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self._num_launched = 0
-        self._fault_step = injected_fault_step(self.tp.rank, os.environ)
+        self._faults = StepFaultInjection(
+            self.tp.rank, injected_fault_step(self.tp.rank, os.environ)
+        )
         shapes = ProfileShapes(
             self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
         )
@@ -320,8 +317,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
 
     def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
-        """The step's packed inputs, as a launch builds them (`StepLauncher.prepare_inputs`)."""
-        return self.steps.prepare_inputs(seqs)
+        """The step's packed inputs, as a launch builds them (`StepLauncher.prepare`)."""
+        return self.steps.prepare(seqs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply the step's swaps, run the forward pass, sample where asked, and wait.
@@ -335,15 +332,7 @@ class ModelRunner:
         """`execute` without the wait: the step is enqueued on the device (and handed to the
         other ranks first). Under tensor parallelism every failure of the step, here or while
         its tokens come back, ends the engine (`step_failure`)."""
-        self._num_launched += 1
         try:
-            if self.followers is not None:
-                self.followers.send(out)
-            if self._num_launched == self._fault_step:
-                raise InjectedStepFaultError(
-                    f"rank {self.tp.rank}: fault injected in step {self._num_launched} "
-                    f"({INJECT_STEP_FAULT_ENV})"
-                )
             pending = self._launch(out)
         except FatalEngineError:
             raise
@@ -360,6 +349,20 @@ class ModelRunner:
         self.release_cached_memory()
         raise DeviceOutOfMemoryError("step", detail)
 
+    def follow(self, step: FollowerStep) -> PendingStep | FatalOnFailure:
+        """A rank > 0 runs the step rank 0 packed (`follower_step.py`), without waiting; every
+        failure is fatal, as every failure under tensor parallelism is."""
+        try:
+            self._faults.count()
+            self.pools.swap(step.blocks_to_swap_out, to_cpu=True)
+            self.pools.swap(step.blocks_to_swap_in, to_cpu=False)
+            pending = self.steps.follow(step)
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            raise self.step_failure(exc) from exc
+        return FatalOnFailure(pending, self.step_failure)
+
     def step_failure(self, exc: Exception) -> FatalEngineError:
         """What a failed step means under tensor parallelism (`step_faults`)."""
         return tensor_parallel_failure(self.tp.rank, self.followers, exc)
@@ -372,6 +375,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput) -> PendingStep:
+        # Rank 0 packs the step once and hands the bytes to the other ranks before running it.
+        inputs = None
+        if out.seqs:
+            inputs = self.steps.prepare(out.seqs, keep_packed=self.followers is not None)
+        if self.followers is not None:
+            self.followers.send(follower_step(out, inputs))
+        self._faults.count()
         self.pools.swap(out.blocks_to_swap_out, to_cpu=True)
         self.pools.swap(out.blocks_to_swap_in, to_cpu=False)
-        return self.steps.launch(out.seqs)
+        if inputs is None:
+            return PendingStep(0, [], None, None)
+        return self.steps.run(inputs, out.seqs)

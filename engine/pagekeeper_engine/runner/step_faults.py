@@ -15,9 +15,10 @@ from typing import Protocol
 
 import torch
 
-from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.outputs import RunnerOutput
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError, TensorParallelStepError
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
+from pagekeeper_engine.runner.follower_step import FollowerStep
 from pagekeeper_engine.runner.step_results import PendingStep
 
 # How long a failed step on rank 0 waits to learn whether a peer's death caused it: a peer's
@@ -28,7 +29,7 @@ PEER_FAILURE_WAIT_S = 2.0
 class StepFollowers(Protocol):
     """The other tensor-parallel ranks, as rank 0 drives them."""
 
-    def send(self, out: SchedulerOutput) -> None:
+    def send(self, step: FollowerStep) -> None:
         """Hand them the step rank 0 is about to run."""
         ...
 

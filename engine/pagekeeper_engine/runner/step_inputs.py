@@ -10,6 +10,10 @@ come first: any step padded to a captured row count finds them where that row co
 graphs read them (`piecewise_graphs.py`). Rows whose input token is not known on the host yet
 (`PLACEHOLDER_TOKEN_ID`, asynchronous scheduling) are listed with the row of the previous step's
 sampled ids that holds it; the runner gathers them on the device.
+
+Under tensor parallelism rank 0 alone builds a step: the other ranks take its packed bytes and
+`StepHeader` (`PackedInputs`, `StepInputBuilder.unpack`) and copy them to their own device, so
+no rank decodes the scheduler's sequences or repeats the packing.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import torch
 from pagekeeper_engine.attention.base import AttentionMetadata
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.runner.step_layout import layout, typed_views
 
-_ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
 _MAX_CACHED_SHAPES = 64  # step shapes whose device views are kept
 
 
@@ -38,6 +42,28 @@ class GraphPadding:
 
     rows: int
     decode: bool
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """What a step's packed bytes hold and mean beside them: their fields' counts (`shape`,
+    which fixes the layout), the graph padding, and the metadata that is not a tensor."""
+
+    shape: tuple[int, int, int, int, int]  # (rows, seqs, block-table width, sampled, placeholders)
+    padding: GraphPadding | None
+    max_query_len: int
+    max_seq_len: int
+    num_decode_seqs: int
+    sampled_seqs: list[int]
+    samples_leading_rows: bool
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """A step's inputs as bytes: another rank's builder makes the same `StepInputs` of them."""
+
+    header: StepHeader
+    data: bytes  # every field at its `step_layout.layout` offset
 
 
 @dataclass
@@ -56,38 +82,7 @@ class StepInputs:
     # sampled ids that hold their tokens; None when every input is known
     placeholder_rows: torch.Tensor | None = None
     placeholder_sources: torch.Tensor | None = None
-
-
-def _fields(
-    num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int
-) -> dict[str, tuple[int, torch.dtype]]:
-    """Each field's element count and dtype, in buffer order: fields a graph reads first, those
-    whose count varies at a fixed graph shape last."""
-    return {
-        "input_ids": (num_rows, torch.int64),
-        "positions": (num_rows, torch.int64),
-        "slot_mapping": (num_rows, torch.int64),
-        "query_start_loc": (num_seqs + 1, torch.int32),
-        "seq_lens": (num_seqs, torch.int32),
-        "block_tables": (num_seqs * width, torch.int32),
-        "sample_indices": (num_sampled, torch.int64),
-        "placeholder_rows": (num_placeholders, torch.int64),
-        "placeholder_sources": (num_placeholders, torch.int64),
-    }
-
-
-def _layout(
-    num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int = 0
-) -> dict[str, int]:
-    """Byte offset of each field, and the total under "end"."""
-    offsets, end = {}, 0
-    for name, (count, dtype) in _fields(
-        num_rows, num_seqs, width, num_sampled, num_placeholders
-    ).items():
-        offsets[name] = end
-        end += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
-    offsets["end"] = end
-    return offsets
+    packed: PackedInputs | None = None  # with `build(..., keep_packed=True)`
 
 
 class StepInputBuilder:
@@ -112,7 +107,7 @@ class StepInputBuilder:
         self.max_model_len = max_model_len
         self.max_width = -(-max_model_len // block_size)  # block-table columns of a graph step
         max_rows = max(max_num_tokens, max_num_seqs)  # a padded graph step has max_num_seqs
-        self.capacity = _layout(max_rows, max_num_seqs, self.max_width, max_num_seqs, max_num_seqs)[
+        self.capacity = layout(max_rows, max_num_seqs, self.max_width, max_num_seqs, max_num_seqs)[
             "end"
         ]
         is_cuda = device.type == "cuda"
@@ -131,11 +126,14 @@ class StepInputBuilder:
         seqs: Sequence[ScheduledSeq],
         padding: GraphPadding | None = None,
         previous_rows: Mapping[str, int] | None = None,
+        *,
+        keep_packed: bool = False,
     ) -> StepInputs:
         """Pack `seqs` (decodes first), padded for a graph with `padding`: padding rows store
         no KV (slot -1). A decode graph's seqs are all one-token decodes, padded to that many
         sequences at the full block-table width. `previous_rows`: request id -> row of the
-        previous step's sampled ids, for the placeholder inputs."""
+        previous step's sampled ids, for the placeholder inputs. `keep_packed`: the inputs
+        also keep their bytes, for the other ranks (`unpack`)."""
         bs = self.block_size
         num_seqs = len(seqs)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
@@ -196,31 +194,60 @@ class StepInputBuilder:
             "placeholder_rows": placeholder_rows.astype(np.int64),
             "placeholder_sources": placeholder_sources,
         }
-        views = self._upload(
-            arrays, (rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows))
-        )
-        has_placeholders = len(placeholder_rows) > 0
         is_one = num_tokens == 1
         num_decode_seqs = num_seqs if is_one.all() else int(is_one.argmin())
+        header = StepHeader(
+            shape=(rows, padded_seqs, width, len(sampled_seqs), len(placeholder_rows)),
+            padding=padding,
+            max_query_len=int(num_tokens.max(initial=1)),
+            max_seq_len=int(ends.max(initial=1)),
+            num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
+            sampled_seqs=sampled_seqs.tolist(),
+            samples_leading_rows=len(sampled_seqs) == num_seqs == total,
+        )
+        host, host_bytes = self._host(header.shape)
+        offsets = layout(*header.shape)
+        for name, array in arrays.items():
+            start = offsets[name]
+            host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
+        packed = None
+        if keep_packed:
+            packed = PackedInputs(header, host_bytes[: offsets["end"]].tobytes())
+        return self._inputs(header, self._upload(host, header.shape), packed)
+
+    def unpack(self, packed: PackedInputs) -> StepInputs:
+        """The inputs another rank's builder packed: the same tensors, on this rank's device."""
+        header = packed.header
+        host, host_bytes = self._host(header.shape)
+        assert len(packed.data) == layout(*header.shape)["end"], "bytes and header disagree"
+        host_bytes[: len(packed.data)] = np.frombuffer(packed.data, dtype=np.uint8)
+        return self._inputs(header, self._upload(host, header.shape))
+
+    @staticmethod
+    def _inputs(
+        header: StepHeader, views: dict[str, torch.Tensor], packed: PackedInputs | None = None
+    ) -> StepInputs:
+        has_placeholders = header.shape[4] > 0
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
             seq_lens=views["seq_lens"],
             block_tables=views["block_tables"],
-            max_query_len=int(num_tokens.max(initial=1)),
-            max_seq_len=int(ends.max(initial=1)),
-            num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
+            max_query_len=header.max_query_len,
+            max_seq_len=header.max_seq_len,
+            num_decode_seqs=header.num_decode_seqs,
         )
         return StepInputs(
             input_ids=views["input_ids"],
             positions=views["positions"],
             meta=meta,
             sample_indices=views["sample_indices"],
-            sampled_seqs=sampled_seqs.tolist(),
-            samples_leading_rows=len(sampled_seqs) == num_seqs == total,
-            padding=padding,
+            sampled_seqs=header.sampled_seqs,
+            samples_leading_rows=header.samples_leading_rows,
+            padding=header.padding,
             placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
             placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
+            packed=packed,
         )
 
     @staticmethod
@@ -261,25 +288,31 @@ class StepInputBuilder:
                 f"{self.max_model_len}): empty, too long or a block table too short"
             )
 
-    def _upload(
-        self, arrays: dict[str, np.ndarray], shape: tuple[int, int, int, int, int]
-    ) -> dict[str, torch.Tensor]:
-        """Write the fields into host memory, copy once, and return typed device views (the
-        block tables (seqs, width)). `shape`: (rows, seqs, width, sampled, placeholders)."""
-        layout = _layout(*shape)
-        end = layout["end"]
-        fits = end <= self.capacity
-        if self._staged is not None and fits:
+    def _host(self, shape: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, np.ndarray]:
+        """Host memory for a step of `shape` and its bytes: the staging buffer once the previous
+        copy has left it, or (a step larger than the sizes the buffer was made for: a profiling
+        pass) a buffer of its own."""
+        end = layout(*shape)["end"]
+        if end > self.capacity:
+            host = torch.empty(end, dtype=torch.uint8)
+            return host, host.numpy()
+        if self._staged is not None:
             self._staged.synchronize()  # the previous copy has left the staging buffer
-        host = self._staging if fits else torch.empty(end, dtype=torch.uint8)
-        host_bytes = self._staging_bytes if fits else host.numpy()
-        for name, array in arrays.items():
-            start = layout[name]
-            host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
+        return self._staging, self._staging_bytes
+
+    def _upload(
+        self, host: torch.Tensor, shape: tuple[int, int, int, int, int]
+    ) -> dict[str, torch.Tensor]:
+        """Copy the step's bytes in `host` once and return typed device views (the block tables
+        (seqs, width)). `shape`: (rows, seqs, width, sampled, placeholders)."""
+        offsets = layout(*shape)
+        end = offsets["end"]
         if self._device_buffer is None:
-            return _views(host[:end].clone(), layout, shape)  # CPU: fresh tensors every step
-        if not fits:  # a step larger than the sizes the buffer was made for (a profiling pass)
-            return _views(host[:end].pin_memory().to(self.device, non_blocking=True), layout, shape)
+            return typed_views(host[:end].clone(), offsets, shape)  # CPU: fresh tensors every step
+        if end > self.capacity:
+            return typed_views(
+                host[:end].pin_memory().to(self.device, non_blocking=True), offsets, shape
+            )
         self._device_buffer[:end].copy_(host[:end], non_blocking=True)
         assert self._staged is not None
         self._staged.record()
@@ -287,22 +320,8 @@ class StepInputBuilder:
         # one shape (every decode step of a graph batch) makes them once.
         views = self._views.pop(shape, None)
         if views is None:
-            views = _views(self._device_buffer, layout, shape)
+            views = typed_views(self._device_buffer, offsets, shape)
             if len(self._views) >= _MAX_CACHED_SHAPES:
                 self._views.pop(next(iter(self._views)))  # the least recently used
         self._views[shape] = views
         return views
-
-
-def _views(
-    buffer: torch.Tensor, layout: dict[str, int], shape: tuple[int, int, int, int, int]
-) -> dict[str, torch.Tensor]:
-    """Typed views of the fields in `buffer` (bytes) at `layout`; the block tables (seqs,
-    width)."""
-    views = {}
-    for name, (count, dtype) in _fields(*shape).items():
-        start = layout[name]
-        views[name] = buffer[start : start + count * dtype.itemsize].view(dtype)
-    _, seqs, width, _, _ = shape
-    views["block_tables"] = views["block_tables"].view(seqs, width)
-    return views

@@ -10,6 +10,8 @@ are sampled (or taken from the replay that computed them). Under tensor parallel
 holds its vocabulary shard's logits: the common batches are picked across the shards
 (`shard_pick`), every rank getting the same ids; any other batch is gathered to rank 0, which
 samples it and broadcasts the ids, so every rank's next step reads the same placeholders.
+The other ranks run rank 0's packed inputs (`follow`): they never see the scheduler's
+sequences, only the sampled rows' parameters and request ids (`follower_step.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs
+from pagekeeper_engine.runner.follower_step import FollowerStep
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.shard_pick import ShardPicker
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
@@ -65,19 +68,53 @@ class StepLauncher:
         shards = 0 if self.shards is None else self.shards.nbytes
         return self.sampler_buffers.nbytes + shards
 
-    def prepare_inputs(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
-        """Pack the step's sequences (decodes first) into tensors and attention metadata; a
-        step that a captured graph fits is padded to the graph's shape."""
+    def prepare(self, seqs: Sequence[ScheduledSeq], *, keep_packed: bool = False) -> StepInputs:
+        """Pack the step's sequences (decodes first) into tensors and attention metadata on the
+        device, padded to a captured graph's shape where one fits (`keep_packed`: with their
+        bytes, for the other ranks)."""
         padding = None if self.graphs is None else self.graphs.padding_for(seqs)
-        return self.inputs.build(seqs, padding)
+        return self.inputs.build(seqs, padding, self._previous_rows, keep_packed=keep_packed)
 
     @torch.inference_mode()
     def launch(self, seqs: Sequence[ScheduledSeq]) -> PendingStep:
         """Run the forward pass over `seqs` and sample where asked, without waiting."""
         if not seqs:
             return PendingStep(0, [], None, None)
-        padding = None if self.graphs is None else self.graphs.padding_for(seqs)
-        step = self.inputs.build(seqs, padding, self._previous_rows)
+        return self.run(self.prepare(seqs), seqs)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, seqs: Sequence[ScheduledSeq]) -> PendingStep:
+        """Run a step that `prepare` made of `seqs`, without waiting."""
+        picked = [seqs[i] for i in step.sampled_seqs]
+        return self._run(
+            step,
+            len(seqs),
+            [s.request_id for s in picked],
+            [s.sampling for s in picked],
+            [s.num_output_tokens for s in picked],
+        )
+
+    @torch.inference_mode()
+    def follow(self, step: FollowerStep) -> PendingStep:
+        """Run the step rank 0 packed (a rank > 0 under tensor parallelism), without waiting."""
+        if step.inputs is None:
+            return PendingStep(0, [], None, None)
+        return self._run(
+            self.inputs.unpack(step.inputs),
+            step.num_seqs,
+            step.request_ids,
+            step.sampling,
+            step.num_output_tokens,
+        )
+
+    def _run(
+        self,
+        step: StepInputs,
+        num_seqs: int,
+        request_ids: Sequence[str],  # the sampled rows'
+        sampling: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> PendingStep:
         if step.placeholder_rows is not None:
             assert self._previous_sampled is not None and step.placeholder_sources is not None
             # the tokens the previous step sampled, into this step's input rows (in place: a
@@ -89,16 +126,13 @@ class StepLauncher:
             else self.graphs.forward(step)
         )
         if not step.sampled_seqs:
-            return PendingStep(len(seqs), [], None, None)
+            return PendingStep(num_seqs, [], None, None)
         logits = self._logits(step, hidden)  # (N, V or the rank's shard), the model's dtype
-        picked = [seqs[i] for i in step.sampled_seqs]
-        token_ids, packed = self.sample_rows(
-            logits, [s.sampling for s in picked], [s.num_output_tokens for s in picked]
-        )
-        self._remember(token_ids, picked)
+        token_ids, packed = self.sample_rows(logits, sampling, num_output_tokens)
+        self._remember(token_ids, request_ids)
         if packed is None:  # rank > 0: rank 0 hands the results over
-            return PendingStep(len(seqs), [], None, None)
-        return self.results.send(len(seqs), step.sampled_seqs, packed)
+            return PendingStep(num_seqs, [], None, None)
+        return self.results.send(num_seqs, step.sampled_seqs, packed)
 
     def sample_rows(
         self,
@@ -126,9 +160,9 @@ class StepLauncher:
         self.tp.broadcast_(token_ids)
         return token_ids, packed
 
-    def _remember(self, token_ids: torch.Tensor, picked: Sequence[ScheduledSeq]) -> None:
+    def _remember(self, token_ids: torch.Tensor, request_ids: Sequence[str]) -> None:
         self._previous_sampled = token_ids
-        self._previous_rows = {s.request_id: row for row, s in enumerate(picked)}
+        self._previous_rows = {request_id: row for row, request_id in enumerate(request_ids)}
 
     def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits: those the step's decode graph computed where it did."""

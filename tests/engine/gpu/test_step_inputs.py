@@ -1,5 +1,6 @@
 """The packing of a step into the builder's one buffer, including a decode step padded to a
-CUDA-graph batch and a mixed step padded to a piecewise graph's rows. Pure host arithmetic: it
+CUDA-graph batch and a mixed step padded to a piecewise graph's rows, and another rank's
+builder unpacking the same inputs from the bytes rank 0 sends. Pure host arithmetic: it
 runs on the CPU too, so CI checks the graph layouts."""
 
 from __future__ import annotations
@@ -9,9 +10,19 @@ import itertools
 import pytest
 import torch
 
+from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.executor.protocol import step_decoder, step_encoder
 from pagekeeper_engine.runner.cuda_graphs import graph_batch_sizes
+from pagekeeper_engine.runner.follower_step import follower_step
 from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
-from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, _layout
+from pagekeeper_engine.runner.step_inputs import (
+    GraphPadding,
+    PackedInputs,
+    StepInputBuilder,
+    StepInputs,
+)
+from pagekeeper_engine.runner.step_layout import layout
 from tests.engine.checkpoints import seq
 
 
@@ -104,11 +115,11 @@ def test_mixed_step_padded_to_a_piecewise_graph() -> None:
 def test_per_row_fields_sit_where_the_row_count_puts_them() -> None:
     # A piecewise graph reads input ids, positions and slots at the addresses it was captured
     # with: their offsets depend on the padded row count alone, not on the sequences.
-    captured = _layout(num_rows=64, num_seqs=0, width=0, num_sampled=0)
+    captured = layout(num_rows=64, num_seqs=0, width=0, num_sampled=0)
     for num_seqs, width, sampled, placeholders in [(1, 1, 1, 0), (8, 5, 8, 8), (3, 2, 0, 1)]:
-        layout = _layout(64, num_seqs, width, sampled, placeholders)
+        offsets = layout(64, num_seqs, width, sampled, placeholders)
         for field in ("input_ids", "positions", "slot_mapping"):
-            assert layout[field] == captured[field]
+            assert offsets[field] == captured[field]
 
 
 def test_a_step_beyond_the_buffer_gets_its_own() -> None:
@@ -162,3 +173,60 @@ def test_steps_of_one_shape_reuse_their_device_views() -> None:
 def test_rejects_impossible_sequences(bad: object, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         builder().build([bad])  # type: ignore[list-item]
+
+
+def _same_inputs(a: StepInputs, b: StepInputs) -> None:
+    for name in ("input_ids", "positions", "sample_indices"):
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert getattr(a.meta, name).tolist() == getattr(b.meta, name).tolist(), name
+    assert (a.meta.max_query_len, a.meta.max_seq_len, a.meta.num_decode_seqs) == (
+        b.meta.max_query_len,
+        b.meta.max_seq_len,
+        b.meta.num_decode_seqs,
+    )
+    assert (a.sampled_seqs, a.samples_leading_rows, a.padding) == (
+        b.sampled_seqs,
+        b.samples_leading_rows,
+        b.padding,
+    )
+    for name in ("placeholder_rows", "placeholder_sources"):
+        left, right = getattr(a, name), getattr(b, name)
+        assert (left is None) == (right is None), name
+        if left is not None and right is not None:
+            assert left.tolist() == right.tolist(), name
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+def test_another_rank_unpacks_the_same_inputs_from_the_wire(device: str) -> None:
+    """Rank 0 packs a mixed step (a placeholder decode, a prefill chunk that samples nothing)
+    and a padded decode step; another builder rebuilds each from the bytes and header that
+    cross the workers' MessagePack, and refuses bytes that do not match their header."""
+    make = lambda: StepInputBuilder(  # noqa: E731
+        torch.device(device), block_size=8, max_model_len=40, max_num_tokens=64, max_num_seqs=8
+    )
+    rank0, rank1 = make(), make()
+    mixed = [
+        seq("a", [PLACEHOLDER_TOKEN_ID], 9, [4, 7]),
+        seq("b", list(range(20, 26)), 0, [3], needs_sample=False),
+    ]
+    padded = ([seq("a", [11], 10, [4, 7]), seq("c", [13], 16, [1, 2, 5])], GraphPadding(4, True))
+    for seqs, padding in ((mixed, None), padded):
+        sent = rank0.build(seqs, padding, {"a": 1}, keep_packed=True)
+        assert sent.packed is not None
+        wire = step_encoder().encode(follower_step(SchedulerOutput(seqs, 0), sent))
+        arrived = step_decoder().decode(wire)
+        assert arrived is not None and arrived.inputs is not None
+        _same_inputs(sent, rank1.unpack(arrived.inputs))
+    with pytest.raises(AssertionError, match="header"):
+        rank1.unpack(PackedInputs(arrived.inputs.header, arrived.inputs.data[:-8]))
+    assert rank0.build(mixed, None, {"a": 1}).packed is None  # one rank alone keeps no bytes

@@ -2,9 +2,11 @@
 
 Each rank joins the parent's rendezvous, loads its shard of every checkpoint it is given, and
 runs the same steps: a packed step of two prefills, a mixed decode-and-chunk step, then
-generation through `execute` (rank 0) and `launch` (the others), as the engine core and the
-workers do, for each of `SAMPLINGS`. Rank 0 puts the gathered logits (numpy arrays: a tensor
-on a queue travels as a handle that dies with its process) and the generated ids on the queue.
+generation through `execute` (rank 0) and `follow` (the others), as the engine core and the
+workers do, for each of `SAMPLINGS`: a rank > 0 packs the step as rank 0 does, sends it through
+the workers' MessagePack encoding and back, and runs what arrives. Rank 0 puts the gathered
+logits (numpy arrays: a tensor on a queue travels as a handle that dies with its process) and
+the generated ids on the queue.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pagekeeper_engine.distributed.group import (
     join_rendezvous,
     serve_rendezvous,
 )
+from pagekeeper_engine.executor.protocol import step_decoder, step_encoder
+from pagekeeper_engine.runner.follower_step import follower_step
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import BLOCK_SIZE, seq, tokens
 
@@ -123,8 +127,18 @@ def generate(
                 assert token is not None
                 generated[rid].append(token)
         else:
-            runner.launch(out)
+            follow_as_a_worker(runner, out)
     return list(generated.values())
+
+
+def follow_as_a_worker(runner: ModelRunner, out: SchedulerOutput) -> None:
+    """What a worker runs of `out`: the step rank 0 packs of it (this rank packs the same
+    sequences the same way), after its trip over the wire."""
+    inputs = runner.steps.prepare(out.seqs, keep_packed=True) if out.seqs else None
+    wire = step_encoder().encode(follower_step(out, inputs))
+    step = step_decoder().decode(wire)
+    assert step is not None
+    runner.follow(step)
 
 
 def run_rank(rank: int, size: int, port: int, paths: list[Path], device: str, results: Any) -> None:
