@@ -3,9 +3,9 @@
 A worker starts from a `WorkerSpec` (spawn pickles it into the new process). Each step travels
 to every worker as MessagePack over its own ZMQ PUSH socket (IPC, no high-water mark), decoded
 into `FollowerStep` (rank 0's packed inputs, `runner/follower_step.py`) and nothing else; `None`
-tells a worker to stop. A worker that must exit
-sends a `RankReport` (MessagePack over a pipe, never pickle) first, so rank 0 can name the
-reason, and says with its exit code whether it refused the same start-up budget as rank 0.
+tells a worker to stop. A worker that must exit sends a `RankReport` (MessagePack over a pipe,
+never pickle) first, so rank 0 can name the reason, and says with its exit code whether it
+refused the same start-up budget as rank 0.
 """
 
 from __future__ import annotations

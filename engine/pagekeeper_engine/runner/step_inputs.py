@@ -205,23 +205,24 @@ class StepInputBuilder:
             sampled_seqs=sampled_seqs.tolist(),
             samples_leading_rows=len(sampled_seqs) == num_seqs == total,
         )
-        host, host_bytes = self._host(header.shape)
         offsets = layout(*header.shape)
+        host, host_bytes = self._host(offsets["end"])
         for name, array in arrays.items():
             start = offsets[name]
             host_bytes[start : start + array.nbytes].view(array.dtype)[:] = array.ravel()
         packed = None
         if keep_packed:
             packed = PackedInputs(header, host_bytes[: offsets["end"]].tobytes())
-        return self._inputs(header, self._upload(host, header.shape), packed)
+        return self._inputs(header, self._upload(host, header.shape, offsets), packed)
 
     def unpack(self, packed: PackedInputs) -> StepInputs:
         """The inputs another rank's builder packed: the same tensors, on this rank's device."""
         header = packed.header
-        host, host_bytes = self._host(header.shape)
-        assert len(packed.data) == layout(*header.shape)["end"], "bytes and header disagree"
+        offsets = layout(*header.shape)
+        assert len(packed.data) == offsets["end"], "bytes and header disagree"
+        host, host_bytes = self._host(offsets["end"])
         host_bytes[: len(packed.data)] = np.frombuffer(packed.data, dtype=np.uint8)
-        return self._inputs(header, self._upload(host, header.shape))
+        return self._inputs(header, self._upload(host, header.shape, offsets))
 
     @staticmethod
     def _inputs(
@@ -288,11 +289,10 @@ class StepInputBuilder:
                 f"{self.max_model_len}): empty, too long or a block table too short"
             )
 
-    def _host(self, shape: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, np.ndarray]:
-        """Host memory for a step of `shape` and its bytes: the staging buffer once the previous
-        copy has left it, or (a step larger than the sizes the buffer was made for: a profiling
-        pass) a buffer of its own."""
-        end = layout(*shape)["end"]
+    def _host(self, end: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Host memory for a step of `end` bytes, and its bytes: the staging buffer once the
+        previous copy has left it, or (a step larger than the sizes the buffer was made for: a
+        profiling pass) a buffer of its own."""
         if end > self.capacity:
             host = torch.empty(end, dtype=torch.uint8)
             return host, host.numpy()
@@ -301,11 +301,11 @@ class StepInputBuilder:
         return self._staging, self._staging_bytes
 
     def _upload(
-        self, host: torch.Tensor, shape: tuple[int, int, int, int, int]
+        self, host: torch.Tensor, shape: tuple[int, int, int, int, int], offsets: dict[str, int]
     ) -> dict[str, torch.Tensor]:
         """Copy the step's bytes in `host` once and return typed device views (the block tables
-        (seqs, width)). `shape`: (rows, seqs, width, sampled, placeholders)."""
-        offsets = layout(*shape)
+        (seqs, width)). `shape`: (rows, seqs, width, sampled, placeholders); `offsets`: its
+        `layout`."""
         end = offsets["end"]
         if self._device_buffer is None:
             return typed_views(host[:end].clone(), offsets, shape)  # CPU: fresh tensors every step
