@@ -12,6 +12,13 @@ that fires inside a capture can destroy a graph held only by unreachable objects
 runner, a graph dropped in a reference cycle), and CUDA invalidates a capture during which
 another graph is destroyed. The capture then fails, and the generator it registered stays in
 capture mode, so every later random draw in the process fails too.
+
+The call before a capture runs on the current stream, as the step graphs' warm-up does. cuBLAS
+keeps a workspace (32 MiB on Hopper) for every stream it has run on, allocated from the caching
+allocator and never freed; a fresh side stream for each timed variant left one workspace behind
+per stream, allocated after the memory profile had measured the runner (docs/benchmarks.md,
+Tensor parallelism, run 32). With the current stream and the graphs' own capture stream, a
+process holds two.
 """
 
 from __future__ import annotations
@@ -37,12 +44,10 @@ def gc_paused() -> Iterator[None]:
 
 
 def capture(fn: Callable[[], object], repeats: int = 1) -> torch.cuda.CUDAGraph:
-    """A graph of `repeats` calls of `fn`, after one call outside the capture."""
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    """A graph of `repeats` calls of `fn`, after one call outside the capture (on the current
+    stream)."""
+    fn()
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with gc_paused(), torch.cuda.graph(graph):
         for _ in range(repeats):

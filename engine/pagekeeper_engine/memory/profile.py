@@ -1,8 +1,10 @@
 """The start-up measurement behind the memory budget: what the model and its steps really take.
 
-Runs on the device before the KV cache exists, in this order:
-1. weights: memory allocated once the model is loaded, less the activation workspace (the
-   preallocated buffers of `model/workspace.py`, which exist by then);
+Runs on the device before the KV cache exists and after the runner's timed kernel choices (the
+batch-1 GEMV, the fused layer), so it steps and captures the kernels serving runs, in this order:
+1. weights: memory allocated once the model is loaded, less the steps' buffers that exist by
+   then (the activation workspace of `model/workspace.py`, the sampler's rows, the cuBLAS
+   workspaces the kernel timing left);
 2. peak activations: the allocator's peak over the true worst-case steps (a prefill of
    `max_num_batched_tokens` tokens, then a decode of `max_num_seqs` sequences; logits and the
    sampler's worst case included), less the weights and the scratch KV cache they ran on: the
@@ -16,7 +18,7 @@ Runs on the device before the KV cache exists, in this order:
    They are released with the scratch cache (the runner captures them again over the real
    pool, at the same shapes and size);
 5. non-torch memory: the device's used memory that the allocator does not hold (CUDA context,
-   cuBLAS workspaces, instantiated graphs, other processes).
+   NCCL, loaded kernels, instantiated graphs, other processes).
 `budget.compute_budget` turns these into a number of KV blocks. The model and the device come in
 through the two protocols below, so this module stays free of torch and runs in CPU tests.
 """
@@ -71,7 +73,8 @@ class ProfileTarget(Protocol):
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes of the preallocated activation workspace (already allocated)."""
+        """Bytes the steps already hold beside the weights: the activation workspace, the
+        sampler's rows, and what the runner's kernel timing left (cuBLAS's workspaces)."""
         ...
 
     def bind_scratch_cache(self, num_blocks: int) -> int:

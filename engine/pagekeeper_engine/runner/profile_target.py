@@ -20,7 +20,7 @@ class RunnerProfileTarget:
     def __init__(
         self,
         steps: StepLauncher,
-        workspace_bytes: int,  # the activation workspace and the sampler's rows, allocated
+        workspace_bytes: int,  # the steps' buffers allocated so far (see ProfileTarget)
         pool_shape: Callable[[int], tuple[int, ...]],
         kv_cache_dtype: torch.dtype,
         device: torch.device,

@@ -31,24 +31,18 @@ from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.faults import FatalEngineError, StepFaultInjection, injected_fault_step
-from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes
-from pagekeeper_engine.model.gemv_choice import (
-    FusionChoice,
-    GemvChoice,
-    choose_gemv,
-    choose_row_fusion,
-)
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
-from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes, padding_forward
+from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes
 from pagekeeper_engine.runner.follower_step import FollowerStep, follower_step
+from pagekeeper_engine.runner.kernel_choice import choose_kernels
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
 from pagekeeper_engine.runner.kv_cache import (
     KVPools,
@@ -96,9 +90,9 @@ class ModelRunner:
         followers: StepFollowers | None = None,
     ):
         """Set up in stages, each on what the ones before it left: the device, the model, the
-        memory a step works in and the budget it leaves, the KV cache, the warm-up. Under
-        tensor parallelism every rank takes the same stages in lockstep (the budget, the block
-        count and the graphs run collectives)."""
+        memory a step works in, the kernels it runs and the budget they leave, the KV cache,
+        the graphs. Under tensor parallelism every rank takes the same stages in lockstep (the
+        budget, the block count and the graphs run collectives)."""
         self.config = config
         self.tp = tp if tp is not None else TensorParallelGroup()
         self.followers = followers
@@ -115,7 +109,8 @@ class ModelRunner:
         )
         self._set_up_memory(vocab_size)
         self._allocate_kv_cache()
-        self._warm_up()
+        if self.uses_graphs:
+            self.capture_graphs()
 
     def _set_up_device(self) -> None:
         self.device = torch.device(self.config.device)
@@ -218,6 +213,10 @@ class ModelRunner:
             self.capture_graphs,
             self.release_graphs,
         )
+        chosen = choose_kernels(self.model, self.inputs, self.tp, self.profile_target, self.device)
+        self.gemv_choices, self.fusion_choice = chosen.gemv, chosen.fusion
+        # What the timing left allocated (cuBLAS's workspaces) is the steps' memory, not weights.
+        self.profile_target.workspace_bytes += chosen.kept_bytes
         self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(
             self.profile_target,
             config,
@@ -254,21 +253,6 @@ class ModelRunner:
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.bytes_per_block,
         )
-
-    def _warm_up(self) -> None:
-        """On a GPU: the batch-1 GEMV choice, timed over the bound cache, then the graphs."""
-        self.gemv_choices: list[GemvChoice] = []
-        self.fusion_choice: FusionChoice | None = None
-        if self.device.type == "cuda":  # timed over the bound cache, before the graphs
-            forward, _ = padding_forward(self.model, self.inputs, batch=1)
-            with self.tp.local_only():  # each rank times its own shard's compute
-                self.gemv_choices = choose_gemv(self.model, forward)
-            if not self.tp.is_active:  # the fused layer adds partial sums unreduced
-                self.fusion_choice = choose_row_fusion(
-                    self.model.set_row_fusion, forward, supports_pdl(self.device)
-                )
-        if self.uses_graphs:
-            self.capture_graphs()
 
     @property
     def prefers_async_scheduling(self) -> bool:

@@ -63,6 +63,30 @@ def test_budget_on_the_gpu_names_every_term(tmp_path: Path) -> None:
     assert budget.weights > 0 and budget.peak_activations > 0
 
 
+def test_a_ready_runner_holds_no_more_than_its_budget_measured(tmp_path: Path) -> None:
+    # Once ready, the caching allocator holds the weights, the KV pool and the peak activations
+    # (the workspace, the sampler's rows and the graphs' pool among them), nothing beside them.
+    # The batch-1 GEMV choice, timed after the profile on a fresh stream per variant, left a
+    # cuBLAS workspace per stream outside the budget: 71 MiB on a 70B rank, which put its
+    # device 69 MiB over what its budget allowed (docs/benchmarks.md, run 32).
+    write_checkpoint(tmp_path, "llama")
+    runner = make_runner(
+        tmp_path,
+        device="cuda",
+        dtype="bfloat16",
+        num_gpu_blocks_override=None,
+        gpu_memory_utilization=0.3,
+        max_num_batched_tokens=256,
+    )
+    assert runner.graphs is not None and runner.gemv_choices
+    assert runner.memory_budget is not None
+    (budget,) = runner.memory_budget.per_rank
+    torch.cuda.synchronize()
+    kv_pool = runner.num_gpu_blocks * runner.bytes_per_block
+    held = torch.cuda.memory_allocated() - budget.weights - kv_pool
+    assert held <= budget.peak_activations, (held, budget.terms)
+
+
 def test_a_prefill_forward_allocates_nothing_beside_its_workspace(tmp_path: Path) -> None:
     # Every per-token temporary of the forward pass lives in the preallocated workspace, so
     # the caching allocator sees no allocation of the step's size (nothing to fragment).

@@ -8,6 +8,7 @@ running, the cycle's graph would be destroyed mid-capture and the capture invali
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -51,18 +52,23 @@ def test_a_graph_dropped_in_a_cycle_during_a_capture_does_not_break_it() -> None
     x = torch.zeros(64, device="cuda")
     held = [capture(lambda: x.add_(1))]
     calls = []
+    cycles: list[weakref.ref[_Cycle]] = []
+    alive_after_junk = []
 
     def step() -> None:
         calls.append(len(calls))
         x.add_(10)
         if len(calls) == 2:  # the captured call (the first runs eagerly, before the capture)
-            _Cycle(held.pop())  # the earlier graph is now only in an unreachable cycle
+            cycles.append(weakref.ref(_Cycle(held.pop())))  # the earlier graph, unreachable
             gc.set_threshold(1, 1, 1)  # a collection at the next tracked allocation...
             junk = [[i] for i in range(100)]  # ...which these are
             assert len(junk) == 100
+            alive_after_junk.append(cycles[0]() is not None)
 
     graph = capture(step)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.all(x == 1 + 10 + 10).item()  # the first graph's eager call, step's, a replay
-    assert gc.collect() >= 1  # the cycle outlived the capture and goes now, outside it
+    assert alive_after_junk == [True]  # no collection inside the capture
+    gc.collect()
+    assert cycles[0]() is None  # outside it, the cycle and its graph go
