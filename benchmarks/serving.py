@@ -309,11 +309,22 @@ def measure_matmul_rate() -> float:
 
 
 def first_wave_floor_ms(
-    config: dict[str, Any], work: wl.ChatWorkload, c: int, rate: float
+    config: dict[str, Any], work: wl.ChatWorkload, c: int, rate: float, num_gpus: int = 1
 ) -> float:
     """The least TTFT the last of a closed loop's first C requests can see: all C prompts
-    arrive at once, so the last first token waits for every one of their prefills."""
-    return prefill_flops(config, (len(p) for p in work.prompts[:c])) / rate * 1e3
+    arrive at once, so the last first token waits for every one of their prefills, split
+    evenly over the `num_gpus` GPUs of a tensor-parallel server, each at `rate` FLOP/s."""
+    flops = prefill_flops(config, (len(p) for p in work.prompts[:c]))
+    return flops / (rate * num_gpus) * 1e3
+
+
+def server_num_gpus(engine_args: list[str]) -> int:
+    """The GPUs the server's `--engine-arg`s split the model over, read by the engine's own
+    parser."""
+    from pagekeeper_engine.config import build_parser  # noqa: PLC0415 (no torch)
+
+    namespace, _ = build_parser().parse_known_args(["model", *engine_args])
+    return int(namespace.tensor_parallel_size)
 
 
 def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -> dict[str, Any]:
@@ -466,14 +477,16 @@ def main() -> None:
             print(f"the server exited with {server.proc.returncode}:\n{server.log_tail()}")
         if args.device == "cuda" and args.url is None:
             rate = report["matmul_flop_s"] = measure_matmul_rate()
+            gpus = server_num_gpus(args.engine_arg)
             for row, (level, (work, _)) in zip(report["levels"], runs, strict=True):
                 if level.concurrency is not None and level.stream:  # a TTFT needs a stream
-                    floor = first_wave_floor_ms(config, work, level.concurrency, rate)
+                    floor = first_wave_floor_ms(config, work, level.concurrency, rate, gpus)
                     row["first_wave_floor_ms"] = floor
                     print(
                         f"{row['level']:>6} first wave: TTFT p99 "
                         f"{row['online']['ttft_first_wave_ms']['p99'] or 0:,.0f} ms; its prefill "
-                        f"alone takes {floor:,.0f} ms at the measured {rate / 1e12:.0f} TFLOP/s"
+                        f"alone takes {floor:,.0f} ms at the measured {rate / 1e12:.0f} TFLOP/s "
+                        f"on each of {gpus} GPU(s)"
                     )
         if args.offline:
             closed = [run for run in runs if run[0].concurrency is not None]

@@ -355,6 +355,18 @@ def test_the_first_wave_floor_is_its_prefill_flops_over_the_rate() -> None:
     assert first_wave_floor_ms(cfg, work, 2, 1e15) == pytest.approx(
         (per_token * 3000 + attention) / 1e15 * 1e3
     )
+    # a tensor-parallel server splits the same FLOPs over its GPUs
+    assert first_wave_floor_ms(cfg, work, 2, 1e15, num_gpus=4) == pytest.approx(
+        (per_token * 3000 + attention) / 4e15 * 1e3
+    )
+
+
+def test_the_server_gpus_are_read_from_the_engine_args() -> None:
+    from benchmarks.serving import server_num_gpus  # noqa: PLC0415
+
+    assert server_num_gpus([]) == 1
+    assert server_num_gpus(["--tensor-parallel-size", "4"]) == 4
+    assert server_num_gpus(["--max-num-seqs=8", "--tensor-parallel-size=2"]) == 2
 
 
 def test_cpu_lists_read_as_taskset_writes_them() -> None:
