@@ -14,20 +14,23 @@ that the device's used memory stays within the allowed share. `burst` and `soak`
 server on a dummy checkpoint of `--shape` (Llama-3.1-8B unless told) and drive it over HTTP
 (`memory_load.py`): every request ends as served, rejected (429/503) or lost, the goal for lost
 is 0, and each rank's peak device memory is held against its own budget. Results go to stdout
-and, as JSON, to --out.
+and, as JSON, to --out; the last line says PASS, or FAIL with every goal missed, and a FAIL
+exits 1 (`capacity` also fails when the ready runner holds allocations its budget's terms do
+not count).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory_load import run_server_workload
+from benchmarks.memory_load import run_server_workload, workload_failures
 from benchmarks.shapes import SHAPES
 
 DEFAULT_SHAPE = "llama-3.1-8b"
@@ -76,6 +79,11 @@ def run_capacity(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     (budget,) = runner.memory_budget.per_rank  # this benchmark runs one GPU
     ideal_kv = budget.allowed - budget.weights - budget.peak_activations - budget.non_torch
     kv_bytes = runner.num_gpu_blocks * runner.bytes_per_block
+    torch.cuda.synchronize()
+    # once ready, the allocator holds the weights, the KV pool and the activations measured
+    held_beyond_terms = (
+        torch.cuda.memory_allocated() - budget.weights - kv_bytes - budget.peak_activations
+    )
     shapes = ProfileShapes(
         runner.max_num_batched_tokens, args.max_num_seqs, runner.max_model_len, runner.block_size
     )
@@ -99,6 +107,7 @@ def run_capacity(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "device_peak_used_estimate": peak_used,
         "allowed": budget.allowed,
         "peak_within_allowed": peak_used <= budget.allowed,
+        "allocated_beyond_terms_at_ready": held_beyond_terms,
         "startup_seconds": time.monotonic() - started,
     }
 
@@ -145,6 +154,27 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=1, default=asdict))
     summary = {k: v for k, v in result.items() if k != "series"}
     print(json.dumps(summary, indent=1))
+    failures = capacity_failures(result) if args.mode == "capacity" else workload_failures(result)
+    print(f"{args.mode}: " + ("FAIL: " + "; ".join(failures) if failures else "PASS"))
+    if failures:
+        sys.exit(1)
+
+
+def capacity_failures(result: dict[str, Any]) -> list[str]:
+    """`capacity` fails when the worst-case step took the device past the allowed share, or
+    the ready runner held allocations its budget's terms do not count."""
+    failures = []
+    if not result["peak_within_allowed"]:
+        failures.append(
+            f"the worst-case step peaked at {result['device_peak_used_estimate']:,} bytes of "
+            f"the {result['allowed']:,} allowed"
+        )
+    if result["allocated_beyond_terms_at_ready"] > 0:
+        failures.append(
+            f"ready, the allocator held {result['allocated_beyond_terms_at_ready']:,} bytes "
+            "beyond the weights, the KV pool and the peak activations"
+        )
+    return failures
 
 
 if __name__ == "__main__":

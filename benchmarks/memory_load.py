@@ -331,3 +331,24 @@ def rank_memory(
             {"rank": rank, "peak_used_mib": peak, "allowed_mib": allowed, "within": peak <= allowed}
         )
     return ranks
+
+
+def workload_failures(result: dict[str, Any]) -> list[str]:
+    """What makes a W-burst or W-soak run fail its goals (BENCHMARKS.md): a lost request, an
+    OOM event of any kind, a rank whose GPU went past its budget or could not be read, a server
+    that did not exit 0. Empty when it passed."""
+    failures = []
+    if result["lost"]:
+        failures.append(f"{result['lost']} requests lost ({result['lost_reasons']})")
+    failures += [f"{name} = {value:g}" for name, value in result["oom_events"].items() if value]
+    for rank in result["ranks"]:
+        if not rank["within"]:
+            failures.append(
+                f"rank {rank['rank']} peaked at {rank['peak_used_mib']:,.0f} MiB of the "
+                f"{rank['allowed_mib']:,.0f} its budget allowed"
+            )
+    if not result["ranks"]:
+        failures.append("no rank's budget was read")
+    if result["server_exit_code"] != 0:
+        failures.append(f"the server exited with {result['server_exit_code']}")
+    return failures

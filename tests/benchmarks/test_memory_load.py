@@ -14,6 +14,7 @@ from benchmarks.memory_load import (
     parse_budgets,
     parse_gpu_used,
     rank_memory,
+    workload_failures,
 )
 from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
 from tests.engine.server.test_metrics import make_ready, make_stats
@@ -61,3 +62,35 @@ def test_each_rank_against_its_own_budget() -> None:
 def test_a_host_without_nvidia_smi_reads_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     assert gpu_used_mib() == []
+
+
+def burst_result(**changes: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "lost": 0,
+        "lost_reasons": {},
+        "oom_events": {"pagekeeper_oom_events_total{step}": 0.0},
+        "ranks": [{"rank": 0, "peak_used_mib": 99.0, "allowed_mib": 100.0, "within": True}],
+        "server_exit_code": 0,
+    }
+    return {**result, **changes}
+
+
+def test_a_run_passes_only_with_nothing_lost_no_oom_and_every_rank_within() -> None:
+    assert workload_failures(burst_result()) == []
+    assert workload_failures(
+        burst_result(
+            lost=2,
+            lost_reasons={"http 500": 2},
+            oom_events={"pagekeeper_oom_events_total{step}": 1.0},
+            ranks=[
+                {"rank": 1, "peak_used_mib": 136067.0, "allowed_mib": 135998.1, "within": False}
+            ],
+            server_exit_code=1,
+        )
+    ) == [
+        "2 requests lost ({'http 500': 2})",
+        "pagekeeper_oom_events_total{step} = 1",
+        "rank 1 peaked at 136,067 MiB of the 135,998 its budget allowed",
+        "the server exited with 1",
+    ]
+    assert workload_failures(burst_result(ranks=[])) == ["no rank's budget was read"]
