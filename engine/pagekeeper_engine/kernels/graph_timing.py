@@ -15,10 +15,9 @@ capture mode, so every later random draw in the process fails too.
 
 The call before a capture runs on the current stream, as the step graphs' warm-up does. cuBLAS
 keeps a workspace (32 MiB on Hopper) for every stream it has run on, allocated from the caching
-allocator and never freed; a fresh side stream for each timed variant left one workspace behind
-per stream, allocated after the memory profile had measured the runner (docs/benchmarks.md,
-Tensor parallelism, run 32). With the current stream and the graphs' own capture stream, a
-process holds two.
+allocator and never freed, so each further stream would hold 32 MiB more for the process's life
+(docs/benchmarks.md, Tensor parallelism, run 32). With the current stream and the graphs' own
+capture stream, a process holds two.
 """
 
 from __future__ import annotations
