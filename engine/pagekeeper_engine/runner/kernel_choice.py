@@ -45,10 +45,10 @@ def choose_kernels(
 ) -> KernelChoices:
     """Time and set the batch-1 choices on `model` (on a GPU; nothing elsewhere). Each rank
     times its own shard's compute; under tensor parallelism the layer stays unfused (its
-    partial sums need the all-reduce before the residual add)."""
+    partial sums need the all-reduce before the residual add). The timing's freed memory stays
+    cached: the caller releases it before the profile reads the allocator."""
     if device.type != "cuda":
         return KernelChoices()
-    torch.cuda.synchronize(device)
     allocated_before = torch.cuda.memory_allocated(device)
     target.bind_scratch_cache(1)
     fusion = None
@@ -60,6 +60,4 @@ def choose_kernels(
             fusion = choose_row_fusion(model.set_row_fusion, forward, supports_pdl(device))
     finally:
         target.release_scratch_cache()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
     return KernelChoices(gemv, fusion, torch.cuda.memory_allocated(device) - allocated_before)

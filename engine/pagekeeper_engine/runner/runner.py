@@ -217,6 +217,7 @@ class ModelRunner:
         self.gemv_choices, self.fusion_choice = chosen.gemv, chosen.fusion
         # What the timing left allocated (cuBLAS's workspaces) is the steps' memory, not weights.
         self.profile_target.workspace_bytes += chosen.kept_bytes
+        self.release_cached_memory()  # the timing graphs' and the scratch cache's segments
         self.num_gpu_blocks, self.memory_budget = decide_num_gpu_blocks(
             self.profile_target,
             config,
