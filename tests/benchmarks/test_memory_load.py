@@ -94,3 +94,26 @@ def test_a_run_passes_only_with_nothing_lost_no_oom_and_every_rank_within() -> N
         "the server exited with 1",
     ]
     assert workload_failures(burst_result(ranks=[])) == ["no rank's budget was read"]
+
+
+def test_capacity_fails_on_a_peak_past_the_allowed_share_or_allocations_beside_the_terms() -> None:
+    from benchmarks.memory import capacity_failures  # noqa: PLC0415
+
+    within = {
+        "peak_within_allowed": True,
+        "device_peak_used_estimate": 90 * MiB,
+        "allowed": 100 * MiB,
+        "allocated_beyond_terms_at_ready": -3 * MiB,
+    }
+    assert capacity_failures(within) == []
+    over = {
+        **within,
+        "peak_within_allowed": False,
+        "device_peak_used_estimate": 101 * MiB,
+        "allocated_beyond_terms_at_ready": 2 * MiB,
+    }
+    assert capacity_failures(over) == [
+        "the worst-case step peaked at 105,906,176 bytes of the 104,857,600 allowed",
+        "ready, the allocator held 2,097,152 bytes beyond the weights, the KV pool and the peak "
+        "activations",
+    ]
