@@ -1,0 +1,25 @@
+"""The start-up choice of the one-token layer, from its timed forwards (`decide_fusion`)."""
+
+from __future__ import annotations
+
+from pagekeeper_engine.model.gemv_choice import MARGIN, decide_fusion
+from pagekeeper_engine.model.row_fusion import RowFusion
+
+FUSED, PDL = RowFusion(pdl=False), RowFusion(pdl=True)
+
+
+def test_the_fastest_fused_variant_is_kept() -> None:
+    assert decide_fusion({None: 708e-6, FUSED: 658e-6, PDL: 532e-6}) == PDL
+    assert decide_fusion({None: 708e-6, FUSED: 600e-6, PDL: 632e-6}) == FUSED
+
+
+def test_a_near_tie_goes_to_the_fused_layer() -> None:
+    # The 8B's forwards at one start (run 33): unfused 17 us ahead, inside the margin.
+    assert decide_fusion({None: 3729e-6, FUSED: 3880e-6, PDL: 3746e-6}) == PDL
+    # Exactly at the margin the fused layer stays; beyond it the unfused one is kept.
+    assert decide_fusion({None: MARGIN * 1e-3, PDL: 1e-3}) == PDL
+    assert decide_fusion({None: 0.99 * 1e-3, PDL: 1e-3}) is None
+
+
+def test_without_a_fused_variant_the_layer_stays_unfused() -> None:
+    assert decide_fusion({None: 1e-3}) is None
