@@ -76,13 +76,6 @@ class StepLauncher:
         return self.inputs.build(seqs, padding, self._previous_rows, keep_packed=keep_packed)
 
     @torch.inference_mode()
-    def launch(self, seqs: Sequence[ScheduledSeq]) -> PendingStep:
-        """Run the forward pass over `seqs` and sample where asked, without waiting."""
-        if not seqs:
-            return PendingStep(0, [], None, None)
-        return self.run(self.prepare(seqs), seqs)
-
-    @torch.inference_mode()
     def run(self, step: StepInputs, seqs: Sequence[ScheduledSeq]) -> PendingStep:
         """Run a step that `prepare` made of `seqs`, without waiting."""
         picked = [seqs[i] for i in step.sampled_seqs]
