@@ -56,6 +56,7 @@ class StepHeader:
     num_decode_seqs: int
     sampled_seqs: list[int]
     samples_leading_rows: bool
+    placeholders_lead: bool = False  # the placeholder rows are rows 0..P-1
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class StepInputs:
     # sampled ids that hold their tokens; None when every input is known
     placeholder_rows: torch.Tensor | None = None
     placeholder_sources: torch.Tensor | None = None
+    placeholders_lead: bool = False  # placeholder_rows is 0..P-1 (the decodes of a step)
     packed: PackedInputs | None = None  # with `build(..., keep_packed=True)`
 
 
@@ -151,9 +153,12 @@ class StepInputBuilder:
             assert total <= padding.rows, f"{total} rows do not fit a graph of {padding.rows}"
             rows = padding.rows
 
+        one_token_each = total == num_seqs  # a step of decodes alone: row i is sequence i
+        # Padding sequences (a decode graph's) have one row each, after the real rows.
         query_start_loc = np.arange(padded_seqs + 1, dtype=np.int32) + (total - num_seqs)
-        query_start_loc[: num_seqs + 1] = 0
-        np.cumsum(num_tokens, out=query_start_loc[1 : num_seqs + 1], dtype=np.int32)
+        if not one_token_each:  # otherwise the arange is already the running sum of ones
+            query_start_loc[: num_seqs + 1] = 0
+            np.cumsum(num_tokens, out=query_start_loc[1 : num_seqs + 1], dtype=np.int32)
         seq_lens = np.ones(padded_seqs, dtype=np.int32)  # padding rows attend to one token
         seq_lens[:num_seqs] = ends
         block_tables = np.zeros((padded_seqs, width), dtype=np.int32)
@@ -161,9 +166,13 @@ class StepInputBuilder:
         block_tables[:num_seqs][has_block] = np.fromiter(
             itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(has_block.sum())
         )
-        token_seq = np.repeat(np.arange(num_seqs), num_tokens)  # (total,) row -> its sequence
         positions = np.zeros(rows, dtype=np.int64)
-        positions[:total] = np.arange(total) - query_start_loc[token_seq] + starts[token_seq]
+        if one_token_each:
+            token_seq = np.arange(num_seqs)
+            positions[:total] = starts
+        else:
+            token_seq = np.repeat(np.arange(num_seqs), num_tokens)  # (total,) row -> its sequence
+            positions[:total] = np.arange(total) - query_start_loc[token_seq] + starts[token_seq]
         real_positions = positions[:total]
         input_ids = np.zeros(rows, dtype=np.int64)
         input_ids[:total] = np.fromiter(
@@ -181,7 +190,11 @@ class StepInputBuilder:
         input_ids[placeholder_rows] = 0  # a valid id until the gather overwrites it
         needs_sample = np.fromiter((s.needs_sample for s in seqs), np.bool_, num_seqs)
         sampled_seqs = np.flatnonzero(needs_sample)
-        sample_indices = query_start_loc[1 : num_seqs + 1][sampled_seqs].astype(np.int64) - 1
+        sample_indices = (
+            sampled_seqs  # row i is sequence i
+            if one_token_each
+            else query_start_loc[1 : num_seqs + 1][sampled_seqs].astype(np.int64) - 1
+        )
 
         arrays: dict[str, np.ndarray] = {
             "input_ids": input_ids,
@@ -204,6 +217,8 @@ class StepInputBuilder:
             num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
             sampled_seqs=sampled_seqs.tolist(),
             samples_leading_rows=len(sampled_seqs) == num_seqs == total,
+            placeholders_lead=len(placeholder_rows) > 0
+            and int(placeholder_rows[-1]) == len(placeholder_rows) - 1,
         )
         offsets = layout(*header.shape)
         host, host_bytes = self._host(offsets["end"])
@@ -248,6 +263,7 @@ class StepInputBuilder:
             padding=header.padding,
             placeholder_rows=views["placeholder_rows"] if has_placeholders else None,
             placeholder_sources=views["placeholder_sources"] if has_placeholders else None,
+            placeholders_lead=header.placeholders_lead,
             packed=packed,
         )
 
@@ -315,7 +331,7 @@ class StepInputBuilder:
             )
         self._device_buffer[:end].copy_(host[:end], non_blocking=True)
         assert self._staged is not None
-        self._staged.record()
+        self._staged.record(torch.cuda.current_stream(self.device))
         # Views of the one device buffer depend on the step's shape alone: a run of steps of
         # one shape (every decode step of a graph batch) makes them once.
         views = self._views.pop(shape, None)

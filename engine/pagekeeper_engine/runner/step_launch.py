@@ -109,10 +109,16 @@ class StepLauncher:
         num_output_tokens: Sequence[int],
     ) -> PendingStep:
         if step.placeholder_rows is not None:
-            assert self._previous_sampled is not None and step.placeholder_sources is not None
+            sources = step.placeholder_sources
+            assert self._previous_sampled is not None and sources is not None
             # the tokens the previous step sampled, into this step's input rows (in place: a
-            # graph reads input_ids at its captured address)
-            step.input_ids[step.placeholder_rows] = self._previous_sampled[step.placeholder_sources]
+            # graph reads input_ids at its captured address); a step's decodes lead, so their
+            # rows take the gather directly, in one launch
+            if step.placeholders_lead:
+                leading = step.input_ids[: sources.shape[0]]
+                torch.index_select(self._previous_sampled, 0, sources, out=leading)
+            else:
+                step.input_ids[step.placeholder_rows] = self._previous_sampled[sources]
         hidden = (  # (T, H)
             self.model(step.input_ids, step.positions, step.meta)
             if self.graphs is None

@@ -3,7 +3,10 @@
 The runner leaves a step's sampled ids and log-probabilities on the device and copies them, in
 one non-blocking copy, into one of two pinned host buffers; `PendingStep.result` waits for that
 copy alone. The engine reads a step's result before it launches the step after next, so two
-buffers suffice.
+buffers, each with the event its copy records, suffice. The events are made once and recorded
+on the device's current stream, named: at batch 1 the host's step is as long as the device's,
+and asking torch for the current device on every record cost ~20 us of it (docs/benchmarks.md,
+run 34).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class HostResultBuffers:
         self._buffers = [
             torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=is_cuda) for _ in range(2)
         ]
+        self._events = [
+            torch.cuda.Event()  # type: ignore[no-untyped-call]
+            for _ in range(2 if is_cuda else 0)
+        ]
         self._num_launched = 0
 
     def send(self, num_seqs: int, sampled_seqs: list[int], packed: torch.Tensor) -> PendingStep:
@@ -55,12 +62,13 @@ class HostResultBuffers:
         num_rows = packed.shape[1]
         if self.device.type != "cuda":
             return PendingStep(num_seqs, sampled_seqs, packed, None)
-        flat = self._buffers[self._num_launched % 2]
+        turn = self._num_launched % 2
+        flat = self._buffers[turn]
         if 2 * num_rows > flat.numel():  # more rows than sequences may run
             return PendingStep(num_seqs, sampled_seqs, packed.cpu(), None)
         buffer = flat[: 2 * num_rows].view(2, num_rows)
         self._num_launched += 1
         buffer.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copied.record()
+        copied = self._events[turn]
+        copied.record(torch.cuda.current_stream(self.device))
         return PendingStep(num_seqs, sampled_seqs, buffer, copied)

@@ -84,6 +84,30 @@ def test_mixed_step_is_packed_exactly() -> None:
     assert [t.dtype for t in (step.input_ids, step.meta.seq_lens)] == [torch.int64, torch.int32]
 
 
+def test_placeholder_decodes_lead_the_rows() -> None:
+    """A step's placeholder decodes are its leading rows (their gather writes them directly);
+    a step whose placeholders sit elsewhere says so. An unpadded step of decodes alone packs
+    as a mixed step does."""
+    prev = {"a": 1, "b": 0}
+    decodes = [
+        seq("a", [PLACEHOLDER_TOKEN_ID], 9, [4, 7]),
+        seq("b", [PLACEHOLDER_TOKEN_ID], 3, [2]),
+    ]
+    step = builder().build(decodes, previous_rows=prev)
+    assert step.placeholders_lead
+    assert step.placeholder_rows is not None and step.placeholder_sources is not None
+    assert step.placeholder_rows.tolist() == [0, 1] and step.placeholder_sources.tolist() == [1, 0]
+    assert step.positions.tolist() == [9, 3] and step.meta.seq_lens.tolist() == [10, 4]
+    assert step.meta.slot_mapping.tolist() == [57, 19]
+    assert step.meta.query_start_loc.tolist() == [0, 1, 2]
+    assert step.sample_indices.tolist() == [0, 1] and step.samples_leading_rows
+    mixed = [decodes[0], seq("p", [1, 2], 0, [5]), seq("b", [PLACEHOLDER_TOKEN_ID], 3, [2])]
+    step = builder().build(mixed, previous_rows=prev)
+    assert step.placeholder_rows is not None and step.placeholder_rows.tolist() == [0, 3]
+    assert not step.placeholders_lead
+    assert not builder().build([seq("p", [1, 2], 0, [5])]).placeholders_lead
+
+
 def test_piecewise_token_sizes() -> None:
     assert piecewise_token_sizes(8) == []  # below the smallest size: every mixed step eager
     assert piecewise_token_sizes(100) == [16, 32, 64, 100]
