@@ -33,6 +33,7 @@ class PickScratch:
         ranks: int = 1,
     ) -> None:
         assert ranks >= 1, f"ranks {ranks} must be at least 1"
+        assert block_v >= 16 and block_v & (block_v - 1) == 0, f"block_v {block_v} not a power of 2"
         self.max_rows = max_rows
         self.block_v = block_v
         self.ranks = ranks
@@ -44,10 +45,12 @@ class PickScratch:
         self.gathered = torch.empty(
             size * ranks if ranks > 1 else 0, dtype=torch.float32, device=device
         )
+        # One rank's one-launch pick counts each row's chunks in here (zero between launches).
+        self.counters = torch.zeros(max_rows if ranks == 1 else 0, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
-        planes = (self.token_ids, self.packed, self.parts, self.gathered)
+        planes = (self.token_ids, self.packed, self.parts, self.gathered, self.counters)
         return sum(t.nbytes for t in planes)
 
     def views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

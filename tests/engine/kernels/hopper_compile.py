@@ -1,6 +1,7 @@
 """Compiles kernels for sm_90 (Hopper) without running them, in a process where
 TRITON_INTERPRET is unset (the interpreter accepts what the compiler refuses): `python -m
-tests.engine.kernels.hopper_compile pick` (the token pick's two launches) or `... peer_reduce`
+tests.engine.kernels.hopper_compile pick` (the token pick: one rank's one launch and the
+two launches around the ranks' gather) or `... peer_reduce`
 (the one-shot all-reduce, both ways, with and without the norm). Prints "compiled" and each
 rank count done.
 """
@@ -17,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagekeeper_engine.kernels import NOISE_FLOOR, next_power_of_2, peer_reduce, sampling
+from pagekeeper_engine.kernels import NOISE_FLOOR, next_power_of_2, peer_reduce, pick_kernels
 from pagekeeper_engine.kernels.pick_scratch import BLOCK_V
 
 VOCAB = 128256  # Llama 3's
@@ -43,10 +44,27 @@ COMBINE = {
     "rank_stride": "i32",
     "packed_row_stride": "i32",
 }
+PICK = {
+    "scores_ptr": "*bf16",
+    "raw_ptr": "*bf16",
+    "noise_ptr": "*fp32",
+    "parts_ptr": "*fp32",
+    "index_ptr": "*i32",
+    "counters_ptr": "*i32",
+    "token_ids_ptr": "*i64",
+    "packed_ptr": "*fp64",
+    "scores_row_stride": "i32",
+    "raw_row_stride": "i32",
+    "noise_row_stride": "i32",
+    "plane_stride": "i32",
+    "packed_row_stride": "i32",
+    "scale": "fp32",
+}
 
 
 def compile_pick(ranks: int) -> None:
-    """Both launches as the last rank of `ranks` runs them over its vocabulary shard."""
+    """Both launches as the last rank of `ranks` runs them over its vocabulary shard, and at one
+    rank the one-launch pick."""
     shard = -(-VOCAB // ranks)
     chunks = -(-shard // BLOCK_V)
     partial_constants: dict[str, object] = {
@@ -65,8 +83,19 @@ def compile_pick(ranks: int) -> None:
         "RANKS": ranks,
         "RANKS_PAD": next_power_of_2(ranks),
     }
-    _compile(sampling._chunk_partials_kernel, PARTIALS, partial_constants)
-    _compile(sampling._combine_chunks_kernel, COMBINE, combine_constants)
+    _compile(pick_kernels.chunk_partials_kernel, PARTIALS, partial_constants)
+    _compile(pick_kernels.combine_chunks_kernel, COMBINE, combine_constants)
+    if ranks == 1:
+        whole = -(-VOCAB // BLOCK_V)
+        pick_constants: dict[str, object] = {
+            "VOCAB": VOCAB,
+            "NUM_CHUNKS": whole,
+            "CHUNKS_PAD": next_power_of_2(whole),
+            "BLOCK_V": BLOCK_V,
+            "HAS_NOISE": True,
+            "NOISE_FLOOR": NOISE_FLOOR,
+        }
+        _compile(pick_kernels.pick_kernel, PICK, pick_constants)
 
 
 PEER_REDUCE = {

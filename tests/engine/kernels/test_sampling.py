@@ -119,6 +119,8 @@ def test_picks_over_one_scratch_write_its_rows(
         assert packed.data_ptr() == scratch.packed.data_ptr() and packed.is_contiguous()
         fresh_ids, fresh_packed = pick_tokens(raw, raw, scale=1 / 0.7, noise=noise, block_v=64)
         assert torch.equal(token_ids, fresh_ids) and torch.equal(packed, fresh_packed)
+        # The one launch's arrival counters are zero again for the next pick.
+        assert not scratch.counters.any()
 
 
 def test_a_scratch_refuses_what_it_was_not_made_for(device: torch.device) -> None:
@@ -132,6 +134,11 @@ def test_a_scratch_refuses_what_it_was_not_made_for(device: torch.device) -> Non
         raw = torch.zeros(shape, device=device)
         with pytest.raises(AssertionError, match=message):
             pick_tokens(raw, raw, scratch=scratch, **extra)
+    # A scratch for several ranks' partials picks in two launches around their gather.
+    shards = PickScratch(2, 300, device, block_v=64, ranks=2)
+    raw = torch.zeros((1, 300), device=device)
+    with pytest.raises(AssertionError, match="several ranks"):
+        pick_tokens(raw, raw, scratch=shards)
 
 
 def test_a_zero_draw_is_read_at_the_floor(device: torch.device) -> None:
