@@ -59,11 +59,22 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def describe(self) -> str:
+        return f"{self.block_n}x{self.block_k}, {self.num_warps} warps"
+
 
 # What the start-up choice tries against cuBLAS (`model/gemv_choice.py`): the two best of a
 # sweep over block_n 2-16, block_k 256-1024, 4-8 warps and 1-4 stages on the Llama-3.1-8B
-# projections on an H200 (docs/benchmarks.md, run 11).
-CANDIDATES = (GemvConfig(8, 512), GemvConfig(8, 1024))
+# projections on an H200 (docs/benchmarks.md, run 11), and two wide tiles of 16,384 elements
+# that hold a whole row of K <= 2,048 or 4,096, so that a program loads all of its weights
+# before it waits for the kernel ahead (the Qwen3-0.6B's o and down projections: batch-1 ITL
+# 0.778 -> 0.720 ms, run 35).
+CANDIDATES = (
+    GemvConfig(8, 512),
+    GemvConfig(8, 1024),
+    GemvConfig(8, 2048, num_warps=8, num_stages=1),
+    GemvConfig(4, 4096, num_warps=8, num_stages=1),
+)
 
 
 class Epilogue(enum.IntEnum):

@@ -14,7 +14,11 @@ least `1 - MARGIN` faster. Results are equal to rounding either way.
 Then the same timing decides the fused one-token layer (`model/row_fusion.py`: the norms, the
 residual adds and SwiGLU inside the GEMVs), with and without programmatic dependent launch
 where the GPU has it, against the layer as chosen above; a near-tie goes to the fused layer
-(`decide_fusion`).
+(`decide_fusion`). The fused layer runs the GEMV in every projection, and the tile that serves
+it best is not the one that serves the unfused layer best (on an H200 the wide tiles won the
+8B's unfused layer and made its fused layer 8% slower, so the start-up kept the unfused one;
+docs/benchmarks.md, run 35): its tiles are timed in it (`choose_tiles`), and each variant is
+timed with its own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,7 +62,7 @@ class GemvChoice:
     config: GemvConfig | None  # None: cuBLAS is kept
 
     def describe(self) -> str:
-        pick = "Triton GEMV" if self.config is not None else "cuBLAS"
+        pick = "cuBLAS" if self.config is None else f"Triton GEMV {self.config.describe()}"
         return (
             f"{self.name} ({self.out_features}x{self.in_features}): {pick} (batch-1 step "
             f"{self.gemv_step_us:.0f} us with the GEMV, {self.cublas_step_us:.0f} us with cuBLAS)"
@@ -72,6 +76,7 @@ class FusionChoice:
 
     step_us: dict[RowFusion | None, float]
     chosen: RowFusion | None
+    fused_tiles: dict[str, GemvConfig] = field(default_factory=dict)  # by projection
 
     def describe(self) -> str:
         def name(fusion: RowFusion | None) -> str:
@@ -80,7 +85,11 @@ class FusionChoice:
             return "fused with PDL" if fusion.pdl else "fused"
 
         timed = ", ".join(f"{us:.0f} us {name(f)}" for f, us in self.step_us.items())
-        return f"one-token layer: {name(self.chosen)} (batch-1 step {timed})"
+        tiles = ""
+        if self.chosen is not None:
+            each = ", ".join(f"{n} {c.describe()}" for n, c in sorted(self.fused_tiles.items()))
+            tiles = f"; its tiles {each}"
+        return f"one-token layer: {name(self.chosen)} (batch-1 step {timed}{tiles})"
 
 
 def _groups(model: nn.Module) -> dict[tuple[str, int, int], list[Linear]]:
@@ -139,36 +148,82 @@ def _assign(linears: list[Linear], config: GemvConfig | None) -> None:
         linear.gemv_config = config
 
 
+Tiles = dict[tuple[str, int, int], "GemvConfig | None"]  # by projection group
+
+
+@torch.inference_mode()
+def choose_tiles(model: nn.Module, forward: Callable[[], object]) -> Tiles:
+    """Group by group, the GEMV tile under which `forward` (a batch-1 forward, in the layer
+    variant that is set) is fastest, the other groups keeping theirs (a group on cuBLAS starts
+    from the first tile); sets them and returns every group's."""
+    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
+
+    groups = _groups(model)
+    for linears in groups.values():
+        if linears[0].gemv_config is None:
+            _assign(linears, CANDIDATES[0])
+    for _, linears in sorted(groups.items()):
+        graphs = []
+        for config in CANDIDATES:
+            _assign(linears, config)
+            graphs.append(capture(forward))
+        timed = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
+        del graphs
+        _assign(linears, min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])[1])
+    return _tiles(groups)
+
+
 @torch.inference_mode()
 def choose_row_fusion(
+    model: nn.Module,
     set_fusion: Callable[[RowFusion | None], None],
     forward: Callable[[], object],
     pdl: bool,
 ) -> FusionChoice:
-    """Time `forward` (a batch-1 forward) with the layer unfused, fused, and (`pdl`) fused with
-    programmatic dependent launch; keep `decide_fusion`'s pick and leave it set through
-    `set_fusion`."""
-    variants: list[RowFusion | None] = [None, RowFusion(pdl=False)]
-    if pdl:
-        variants.append(RowFusion(pdl=True))
-    graphs = []
-    for fusion in list(variants):
+    """Time `forward` (a batch-1 forward of `model`) with the layer unfused, fused, and (`pdl`)
+    fused with programmatic dependent launch, the unfused layer with the projections as they
+    are set and the fused ones with the tiles `choose_tiles` finds in the last of them; keep
+    `decide_fusion`'s pick and leave it and its tiles set."""
+    fused_variants = [RowFusion(pdl=False), *([RowFusion(pdl=True)] if pdl else [])]
+    groups = _groups(model)
+    unfused_tiles = _tiles(groups)
+    fused_tiles = unfused_tiles
+    for fusion in reversed(fused_variants):
         set_fusion(fusion)
         try:
-            graphs.append(capture(forward))
+            fused_tiles = choose_tiles(model, forward)
+            break
         except RuntimeError as exc:  # a driver that cannot capture dependent launches
-            if fusion is None or not fusion.pdl:
+            if not fusion.pdl:
                 raise
             logger.warning("batch-1 layer: no programmatic dependent launch (%s)", exc)
-            variants.remove(fusion)
+            fused_variants.remove(fusion)
+            _set_tiles(groups, unfused_tiles)
+    variants: list[RowFusion | None] = [None, *fused_variants]
+    graphs = []
+    for variant in variants:
+        set_fusion(variant)
+        _set_tiles(groups, unfused_tiles if variant is None else fused_tiles)
+        graphs.append(capture(forward))
     seconds = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
     del graphs
     timed = dict(zip(variants, seconds, strict=True))
     chosen = decide_fusion(timed)
     set_fusion(chosen)
-    choice = FusionChoice({f: s * 1e6 for f, s in timed.items()}, chosen)
+    _set_tiles(groups, unfused_tiles if chosen is None else fused_tiles)
+    by_name = {name: config for (name, _, _), config in fused_tiles.items() if config is not None}
+    choice = FusionChoice({f: s * 1e6 for f, s in timed.items()}, chosen, by_name)
     logger.info("batch-1 %s", choice.describe())
     return choice
+
+
+def _tiles(groups: dict[tuple[str, int, int], list[Linear]]) -> Tiles:
+    return {key: linears[0].gemv_config for key, linears in groups.items()}
+
+
+def _set_tiles(groups: dict[tuple[str, int, int], list[Linear]], tiles: Tiles) -> None:
+    for key, linears in groups.items():
+        _assign(linears, tiles[key])
 
 
 def decide_fusion(seconds: dict[RowFusion | None, float]) -> RowFusion | None:

@@ -23,3 +23,15 @@ def test_a_near_tie_goes_to_the_fused_layer() -> None:
 
 def test_without_a_fused_variant_the_layer_stays_unfused() -> None:
     assert decide_fusion({None: 1e-3}) is None
+
+
+def test_the_choice_names_the_fused_layers_tiles() -> None:
+    from pagekeeper_engine.kernels.gemv import GemvConfig  # noqa: PLC0415 (imports triton)
+    from pagekeeper_engine.model.gemv_choice import FusionChoice  # noqa: PLC0415
+
+    tiles = {"o_proj": GemvConfig(4, 4096, num_warps=8, num_stages=1), "qkv_proj": GemvConfig()}
+    timed = {None: 802.0, FUSED: 757.0, PDL: 617.0}
+    fused = FusionChoice(timed, PDL, tiles).describe()
+    assert fused.startswith("one-token layer: fused with PDL (batch-1 step 802 us unfused")
+    assert fused.endswith("; its tiles o_proj 4x4096, 8 warps, qkv_proj 8x512, 4 warps)")
+    assert "tiles" not in FusionChoice(timed, None, tiles).describe()

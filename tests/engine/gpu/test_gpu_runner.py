@@ -172,12 +172,16 @@ def test_start_up_times_every_projection_shape(checkpoint: Path) -> None:
     runner = gpu_runner(checkpoint)
     choices = {choice.name: choice for choice in runner.gemv_choices}
     assert set(choices) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    fusion = runner.fusion_choice
+    assert fusion is not None
     for choice in choices.values():
         assert choice.num_layers == runner.model_config.num_layers
         assert choice.cublas_step_us > 0 and choice.gemv_step_us > 0
-        # What was decided is what every layer runs.
+        # What was decided is what every layer runs: the tiles timed in the fused layer where
+        # it was chosen, the unfused layer's choice otherwise.
+        runs = choice.config if fusion.chosen is None else fusion.fused_tiles[choice.name]
         assert all(
-            linear.gemv_config == choice.config
+            linear.gemv_config == runs
             for name, linear in runner.model.named_modules()
             if name.endswith(f".{choice.name}")
         )
@@ -189,16 +193,18 @@ def test_batch1_gemv_tokens_equal_the_cpu_reference(checkpoint: Path) -> None:
     from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (fixes Triton's mode)
 
     runner = gpu_runner(checkpoint)
-    for name, module in runner.model.named_modules():
-        if isinstance(module, Linear) and ".layers." in name:
-            module.gemv_config = CANDIDATES[0]
     expected = generate(make_runner(checkpoint), [9], num_steps=20)
-    # The layer as the projections' GEMVs alone, then fused (norms, residual adds and SwiGLU
-    # inside them), then fused with programmatic dependent launch where the GPU has it.
-    for fusion in (None, RowFusion(), RowFusion(pdl=supports_pdl(runner.device))):
-        runner.model.set_row_fusion(fusion)
-        runner.capture_graphs()
-        assert generate(runner, [9], num_steps=20) == expected, fusion
+    # Each tile the start-up may choose, in the layer as the projections' GEMVs alone, then
+    # fused (norms, residual adds and SwiGLU inside them), then fused with programmatic
+    # dependent launch where the GPU has it.
+    for config in CANDIDATES:
+        for name, module in runner.model.named_modules():
+            if isinstance(module, Linear) and ".layers." in name:
+                module.gemv_config = config
+        for fusion in (None, RowFusion(), RowFusion(pdl=supports_pdl(runner.device))):
+            runner.model.set_row_fusion(fusion)
+            runner.capture_graphs()
+            assert generate(runner, [9], num_steps=20) == expected, (config, fusion)
 
 
 def test_start_up_chooses_the_one_token_layer(checkpoint: Path) -> None:
@@ -208,6 +214,8 @@ def test_start_up_chooses_the_one_token_layer(checkpoint: Path) -> None:
     assert None in choice.step_us and RowFusion() in choice.step_us
     assert (RowFusion(pdl=True) in choice.step_us) == supports_pdl(runner.device)
     assert all(us > 0 for us in choice.step_us.values())
+    # The fused layer's tiles were timed in it, one for each projection.
+    assert set(choice.fused_tiles) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 
 
 def staircase(runner: ModelRunner, prompt_lens: list[int], sampling: SamplingParams) -> None:
