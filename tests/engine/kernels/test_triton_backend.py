@@ -290,3 +290,17 @@ def test_forward_rotary_of_many_decodes_writes_then_attends(
     torch.testing.assert_close(q_two, rotary_ref(step.q, positions, tables.cos, tables.sin))
     assert torch.equal(cache.k_cache, k_one) and torch.equal(cache.v_cache, v_one)
     assert relative_error(two, one) < 1e-6
+
+
+def test_fp8_decode_tiles_follow_whether_the_launch_is_split() -> None:
+    # Split to fill the GPU (a few sequences): four warps a program; sequences enough to fill
+    # it alone (one split): two, so that more programs stay resident. bf16 keeps four.
+    from pagekeeper_engine.kernels import FP8_CACHE_DTYPE  # noqa: PLC0415
+
+    backend = TritonAttentionBackend(num_sms=132)
+    fp8 = torch.empty((4, 16, 8, 128), dtype=FP8_CACHE_DTYPE)
+    few, many = backend._decode_options(1, fp8, 2048), backend._decode_options(256, fp8, 2048)
+    assert few["num_splits"] > 1 and (few["num_warps"], few["num_stages"]) == (4, 5)
+    assert many["num_splits"] == 1 and (many["num_warps"], many["num_stages"]) == (2, 5)
+    bf16 = backend._decode_options(256, fp8.to(torch.bfloat16), 2048)
+    assert (bf16["num_warps"], bf16["num_stages"]) == (4, 3)
