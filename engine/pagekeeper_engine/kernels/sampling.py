@@ -73,11 +73,8 @@ def chunk_partials(
         f"columns [{index_offset}, {index_offset + valid}) outside a vocabulary of {vocab_size}"
     )
     assert vocab_size >= 1, "raw has an empty vocabulary"
+    _check_scratch(scratch, raw)
     block_v, num_chunks = scratch.block_v, scratch.num_chunks
-    assert num_chunks == triton.cdiv(width, block_v), (
-        f"scratch made for {num_chunks} chunks of {block_v}, raw has a vocabulary of {width}"
-    )
-    check_device("scratch", scratch.token_ids, raw.device)
     _, _, parts = scratch.views(num_rows)
     if num_rows == 0:
         return parts
@@ -165,11 +162,8 @@ def pick_tokens(
     _check_pick_operands(scores, raw, scale, noise)
     num_rows, vocab_size = raw.shape
     assert vocab_size >= 1, "raw has an empty vocabulary"
+    _check_scratch(scratch, raw)
     block_v, num_chunks = scratch.block_v, scratch.num_chunks
-    assert num_chunks == triton.cdiv(vocab_size, block_v), (
-        f"scratch made for {num_chunks} chunks of {block_v}, raw has a vocabulary of {vocab_size}"
-    )
-    check_device("scratch", scratch.token_ids, raw.device)
     token_ids, packed, parts = scratch.views(num_rows)
     if num_rows == 0:
         return token_ids, packed
@@ -213,3 +207,13 @@ def _check_pick_operands(
     if noise is not None:
         check_like("noise", noise, raw, torch.float32)
     assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
+
+
+def _check_scratch(scratch: PickScratch, raw: torch.Tensor) -> None:
+    """The scratch was made for raw's columns, on its device."""
+    width = raw.shape[1]
+    assert scratch.num_chunks == triton.cdiv(width, scratch.block_v), (
+        f"scratch made for {scratch.num_chunks} chunks of {scratch.block_v}, raw has a "
+        f"vocabulary of {width}"
+    )
+    check_device("scratch", scratch.token_ids, raw.device)
