@@ -5,8 +5,6 @@ the step's counts, so a step padded to a captured graph's shape lands where the 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 _ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
@@ -30,12 +28,10 @@ def field_counts(
     }
 
 
-@functools.lru_cache(maxsize=256)  # a run of decode steps repeats one shape; callers only read it
 def layout(
     num_rows: int, num_seqs: int, width: int, num_sampled: int, num_placeholders: int = 0
 ) -> dict[str, int]:
-    """Byte offset of each field, and the total under "end" (one shared dict a shape: read
-    it, never write it)."""
+    """Byte offset of each field, and the total under "end"."""
     offsets, end = {}, 0
     for name, (count, dtype) in field_counts(
         num_rows, num_seqs, width, num_sampled, num_placeholders
