@@ -85,12 +85,11 @@ def compile_pick(ranks: int) -> None:
     }
     _compile(pick_kernels.chunk_partials_kernel, PARTIALS, partial_constants)
     _compile(pick_kernels.combine_chunks_kernel, COMBINE, combine_constants)
-    if ranks == 1:
-        whole = -(-VOCAB // BLOCK_V)
+    if ranks == 1:  # the shard is the whole vocabulary
         pick_constants: dict[str, object] = {
             "VOCAB": VOCAB,
-            "NUM_CHUNKS": whole,
-            "CHUNKS_PAD": next_power_of_2(whole),
+            "NUM_CHUNKS": chunks,
+            "CHUNKS_PAD": next_power_of_2(chunks),
             "BLOCK_V": BLOCK_V,
             "HAS_NOISE": True,
             "NOISE_FLOOR": NOISE_FLOOR,
