@@ -27,9 +27,14 @@ def decode_program(
     FUSED_REDUCE: tl.constexpr,
     SHORT_SPLITS: tl.constexpr,
 ):
-    """This program of a decode grid (sequences, KV heads, splits): (seq, kv_head, split,
+    """This program of a decode grid (KV heads, sequences, splits): (seq, kv_head, split,
     seq_len, live, start, end), where live is how many splits the sequence uses and
     start..end this split's tokens.
+
+    The KV heads vary fastest, so a sequence's programs start together and a step whose
+    decodes lead longest first (`runner/step_inputs.py`) hands out its longest programs first:
+    the last wave then holds short ones, not a long one that runs on alone (docs/benchmarks.md,
+    run 36).
 
     Each split covers a whole number of BLOCK_N tiles, an even share of the context over the
     launch's splits. With the reduce fused, a sequence shorter than the splits were chosen for
@@ -37,8 +42,8 @@ def decode_program(
     `short_split_tokens` while it fits in SHORT_SPLITS of them, else at least
     `long_split_tokens` (`paged_decode.SplitRule`), and uses only the splits its tokens reach,
     at least one; the others get an empty range."""
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N

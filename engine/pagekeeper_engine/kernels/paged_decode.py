@@ -210,7 +210,7 @@ def paged_decode(
         **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1 and not launch.fused_reduce:
-        reduce_splits(launch.part_out, launch.part_lse, launch.out, launch.grid[1])
+        reduce_splits(launch.part_out, launch.part_lse, launch.out, launch.num_kv_heads)
     return launch.out
 
 
@@ -222,13 +222,17 @@ class DecodeLaunch:
     part_out: torch.Tensor  # (B, num_heads, num_splits, head_dim) fp32 (`out` when unsplit)
     part_lse: torch.Tensor  # (B, num_heads, num_splits) fp32
     counters: torch.Tensor  # the split counters (with the reduce fused; else never touched)
-    grid: tuple[int, int, int]  # (sequences, KV heads, splits)
+    grid: tuple[int, int, int]  # (KV heads, sequences, splits): `decode_core.decode_program`
     fused_reduce: bool
     constants: dict[str, Any]  # the kernel's compile-time arguments of the shapes
 
     @property
-    def num_seqs(self) -> int:
+    def num_kv_heads(self) -> int:
         return self.grid[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.grid[1]
 
 
 def prepare_decode(
@@ -286,7 +290,7 @@ def prepare_decode(
         part_out=part_out,
         part_lse=part_lse,
         counters=split_counters if fused_reduce and split_counters is not None else seq_lens,
-        grid=(num_seqs, num_kv_heads, num_splits),
+        grid=(num_kv_heads, num_seqs, num_splits),
         fused_reduce=fused_reduce,
         constants={
             "NUM_KV_HEADS": num_kv_heads,

@@ -232,5 +232,5 @@ def rotary_decode(
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if num_splits > 1 and not launch.fused_reduce:
-        reduce_splits(launch.part_out, launch.part_lse, launch.out, launch.grid[1])
+        reduce_splits(launch.part_out, launch.part_lse, launch.out, launch.num_kv_heads)
     return launch.out

@@ -42,7 +42,7 @@ def _ranges(
     """Each sequence's live splits and the (start, end) of those that hold tokens."""
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.full((len(seq_lens), num_splits, 3), -1, dtype=torch.int32, device=device)
-    _ranges_kernel[(len(seq_lens), 1, num_splits)](
+    _ranges_kernel[(1, len(seq_lens), num_splits)](
         lens, out, num_splits, rule.short_tokens, rule.long_tokens,
         BLOCK_N=BLOCK_N, FUSED_REDUCE=fused, SHORT_SPLITS=SHORT_SPLITS,
     )  # fmt: skip
