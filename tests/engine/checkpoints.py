@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import (
     LlamaConfig,
@@ -25,6 +26,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.runner.runner import ModelRunner
+from pagekeeper_engine.runner.step_layout import longest_decodes_first
 
 BLOCK_SIZE = 8
 TOLERANCE = 1e-4
@@ -112,13 +114,19 @@ def seq(
 
 def step_logits(runner: ModelRunner, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
     """Run one step through the runner's packing and model; fp32 logits of every row, per
-    seq."""
+    seq (in `seqs`' order, whatever order the packing gave their rows)."""
     with torch.inference_mode():
         inputs = runner.prepare_inputs(seqs)
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = runner.model.compute_logits(hidden).float()
     bounds = inputs.meta.query_start_loc.tolist()
-    return [logits[bounds[i] : bounds[i + 1]] for i in range(len(seqs))]
+    order = longest_decodes_first(
+        np.array([s.num_tokens for s in seqs], np.int64),
+        np.array([s.start_pos for s in seqs], np.int64),
+    )
+    rows = list(range(len(seqs))) if order is None else order.tolist()
+    by_seq = {seq_index: row for row, seq_index in enumerate(rows)}
+    return [logits[bounds[by_seq[i]] : bounds[by_seq[i] + 1]] for i in range(len(seqs))]
 
 
 def tokens(n: int, offset: int = 3) -> list[int]:

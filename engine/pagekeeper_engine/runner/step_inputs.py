@@ -28,7 +28,7 @@ import torch
 from pagekeeper_engine.attention.base import AttentionMetadata
 from pagekeeper_engine.core.outputs import ScheduledSeq
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.runner.step_layout import layout, typed_views
+from pagekeeper_engine.runner.step_layout import layout, longest_decodes_first, typed_views
 
 _MAX_CACHED_SHAPES = 64  # step shapes whose device views are kept
 
@@ -133,13 +133,19 @@ class StepInputBuilder:
     ) -> StepInputs:
         """Pack `seqs` (decodes first), padded for a graph with `padding`: padding rows store
         no KV (slot -1). A decode graph's seqs are all one-token decodes, padded to that many
-        sequences at the full block-table width. `previous_rows`: request id -> row of the
-        previous step's sampled ids, for the placeholder inputs. `keep_packed`: the inputs
-        also keep their bytes, for the other ranks (`unpack`)."""
+        sequences at the full block-table width. The decodes' rows go longest context first
+        (`step_layout.longest_decodes_first`); `sampled_seqs` indexes `seqs` as given.
+        `previous_rows`: request id -> row of the previous step's sampled ids, for the
+        placeholder inputs. `keep_packed`: the inputs also keep their bytes, for the other
+        ranks (`unpack`)."""
         bs = self.block_size
         num_seqs = len(seqs)
         num_tokens = np.fromiter((s.num_tokens for s in seqs), np.int64, num_seqs)
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, num_seqs)
+        order = longest_decodes_first(num_tokens, starts)
+        if order is not None:  # from here on, seqs in row order
+            seqs = [seqs[i] for i in order.tolist()]
+            num_tokens, starts = num_tokens[order], starts[order]
         num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, num_seqs)
         ends = starts + num_tokens
         self._check(seqs, num_tokens, ends, num_blocks)
@@ -215,7 +221,7 @@ class StepInputBuilder:
             max_query_len=int(num_tokens.max(initial=1)),
             max_seq_len=int(ends.max(initial=1)),
             num_decode_seqs=padded_seqs if is_decode_graph else num_decode_seqs,
-            sampled_seqs=sampled_seqs.tolist(),
+            sampled_seqs=(sampled_seqs if order is None else order[sampled_seqs]).tolist(),
             samples_leading_rows=len(sampled_seqs) == num_seqs == total,
             placeholders_lead=len(placeholder_rows) > 0
             and int(placeholder_rows[-1]) == len(placeholder_rows) - 1,

@@ -1,10 +1,12 @@
 """Where each field of a step's packed inputs sits in the builder's one byte buffer
 (`step_inputs.py`): the per-row fields first, each 8-aligned, at offsets that depend only on
-the step's counts, so a step padded to a captured graph's shape lands where the graph reads it.
+the step's counts, so a step padded to a captured graph's shape lands where the graph reads it;
+and the order of the step's sequences in its rows (`longest_decodes_first`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _ALIGN = 8  # bytes: every field starts 8-aligned, so int64 views of the byte buffer are legal
@@ -54,3 +56,21 @@ def typed_views(
     _, seqs, width, _, _ = shape
     views["block_tables"] = views["block_tables"].view(seqs, width)
     return views
+
+
+def longest_decodes_first(num_tokens: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+    """The rows' order of a step's sequences (their token counts and cached tokens, decodes
+    first): the leading one-token sequences by their context, longest first (ties as they
+    came), the others after them as they came; None where that is the order already.
+
+    The decode kernel hands out a sequence's programs together, in row order
+    (`kernels/decode_core.decode_program`): longest first, the last programs to start are
+    short, and a batch of mixed lengths ends together (docs/benchmarks.md, run 36)."""
+    is_one = num_tokens == 1
+    lead = len(num_tokens) if is_one.all() else int(is_one.argmin())
+    contexts = starts[:lead]
+    if lead < 2 or bool((contexts[:-1] >= contexts[1:]).all()):
+        return None
+    order = np.arange(len(num_tokens))
+    order[:lead] = np.argsort(-contexts, kind="stable")
+    return order

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from pagekeeper_engine.runner.step_inputs import (
     StepInputBuilder,
     StepInputs,
 )
-from pagekeeper_engine.runner.step_layout import layout
+from pagekeeper_engine.runner.step_layout import layout, longest_decodes_first
 from tests.engine.checkpoints import seq
 
 
@@ -47,22 +48,55 @@ def test_decode_step_padded_to_a_graph_batch() -> None:
     seqs = [seq("a", [11], 9, [4, 7]), seq("b", [12], 0, [3]), seq("c", [13], 16, [1, 2, 5])]
     step = builder().build(seqs, GraphPadding(4, decode=True))
     assert step.padding == GraphPadding(4, decode=True)
-    assert step.input_ids.tolist() == [11, 12, 13, 0]
-    assert step.positions.tolist() == [9, 0, 16, 0]
+    # The decodes' rows go longest context first: c, a, b.
+    assert step.input_ids.tolist() == [13, 11, 12, 0]
+    assert step.positions.tolist() == [16, 9, 0, 0]
     # The padding row stores no KV (-1) and attends to one token of block 0.
-    assert step.meta.slot_mapping.tolist() == [57, 24, 40, -1]
-    assert step.meta.seq_lens.tolist() == [10, 1, 17, 1]
+    assert step.meta.slot_mapping.tolist() == [40, 57, 24, -1]
+    assert step.meta.seq_lens.tolist() == [17, 10, 1, 1]
     assert step.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     # Full width (40 tokens / 8 = 5 columns) whatever the step's own longest table.
     assert step.meta.block_tables.tolist() == [
+        [1, 2, 5, 0, 0],
         [4, 7, 0, 0, 0],
         [3, 0, 0, 0, 0],
-        [1, 2, 5, 0, 0],
         [0, 0, 0, 0, 0],
     ]
     assert step.meta.num_decode_seqs == 4 and step.meta.max_query_len == 1
-    assert step.sample_indices.tolist() == [0, 1, 2] and step.sampled_seqs == [0, 1, 2]
+    # Each sampled row names its sequence as the caller listed them.
+    assert step.sample_indices.tolist() == [0, 1, 2] and step.sampled_seqs == [2, 0, 1]
     assert step.samples_leading_rows  # the runner slices rows 0..2 instead of gathering them
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "starts", "order"),
+    [
+        ([1, 1, 1], [9, 0, 16], [2, 0, 1]),
+        ([1, 1, 1], [16, 9, 9], None),  # already longest first (ties as they came)
+        ([1, 1, 1, 1], [3, 7, 3, 7], [1, 3, 0, 2]),  # stable among equal contexts
+        ([1, 1, 6, 1], [2, 5, 0, 9], [1, 0, 2, 3]),  # the prefill and what follows keep place
+        ([1], [4], None),
+        ([6, 1, 1], [0, 2, 5], None),  # no leading decodes
+        ([], [], None),
+    ],
+)
+def test_longest_decodes_first(
+    num_tokens: list[int], starts: list[int], order: list[int] | None
+) -> None:
+    found = longest_decodes_first(np.array(num_tokens, np.int64), np.array(starts, np.int64))
+    assert (None if found is None else found.tolist()) == order
+
+
+def test_a_mixed_step_orders_its_decodes_alone() -> None:
+    seqs = [
+        seq("d1", [50], 3, [4]),
+        seq("d2", [51], 9, [4, 7]),
+        seq("p", [1, 2, 3], 0, [5]),
+    ]
+    step = builder().build(seqs)
+    assert step.input_ids.tolist() == [51, 50, 1, 2, 3]
+    assert step.meta.seq_lens.tolist() == [10, 4, 3] and step.meta.num_decode_seqs == 2
+    assert step.sample_indices.tolist() == [0, 1, 4] and step.sampled_seqs == [1, 0, 2]
 
 
 def test_mixed_step_is_packed_exactly() -> None:
@@ -170,14 +204,14 @@ def test_steps_of_one_shape_reuse_their_device_views() -> None:
         torch.device("cuda"), block_size=8, max_model_len=40, max_num_tokens=64, max_num_seqs=8
     )
     pad = GraphPadding(2, decode=True)
-    first = packer.build([seq("a", [5], 3, [1]), seq("b", [6], 9, [2, 4])], pad)
-    second = packer.build([seq("a", [7], 4, [1]), seq("b", [8], 10, [2, 4])], pad)
+    first = packer.build([seq("b", [6], 9, [2, 4]), seq("a", [5], 3, [1])], pad)
+    second = packer.build([seq("b", [8], 10, [2, 4]), seq("a", [7], 4, [1])], pad)
     # The same views of the one buffer, holding the newer step's values.
     assert (
         second.input_ids is first.input_ids and second.meta.block_tables is first.meta.block_tables
     )
-    assert second.input_ids.tolist() == [7, 8] and second.meta.slot_mapping.tolist() == [12, 34]
-    assert second.meta.block_tables[:, :2].tolist() == [[1, 0], [2, 4]]
+    assert second.input_ids.tolist() == [8, 7] and second.meta.slot_mapping.tolist() == [34, 12]
+    assert second.meta.block_tables[:, :2].tolist() == [[2, 4], [1, 0]]
     other = packer.build([seq("a", [9], 5, [1])], GraphPadding(4, decode=True))
     assert other.input_ids is not first.input_ids and other.input_ids.tolist() == [9, 0, 0, 0]
     # A bounded number of shapes is kept: many eager shapes do not grow it.
