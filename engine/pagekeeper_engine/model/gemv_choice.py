@@ -120,12 +120,7 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
         _assign(linears, CANDIDATES[0])
     choices = []
     for (name, out_features, in_features), linears in sorted(groups.items()):
-        graphs = []
-        for config in (None, *CANDIDATES):
-            _assign(linears, config)
-            graphs.append(capture(forward))
-        cublas, *timed = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
-        del graphs
+        cublas, *timed = _timed(linears, [None, *CANDIDATES], forward)
         best_s, best_config = min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])
         chosen = best_config if best_s < MARGIN * cublas else None
         _assign(linears, chosen)
@@ -148,6 +143,18 @@ def _assign(linears: list[Linear], config: GemvConfig | None) -> None:
         linear.gemv_config = config
 
 
+def _timed(
+    linears: list[Linear], configs: list[GemvConfig | None], forward: Callable[[], object]
+) -> list[float]:
+    """Seconds of `forward`'s best replay with `linears` on each of `configs` (captured one
+    after the other, replayed interleaved); leaves them on the last."""
+    graphs = []
+    for config in configs:
+        _assign(linears, config)
+        graphs.append(capture(forward))
+    return best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
+
+
 Tiles = dict[tuple[str, int, int], "GemvConfig | None"]  # by projection group
 
 
@@ -163,12 +170,7 @@ def choose_tiles(model: nn.Module, forward: Callable[[], object]) -> Tiles:
         if linears[0].gemv_config is None:
             _assign(linears, CANDIDATES[0])
     for _, linears in sorted(groups.items()):
-        graphs = []
-        for config in CANDIDATES:
-            _assign(linears, config)
-            graphs.append(capture(forward))
-        timed = best_replays(graphs, ROUNDS, warm_up_s=WARM_UP_S)
-        del graphs
+        timed = _timed(linears, list(CANDIDATES), forward)
         _assign(linears, min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])[1])
     return _tiles(groups)
 

@@ -42,13 +42,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-def padding_forward(
-    model: CausalLM, builder: StepInputBuilder, batch: int
+def decode_forward(
+    model: CausalLM, builder: StepInputBuilder, batch: int, seqs: Sequence[ScheduledSeq] = ()
 ) -> tuple[Callable[[], torch.Tensor], StepInputs]:
-    """A decode forward of `batch` padding rows over the builder's buffers (it writes no KV),
-    with the decode kernel's splits chosen for the longest sequence a graph may meet; and the
-    padding step it reads."""
-    step = builder.build([], GraphPadding(batch, decode=True))
+    """A decode forward of `seqs` padded to `batch` rows over the builder's buffers (padding
+    rows write no KV), with the decode kernel's splits chosen for the longest sequence a graph
+    may meet, as a captured graph's are; and the step it reads."""
+    step = builder.build(seqs, GraphPadding(batch, decode=True))
     meta = replace(step.meta, max_seq_len=builder.max_model_len)
     return (lambda: model(step.input_ids, step.positions, meta)), step
 
@@ -96,7 +96,7 @@ class StepGraphs:
         reserved_before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()  # one private pool, shared by every graph
         for batch in reversed(self.batch_sizes):
-            forward, step = padding_forward(self.model, self.builder, batch)
+            forward, step = decode_forward(self.model, self.builder, batch)
             forward()  # compiles this shape's kernels
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()

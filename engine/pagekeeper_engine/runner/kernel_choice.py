@@ -15,7 +15,7 @@ it (run 35: whole-row GEMV tiles tied at one token and served the 0.6B 57 us a t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,8 +30,9 @@ from pagekeeper_engine.model.gemv_choice import (
     choose_row_fusion,
 )
 from pagekeeper_engine.model.llama import CausalLM
+from pagekeeper_engine.runner.cuda_graphs import decode_forward
 from pagekeeper_engine.runner.profile_target import RunnerProfileTarget
-from pagekeeper_engine.runner.step_inputs import GraphPadding, StepInputBuilder, StepInputs
+from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 
 TIMING_CONTEXT = 256  # tokens: the ITL benchmark's contexts are 128-384
 
@@ -76,14 +77,11 @@ def choose_kernels(
 def context_forward(
     model: CausalLM, builder: StepInputBuilder, context: int
 ) -> tuple[Callable[[], torch.Tensor], StepInputs]:
-    """A batch-1 decode forward of one sequence at `context` tokens, over the builder's buffers
-    and a bound cache of at least ceil(context / block size) blocks (it writes the newest
-    token's KV at position context - 1), with the decode kernel's splits chosen for the longest
-    sequence a graph may meet, as the decode graphs' are; and the step it reads."""
+    """A batch-1 decode forward of one sequence at `context` tokens (`decode_forward`), over a
+    bound cache of at least ceil(context / block size) blocks (it writes the newest token's KV
+    at position context - 1); and the step it reads."""
     num_blocks = -(-context // builder.block_size)
     timed = ScheduledSeq(
         "kernel-choice", [0], context - 1, list(range(num_blocks)), False, SamplingParams(), 0
     )
-    step = builder.build([timed], GraphPadding(1, decode=True))
-    meta = replace(step.meta, max_seq_len=builder.max_model_len)
-    return (lambda: model(step.input_ids, step.positions, meta)), step
+    return decode_forward(model, builder, 1, [timed])
