@@ -107,7 +107,9 @@ class KVCacheManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover `num_new_tokens` more computed tokens."""
-        seq.block_ids.extend(self.pool.allocate(self.num_blocks_to_append(seq, num_new_tokens)))
+        num_blocks = self.num_blocks_to_append(seq, num_new_tokens)
+        if num_blocks:
+            seq.block_ids.extend(self.pool.allocate(num_blocks))
 
     def allocate_for_swap_in(self, seq: Sequence) -> list[int]:
         """Fresh GPU blocks covering all of `seq`'s tokens (the caller frees its CPU blocks)."""

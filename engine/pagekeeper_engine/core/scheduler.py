@@ -137,6 +137,9 @@ class Scheduler:
                 or self._is_length_done(seq)
             ):
                 continue
+            if self.kv.num_blocks_to_append(seq, 1) == 0:  # its last block has a free slot
+                step.take(seq, 1)
+                continue
             while not self.kv.can_append(seq, 1):
                 victim = next(s for s in reversed(self.running) if s.request_id not in step.ids)
                 self._preempt(victim, step)
@@ -152,13 +155,11 @@ class Scheduler:
         for seq in self.running:
             if step.budget == 0:
                 break
+            if seq.request_id in step.ids:
+                continue
             # prompts in progress: their blocks were reserved at admission
             num_tokens = min(seq.num_uncomputed_tokens, step.budget)
-            if (
-                seq.request_id in step.ids
-                or self._is_length_done(seq)
-                or not self.kv.can_append(seq, num_tokens)
-            ):
+            if self._is_length_done(seq) or not self.kv.can_append(seq, num_tokens):
                 continue
             self.kv.append_slots(seq, num_tokens)
             step.take(seq, num_tokens)
@@ -314,7 +315,7 @@ class Scheduler:
 
     def cache_known_blocks(self, seq: Sequence) -> None:
         """Register the full computed blocks of a running sequence whose tokens are known."""
-        if seq.status is SequenceStatus.RUNNING:
+        if self.kv.enable_prefix_caching and seq.status is SequenceStatus.RUNNING:
             self.kv.cache_computed_blocks(seq, seq.num_known_tokens)
 
     def discard_pending(self, seq: Sequence) -> None:

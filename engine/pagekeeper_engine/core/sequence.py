@@ -25,18 +25,20 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._value_ in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI `finish_reason` ("stop", "length", "abort"), None while unfinished."""
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS.get(self._value_)
 
 
+# Keyed by the statuses' values: a str hashes in C, an Enum member through Python (the engine
+# loop asks these of every sequence at every step).
 _FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED.value: "stop",
+    SequenceStatus.FINISHED_LENGTH.value: "length",
+    SequenceStatus.FINISHED_ABORTED.value: "abort",
 }
 
 
@@ -154,14 +156,15 @@ def check_token_stop(
     the detokenized text and are checked by the front end.
     """
     params = seq.sampling
-    num_output = seq.num_known_output_tokens
+    num_known = seq.num_known_tokens
+    num_output = num_known - len(seq.prompt_token_ids)
     if num_output == 0:
         return None
-    last = seq.last_known_token_id
+    last = seq.token_ids[num_known - 1]
     if num_output >= params.min_tokens and (
         (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
     ):
         return SequenceStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or seq.num_known_tokens >= max_seq_len:
+    if num_output >= params.max_tokens or num_known >= max_seq_len:
         return SequenceStatus.FINISHED_LENGTH
     return None
