@@ -1,0 +1,24 @@
+"""benchmarks/host_loop.py: the engine loop over a runner that answers at once still serves the
+whole workload, every request to its max_tokens, in either scheduling mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.host_loop import build_loop, run_pass
+from benchmarks.throughput import Workload
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_pass_serves_every_token_the_workload_asks_for(async_scheduling: bool) -> None:
+    prompts = [[5] * n for n in (40, 17, 33, 90)]
+    work = Workload(prompts, [12, 3, 30, 7])
+    engine = build_loop(max_num_seqs=2, num_gpu_blocks=64, async_scheduling=async_scheduling)
+    assert engine.is_async is async_scheduling
+    first = run_pass(engine, work, "a")
+    assert first.output_tokens == work.num_output_tokens == 52
+    # two running at a time: the longest pair runs its 30 tokens one step each at least
+    assert first.steps >= 30
+    assert first.ms_per_step > 0 and first.us_per_token > 0
+    again = run_pass(engine, work, "b")  # the same loop takes the workload again
+    assert again.output_tokens == 52 and not engine.has_work()
