@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import msgspec
+
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
 from pagekeeper_engine.core.engine import LLMEngine
@@ -98,7 +100,11 @@ class PagedFakeRunner:
             assert PLACEHOLDER_TOKEN_ID not in item.token_ids[:-1], item
             if item.token_ids[-1:] == [PLACEHOLDER_TOKEN_ID]:
                 assert item.num_tokens == 1, f"{item.request_id}: a placeholder in a prefill"
-                seqs.append(replace(item, token_ids=[self.previous_samples[item.request_id]]))
+                seqs.append(
+                    msgspec.structs.replace(
+                        item, token_ids=[self.previous_samples[item.request_id]]
+                    )
+                )
                 self.num_placeholders += 1
             else:
                 seqs.append(item)
