@@ -327,11 +327,12 @@ def engine_output(
     error: str | None = None,
 ) -> EngineOutput:
     """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
+    finish_reason = seq.finish_reason
     return EngineOutput(
         request_id=seq.request_id,
         new_token_ids=new_token_ids,
-        finished=seq.status.is_finished,
-        finish_reason=seq.finish_reason,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_known_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
