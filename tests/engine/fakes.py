@@ -11,6 +11,7 @@ launched step sampled for that request, as the device runner gathers it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import msgspec
@@ -175,6 +176,7 @@ def make_engine(
     max_consecutive_ooms: int = 8,
     runner: PagedFakeRunner | None = None,
     async_scheduling: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[LLMEngine, PagedFakeRunner]:
     config = EngineConfig(
         model="fake",
@@ -192,7 +194,8 @@ def make_engine(
     )
     if runner is None:
         runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script, step_delay_s)
-    return LLMEngine(config, runner, CharTokenizer().eos_token_ids, sched_config), runner
+    engine = LLMEngine(config, runner, CharTokenizer().eos_token_ids, sched_config, clock=clock)
+    return engine, runner
 
 
 def run_all(engine: LLMEngine) -> dict[str, list[EngineOutput]]:

@@ -24,6 +24,7 @@ in the synchronous loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class LLMEngine:
         runner: ModelRunnerProtocol,
         eos_token_ids: frozenset[int],
         scheduler_config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,  # times the waits for the device
     ) -> None:
         self.config = config
         self.runner = runner
@@ -102,6 +104,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_requests_success = dict.fromkeys(FINISH_REASONS, 0)
+        self._clock = clock
+        self.device_wait_seconds = 0.0  # collecting launched steps' tokens (`LoopStats`)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejectedError for a request that can never run."""
@@ -226,7 +230,9 @@ class LLMEngine:
             if step is None:
                 return []
         try:
+            started = self._clock()
             runner_out = step.pending.result()
+            self.device_wait_seconds += self._clock() - started
         except FatalEngineError:
             raise
         except Exception as exc:
@@ -277,6 +283,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_requests_success=self.num_requests_success,
             num_consecutive_failed_steps=self.num_consecutive_failed_steps,
+            device_wait_seconds=self.device_wait_seconds,
         )
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineOutput]:

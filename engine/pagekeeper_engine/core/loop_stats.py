@@ -28,6 +28,7 @@ def snapshot(
     num_generation_tokens: int,
     num_requests_success: Mapping[str, int],
     num_consecutive_failed_steps: int,
+    device_wait_seconds: float = 0.0,
 ) -> LoopStats:
     """The loop's state now: the scheduler's queues and pools, its counters (passed in), the
     out-of-memory events and step budget of `oom`, and the newest `allocator` reading."""
@@ -64,6 +65,7 @@ def snapshot(
         max_step_token_budget=oom.budget.ceiling,
         allocator=allocator,
         num_consecutive_failed_steps=num_consecutive_failed_steps,
+        device_wait_seconds=device_wait_seconds,
     )
 
 

@@ -47,6 +47,9 @@ class EngineStats:
     num_requests_success: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType(dict.fromkeys(FINISH_REASONS, 0))
     )
+    # Seconds the loop spent collecting launched steps' tokens (asynchronous scheduling; 0
+    # without it): under load, the host's idle share; near 0, the host sets the pace.
+    device_wait_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -53,6 +53,10 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     "pagekeeper_memory_budget_bytes": ("gauge", ("term", "rank")),
     # tokens per step now: --max-num-batched-tokens, or less while recovering from an OOM
     "pagekeeper_step_token_budget": ("gauge", ()),
+    # seconds the step loop sat waiting for the device's sampled tokens (asynchronous
+    # scheduling only): its rate under load is the host's idle share; near 0, the host, not
+    # the device, sets the pace
+    "pagekeeper_device_wait_seconds_total": ("counter", ()),
 }
 
 # Exported only where they mean something: the CUDA caching allocator, and a start-up budget

@@ -159,6 +159,7 @@ class EngineCollector(Collector):
             ooms.add_metric([self._model_name, kind], count)
         yield ooms
         yield self._gauge("pagekeeper_step_token_budget", stats.step_token_budget)
+        yield self._counter("pagekeeper_device_wait_seconds_total", stats.device_wait_seconds)
 
     def _allocator_metrics(self, allocator: AllocatorStats) -> Iterator[Metric]:
         yield self._gauge("pagekeeper_allocator_reserved_bytes", allocator.reserved)

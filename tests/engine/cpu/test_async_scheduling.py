@@ -5,6 +5,7 @@ KV cache back) and by the real model runner on the CPU."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,19 @@ def test_async_outputs_and_stops_equal_sync(name: str, engine_args: dict[str, An
         )
         # the only extra work: one speculative token for each of the three stop-ended requests
         assert a.num_batched_tokens_total == s.num_batched_tokens_total + 3
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_loop_counts_its_waits_for_the_device(async_scheduling: bool) -> None:
+    """Each settled step adds what the clock advanced across its `result()`; here the clock
+    ticks one second a read, so the count is one second a launched step (each is settled once),
+    and the synchronous loop, which settles nothing, counts none."""
+    ticks = itertools.count()
+    engine, _, _ = run(async_scheduling, clock=lambda: float(next(ticks)))
+    expected = float(engine.num_steps) if async_scheduling else 0.0
+    assert engine.num_steps > 0
+    assert engine.device_wait_seconds == expected
+    assert engine.stats().device_wait_seconds == expected
 
 
 def test_block_tables_stay_exact_while_steps_overlap() -> None:

@@ -69,6 +69,7 @@ def test_collector_exports_engine_stats_exactly() -> None:
         prefix_cache_hits=40, num_preemptions=2, num_prompt_tokens=500,
         num_generation_tokens=800, num_requests_success={"stop": 5, "length": 6, "abort": 1},
         num_oom_events={"step": 3, "swap": 1, "startup": 0}, step_token_budget=2048,
+        device_wait_seconds=1.5,
     )  # fmt: skip
     collector = EngineCollector("m", lambda: stats, lambda: True)
     types, samples = parse(ServerMetrics("m", collector).render().decode())
@@ -95,6 +96,7 @@ def test_collector_exports_engine_stats_exactly() -> None:
         ("pagekeeper_oom_events_total", label("m", kind="swap")): 1.0,
         ("pagekeeper_oom_events_total", label("m", kind="startup")): 0.0,
         ("pagekeeper_step_token_budget", label("m")): 2048.0,
+        ("pagekeeper_device_wait_seconds_total", label("m")): 1.5,
     }
     assert {k: samples[k] for k in expected} == expected
     # No allocator reading and no budget: those series are absent, not zero.
