@@ -214,7 +214,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     while engine.has_work():
         engine.step()
     torch.cuda.synchronize()
-    steps_before = engine.num_steps
+    steps_before, waited_before = engine.num_steps, engine.device_wait_seconds
     start = time.perf_counter()
     for i, (prompt, sampling) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"req-{i}", prompt, sampling)
@@ -229,6 +229,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     num_steps = engine.num_steps - steps_before
+    device_wait_s = engine.device_wait_seconds - waited_before
     # Past the time limit: end what is left, so later measurements (batch-1 latency) find the
     # engine idle instead of sharing every step with the rest of W-nano.
     for request_id in unfinished:
@@ -241,6 +242,8 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
         "num_finished": num_finished,
         "complete": num_finished == len(work.prompts),
         "num_steps": num_steps,
+        # the host idle, waiting for the device: near 0, the host set the pace
+        "device_wait_s": device_wait_s,
     }
 
 
@@ -559,6 +562,11 @@ def print_row(row: dict[str, Any], work: Workload) -> None:
         f"{total / row['seconds']:,.0f} total tok/s, floor {row['floor_s']:.2f} s{_per_rank(row)} "
         f"-> {row['floor_s'] / row['seconds']:.0%} of the floor, {row['num_steps']} steps, "
         f"async scheduling {'on' if row['async_scheduling'] else 'off'}"
+        + (
+            f", the host waited {row['device_wait_s']:.2f} s for the device"
+            if row["async_scheduling"]
+            else ""
+        )
     )
 
 
