@@ -28,7 +28,7 @@ def snapshot(
     num_generation_tokens: int,
     num_requests_success: Mapping[str, int],
     num_consecutive_failed_steps: int,
-    device_wait_seconds: float = 0.0,
+    device_wait_seconds: float,
 ) -> LoopStats:
     """The loop's state now: the scheduler's queues and pools, its counters (passed in), the
     out-of-memory events and step budget of `oom`, and the newest `allocator` reading."""
