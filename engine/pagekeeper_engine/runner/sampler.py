@@ -204,8 +204,6 @@ class Sampler:
         or their fp32 copy in `buffers.scores` with those tokens at -inf."""
         masked = logits
         for row, (p, num_out) in enumerate(zip(params, num_output_tokens, strict=True)):
-            if num_out >= p.min_tokens:  # what `early_stop_ids` says first, without the call
-                continue
             stop_ids = early_stop_ids(p, num_out, self.eos_token_ids)
             if not stop_ids:
                 continue
