@@ -26,6 +26,7 @@ from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.heap import freeze_startup_heap
 
 MAX_MODEL_LEN = 2048  # W-nano's
 TOKEN_ID = 7  # what every sampled row gets (W-nano ignores EOS)
@@ -129,6 +130,7 @@ def main() -> None:
     whole = w_nano()
     work = Workload(whole.prompts[: args.requests], whole.output_lens[: args.requests])
     engine = build_loop(args.max_num_seqs, args.num_gpu_blocks, not args.sync)
+    freeze_startup_heap("the loop")  # as the engine core's process does
     run_pass(engine, work, "warm-up")
     passes = [run_pass(engine, work, f"pass-{i}") for i in range(args.repeats)]
     for p in passes:

@@ -39,6 +39,7 @@ from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.faults import RankFailedError
+from pagekeeper_engine.heap import freeze_startup_heap, thaw_heap
 from pagekeeper_engine.runner.runner import ModelRunner
 
 ITL_TOKENS = 256  # tokens a batch-1 latency request generates
@@ -179,7 +180,9 @@ def build_engine(
         print(f"  batch-1 {start['batch1_layer']}")
     if args.tensor_parallel_size > 1:
         print(f"  all-reduce: {start['all_reduce']}")
-    return LLMEngine(config, runner, runner.eos_token_ids), start
+    engine = LLMEngine(config, runner, runner.eos_token_ids)
+    freeze_startup_heap("the benchmark's engine")  # as the engine core's process does
+    return engine, start
 
 
 _RANKS: list[WorkerRanks] = []  # the other ranks of the engine built last
@@ -196,6 +199,7 @@ def stop_ranks() -> None:
     """Stop the previous engine's worker ranks, so the next engine has their GPUs."""
     while _RANKS:
         _RANKS.pop().stop()
+    thaw_heap()  # the dropped engine's cycles are collected only once they are not frozen
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError
+from pagekeeper_engine.heap import freeze_startup_heap
 from pagekeeper_engine.memory.oom import (
     OOMKind,
     OOMPhase,
@@ -180,6 +181,7 @@ def _load_and_serve(
     engine = LLMEngine(config, runner, runner.eos_token_ids)
     core = EngineCore(engine, addresses, num_clients, is_parent_alive=is_parent_alive)
     on_rank_failure.attach(core)
+    freeze_startup_heap("engine core")
     try:
         core.send_ready(
             Ready(

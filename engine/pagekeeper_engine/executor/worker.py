@@ -28,6 +28,7 @@ from pagekeeper_engine.executor.protocol import (
     step_decoder,
 )
 from pagekeeper_engine.faults import FatalEngineError
+from pagekeeper_engine.heap import freeze_startup_heap
 from pagekeeper_engine.memory.budget import MemoryBudgetError
 from pagekeeper_engine.memory.oom import (
     EngineOutOfMemoryError,
@@ -105,6 +106,7 @@ def _serve(spec: WorkerSpec, reports: Connection) -> int:
     inbox.setsockopt(zmq.RCVHWM, 0)
     inbox.connect(spec.step_address)
     decode = step_decoder().decode
+    freeze_startup_heap(f"tensor-parallel rank {spec.rank}")
     logger.info("ready (pid %d): %d KV blocks", os.getpid(), runner.num_gpu_blocks)
     try:
         while True:

@@ -22,6 +22,7 @@ from pagekeeper_engine.frontend.app import STATE, create_app
 from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.frontend.drain import drain
 from pagekeeper_engine.frontend.tokenizer import Tokenizer
+from pagekeeper_engine.heap import freeze_startup_heap
 from pagekeeper_engine.memory.allocator import AllocatorSettings
 from pagekeeper_engine.messages import CoreAddresses
 
@@ -121,6 +122,7 @@ async def _serve(
             await runner.cleanup()
             return 1
         state.attach(client, tokenizer)
+        freeze_startup_heap(f"front end {options.client_index}")
         logger.info("serving %s as %r", config.model, config.model_name)
         await asyncio.wait({stopping, gone}, return_when=asyncio.FIRST_COMPLETED)
         if gone.done():

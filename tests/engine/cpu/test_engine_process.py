@@ -1,11 +1,13 @@
 """The engine core's process body (`engine_process._serve`) over a fake runner: the handshake a
-front end gets, and an out-of-memory give-up that writes the termination log and exits 1. What
-it does when a tensor-parallel rank dies: the loop gives up with `Fatal`, and a loop stuck in a
-step is ended around it; the termination message keeps a failed rank's own."""
+front end gets (after the process froze its start-up heap), and an out-of-memory give-up that
+writes the termination log and exits 1. What it does when a tensor-parallel rank dies: the loop
+gives up with `Fatal`, and a loop stuck in a step is ended around it; the termination message
+keeps a failed rank's own."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import tempfile
 import threading
 from pathlib import Path
@@ -22,6 +24,7 @@ from pagekeeper_engine.engine_process import RankFailureHandler, report_fatal
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError, TensorParallelStepError
 from pagekeeper_engine.frontend.client import EngineDeadError
 from pagekeeper_engine.frontend.core_client import CoreClient
+from pagekeeper_engine.heap import thaw_heap
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 from pagekeeper_engine.messages import CoreAddresses
 from pagekeeper_engine.runner import runner as runner_module
@@ -57,6 +60,7 @@ def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
         termination_log_path=str(log),
     )
     codes: list[int] = []
+    frozen: list[int] = []
 
     async def main(directory: str) -> Any:
         addresses = CoreAddresses(directory)
@@ -68,6 +72,7 @@ def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
         core.start()
         try:
             ready = await client.wait_ready()
+            frozen.append(gc.get_freeze_count())  # this process is the core's here
             with pytest.raises(EngineDeadError, match="gave up: 2 out-of-memory errors"):
                 async for _ in client.generate("r", [1, 2, 3], SamplingParams(max_tokens=4)):
                     pass
@@ -76,9 +81,14 @@ def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
         finally:
             await client.close()
 
-    with tempfile.TemporaryDirectory(prefix="pk-core-") as directory:
-        ready = asyncio.run(main(directory))
+    thaw_heap()
+    try:
+        with tempfile.TemporaryDirectory(prefix="pk-core-") as directory:
+            ready = asyncio.run(main(directory))
+    finally:
+        thaw_heap()
     assert codes == [1]
+    assert frozen[0] > 1000  # the modules and objects of its start-up
     assert (ready.limits.max_model_len, ready.block_size, ready.num_gpu_blocks) == (128, 4, 64)
     assert ready.memory_budget_bytes == [{"weights": 100, "kv_cache": 200}]
     assert ready.kv_cache_dtype == "float32"
