@@ -20,6 +20,11 @@ from pagekeeper_engine.kernels.pick_scratch import PLANES
 # The planes, in order (jit code reads module globals only as constexprs).
 _MAX, _SUM, _BEST, _RAW_AT_BEST, _INDEX = (tl.constexpr(plane) for plane in range(PLANES))
 
+# Where a pick's Exp(1) draws come from (its NOISE argument): none (greedy), a tensor of them,
+# or drawn in the kernel from a seed (`exp_draws`).
+NO_NOISE, NOISE_TENSOR, NOISE_DRAWN = 0, 1, 2
+_NOISE_TENSOR, _NOISE_DRAWN = tl.constexpr(NOISE_TENSOR), tl.constexpr(NOISE_DRAWN)
+
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
 _PARTS_VARYING = ("parts_ptr", "index_ptr", "plane_stride")
@@ -30,7 +35,28 @@ _COMBINE_VARYING = (
     "packed_ptr",
     "packed_row_stride",
 )
-_PICK_VARYING = (*_PARTS_VARYING, "token_ids_ptr", "packed_ptr", "packed_row_stride")
+_PICK_VARYING = (
+    *_PARTS_VARYING,
+    "token_ids_ptr",
+    "packed_ptr",
+    "packed_row_stride",
+    "noise_seed",
+)
+
+
+@triton.jit
+def exp_draws(seed, row, first_column, row_counters, BLOCK_V: tl.constexpr):
+    """Exp(1) draws for columns first_column..+BLOCK_V of row `row`: E = -log(U), U uniform in
+    [0, 1) from Philox4x32-10 keyed by `seed`. Column c of row r takes lane c % 4 of the
+    counter r * row_counters + c // 4 (`row_counters` = ceil(vocabulary / 4)), so a draw
+    depends on the seed, the row and the column alone, not on the chunking
+    (`reference.exp_draws_ref`). One counter feeds four columns: a quarter of the rounds of a
+    draw each. U = 0 gives E = inf, a column that never wins (probability 2**-31)."""
+    quads = row * row_counters + first_column // 4 + tl.arange(0, BLOCK_V // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, quads)
+    # join stacks on a new last axis: (q, i, j) holds lane 2i + j of quad q
+    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_V])
+    return -tl.log(tl.random.uint_to_uniform_float(bits))
 
 
 @triton.jit
@@ -47,12 +73,13 @@ def _store_chunk_partials(
     noise_row_stride,
     plane_stride,
     scale,
+    noise_seed,
     VOCAB: tl.constexpr,
     INDEX_OFFSET: tl.constexpr,
     NO_INDEX: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_NOISE: tl.constexpr,
+    NOISE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
 ):
     """Chunk `chunk` of row `row`: its PLANES partials, stored at (row, chunk) of each plane."""
@@ -67,8 +94,11 @@ def _store_chunk_partials(
 
     score = tl.load(scores_ptr + row * scores_row_stride + offs, mask=mask, other=float("-inf"))
     score = score.to(tl.float32) * scale
-    if HAS_NOISE:
+    if NOISE == _NOISE_TENSOR:
         noise = tl.load(noise_ptr + row * noise_row_stride + offs, mask=mask, other=1.0)
+        score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
+    elif NOISE == _NOISE_DRAWN:
+        noise = exp_draws(noise_seed, row, chunk * BLOCK_V, (VOCAB + 3) // 4, BLOCK_V)
         score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
     best = tl.max(score, axis=0)
     # `mask`: a padding lane never wins, even in a chunk whose scores are all -inf.
@@ -101,14 +131,14 @@ def chunk_partials_kernel(
     NO_INDEX: tl.constexpr,  # the whole vocabulary's size: a chunk with no valid column
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_NOISE: tl.constexpr,
+    NOISE: tl.constexpr,  # NO_NOISE or NOISE_TENSOR (a shard's draws come in a tensor)
     NOISE_FLOOR: tl.constexpr,
 ):
     _store_chunk_partials(
         scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr,
         tl.program_id(0).to(tl.int64), tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
-        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, HAS_NOISE, NOISE_FLOOR,
+        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale, 0,
+        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, NOISE, NOISE_FLOOR,
     )  # fmt: skip
 
 
@@ -195,18 +225,19 @@ def pick_kernel(
     plane_stride,  # N * NUM_CHUNKS
     packed_row_stride,
     scale,
+    noise_seed,  # NOISE_DRAWN: the Philox key of the launch's draws
     VOCAB: tl.constexpr,  # the whole vocabulary (one rank reads all of it)
     NUM_CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_NOISE: tl.constexpr,
+    NOISE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     _store_chunk_partials(
         scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr, row, tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
-        VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, HAS_NOISE, NOISE_FLOOR,
+        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale, noise_seed,
+        VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, NOISE, NOISE_FLOOR,
     )  # fmt: skip
     # Every thread's partial stores precede the counter's release (barrier, then an acq_rel
     # atomic at GPU scope); the chunk that counts last acquires all of its row's.

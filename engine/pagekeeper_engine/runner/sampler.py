@@ -10,11 +10,15 @@ the top-k / top-p cut. A batch of greedy rows, or of random rows with one temper
 common cases), goes straight to the pick with scale 1 / T; a mixed batch builds its scores in
 torch first. A request with a seed gets its own generator seeded with `seed +
 num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
-the others share the engine's seeded generator.
+the others draw from the engine's seed: on a GPU, a race with no seeded row has the pick draw
+its Exp(1) noise itself from a key the sampler's host generator gives each step (no tensor of
+draws is written and read again), and any other batch's draws come from the engine's device
+generator. Either way each draw is Exp(1) and independent of every other.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +27,7 @@ import torch
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
+from pagekeeper_engine.kernels.reference import exp_draws_ref
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -58,17 +63,22 @@ def pick_tokens(
     *,
     scale: float = 1.0,
     noise: torch.Tensor | None = None,
+    noise_seed: int | None = None,  # instead of `noise`: draws keyed by it (`exp_draws_ref`)
     scratch: PickScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
     `scratch` where given)."""
     if not raw.is_cuda:
+        if noise_seed is not None:
+            noise = exp_draws_ref(noise_seed, *raw.shape).to(raw.device)
         return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
     # Imported on first CUDA use: a kernel module fixes interpreted or native mode
     # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
     from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
 
-    return sampling.pick_tokens(scores, raw, scale=scale, noise=noise, scratch=scratch)
+    return sampling.pick_tokens(
+        scores, raw, scale=scale, noise=noise, noise_seed=noise_seed, scratch=scratch
+    )
 
 
 def has_cut(params: Sequence[SamplingParams]) -> bool:
@@ -146,6 +156,7 @@ class Sampler:
     ):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.pick_keys = random.Random(seed)  # the keys of the picks that draw their own noise
         self.eos_token_ids = eos_token_ids
         self.buffers = buffers
 
@@ -188,6 +199,11 @@ class Sampler:
                 if masked is not scores:
                     scores.copy_(masked)
                 cut_top_k_top_p(scores, params, scale, buffers.cut)
+            if buffers.pick is not None and all(p.seed is None for p in params):
+                key = self.pick_keys.getrandbits(63)  # the pick draws the noise itself
+                return pick_tokens(
+                    scores, logits, scale=scale, noise_seed=key, scratch=buffers.pick
+                )
             noise = self._draw_noise(buffers.noise, params, num_output_tokens)
             return pick_tokens(scores, logits, scale=scale, noise=noise, scratch=buffers.pick)
         scores = self._mixed_scores(masked, params, num_output_tokens, buffers)
