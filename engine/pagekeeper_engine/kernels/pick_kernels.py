@@ -20,10 +20,11 @@ from pagekeeper_engine.kernels.pick_scratch import PLANES
 # The planes, in order (jit code reads module globals only as constexprs).
 _MAX, _SUM, _BEST, _RAW_AT_BEST, _INDEX = (tl.constexpr(plane) for plane in range(PLANES))
 
-# Where a pick's Exp(1) draws come from (its NOISE argument): none (greedy), a tensor of them,
-# or drawn in the kernel from a seed (`exp_draws`).
-NO_NOISE, NOISE_TENSOR, NOISE_DRAWN = 0, 1, 2
-_NOISE_TENSOR, _NOISE_DRAWN = tl.constexpr(NOISE_TENSOR), tl.constexpr(NOISE_DRAWN)
+# How a pick chooses (its RULE argument): the argmax of the scores (greedy), the argmax of the
+# race scores * scale - log E over a tensor of Exp(1) draws E, or the inverse of the row's
+# softmax(scores * scale) CDF at one uniform draw per row, drawn in the kernel from a key.
+ARGMAX, RACE, INVERSE_CDF = 0, 1, 2
+_RACE, _INVERSE_CDF = tl.constexpr(RACE), tl.constexpr(INVERSE_CDF)
 
 
 # Arguments whose alignment or value changes from step to step (see kernels/__init__.py).
@@ -40,23 +41,8 @@ _PICK_VARYING = (
     "token_ids_ptr",
     "packed_ptr",
     "packed_row_stride",
-    "noise_seed",
+    "key",
 )
-
-
-@triton.jit
-def exp_draws(seed, row, first_column, row_counters, BLOCK_V: tl.constexpr):
-    """Exp(1) draws for columns first_column..+BLOCK_V of row `row`: E = -log(U), U uniform in
-    [0, 1) from Philox4x32-10 keyed by `seed`. Column c of row r takes lane c % 4 of the
-    counter r * row_counters + c // 4 (`row_counters` = ceil(vocabulary / 4)), so a draw
-    depends on the seed, the row and the column alone, not on the chunking
-    (`reference.exp_draws_ref`). One counter feeds four columns: a quarter of the rounds of a
-    draw each. U = 0 gives E = inf, a column that never wins (probability 2**-31)."""
-    quads = row * row_counters + first_column // 4 + tl.arange(0, BLOCK_V // 4)
-    r0, r1, r2, r3 = tl.randint4x(seed, quads)
-    # join stacks on a new last axis: (q, i, j) holds lane 2i + j of quad q
-    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_V])
-    return -tl.log(tl.random.uint_to_uniform_float(bits))
 
 
 @triton.jit
@@ -73,16 +59,18 @@ def _store_chunk_partials(
     noise_row_stride,
     plane_stride,
     scale,
-    noise_seed,
     VOCAB: tl.constexpr,
     INDEX_OFFSET: tl.constexpr,
     NO_INDEX: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    NOISE: tl.constexpr,
+    RULE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
 ):
-    """Chunk `chunk` of row `row`: its PLANES partials, stored at (row, chunk) of each plane."""
+    """Chunk `chunk` of row `row`: its PLANES partials, stored at (row, chunk) of each plane.
+    Under INVERSE_CDF the BEST plane holds the chunk's largest score * scale and the
+    RAW_AT_BEST plane the sum of exp(score * scale - that), its share of the row's softmax
+    mass; the INDEX plane is not written."""
     offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < VOCAB
     raw = tl.load(raw_ptr + row * raw_row_stride + offs, mask=mask, other=float("-inf"))
@@ -94,24 +82,26 @@ def _store_chunk_partials(
 
     score = tl.load(scores_ptr + row * scores_row_stride + offs, mask=mask, other=float("-inf"))
     score = score.to(tl.float32) * scale
-    if NOISE == _NOISE_TENSOR:
-        noise = tl.load(noise_ptr + row * noise_row_stride + offs, mask=mask, other=1.0)
-        score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
-    elif NOISE == _NOISE_DRAWN:
-        noise = exp_draws(noise_seed, row, chunk * BLOCK_V, (VOCAB + 3) // 4, BLOCK_V)
-        score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
-    best = tl.max(score, axis=0)
-    # `mask`: a padding lane never wins, even in a chunk whose scores are all -inf.
-    best_local = tl.min(tl.where((score == best) & mask, offs, VOCAB), axis=0)
-    raw_at_best = tl.max(tl.where(offs == best_local, raw, float("-inf")), axis=0)
-    best_index = tl.where(best_local < VOCAB, best_local + INDEX_OFFSET, NO_INDEX)
-
     part = row * NUM_CHUNKS + chunk
     tl.store(parts_ptr + _MAX * plane_stride + part, raw_max)
     tl.store(parts_ptr + _SUM * plane_stride + part, raw_sum)
-    tl.store(parts_ptr + _BEST * plane_stride + part, best)
-    tl.store(parts_ptr + _RAW_AT_BEST * plane_stride + part, raw_at_best)
-    tl.store(index_ptr + _INDEX * plane_stride + part, best_index.to(tl.int32))
+    if RULE == _INVERSE_CDF:
+        best = tl.max(score, axis=0)
+        best_shift = tl.where(best == float("-inf"), 0.0, best)
+        tl.store(parts_ptr + _BEST * plane_stride + part, best)
+        tl.store(parts_ptr + _RAW_AT_BEST * plane_stride + part, tl.sum(tl.exp(score - best_shift)))
+    else:
+        if RULE == _RACE:
+            noise = tl.load(noise_ptr + row * noise_row_stride + offs, mask=mask, other=1.0)
+            score = score - tl.log(tl.maximum(noise, NOISE_FLOOR))
+        best = tl.max(score, axis=0)
+        # `mask`: a padding lane never wins, even in a chunk whose scores are all -inf.
+        best_local = tl.min(tl.where((score == best) & mask, offs, VOCAB), axis=0)
+        raw_at_best = tl.max(tl.where(offs == best_local, raw, float("-inf")), axis=0)
+        best_index = tl.where(best_local < VOCAB, best_local + INDEX_OFFSET, NO_INDEX)
+        tl.store(parts_ptr + _BEST * plane_stride + part, best)
+        tl.store(parts_ptr + _RAW_AT_BEST * plane_stride + part, raw_at_best)
+        tl.store(index_ptr + _INDEX * plane_stride + part, best_index.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=_PARTS_VARYING)
@@ -131,15 +121,25 @@ def chunk_partials_kernel(
     NO_INDEX: tl.constexpr,  # the whole vocabulary's size: a chunk with no valid column
     NUM_CHUNKS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    NOISE: tl.constexpr,  # NO_NOISE or NOISE_TENSOR (a shard's draws come in a tensor)
+    RULE: tl.constexpr,  # ARGMAX or RACE: the merge across ranks takes their partials
     NOISE_FLOOR: tl.constexpr,
 ):
     _store_chunk_partials(
         scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr,
         tl.program_id(0).to(tl.int64), tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale, 0,
-        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, NOISE, NOISE_FLOOR,
+        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
+        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR,
     )  # fmt: skip
+
+
+@triton.jit
+def _row_lse(parts_ptr, parts, mask, plane_stride):
+    """The row's log-sum-exp of the raw logits, from its chunks' (max, sum) partials."""
+    chunk_max = tl.load(parts_ptr + _MAX * plane_stride + parts, mask=mask, other=float("-inf"))
+    chunk_sum = tl.load(parts_ptr + _SUM * plane_stride + parts, mask=mask, other=0.0)
+    row_max = tl.max(chunk_max, axis=0)
+    # Padding and all -inf chunks weigh exp(-inf) = 0.
+    return row_max + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - row_max), axis=0))
 
 
 @triton.jit
@@ -164,12 +164,7 @@ def _combine_row(
     chunk = offs % CHUNKS_PAD
     mask = (rank < RANKS) & (chunk < NUM_CHUNKS)
     parts = rank.to(tl.int64) * rank_stride + row * NUM_CHUNKS + chunk
-    chunk_max = tl.load(parts_ptr + _MAX * plane_stride + parts, mask=mask, other=float("-inf"))
-    chunk_sum = tl.load(parts_ptr + _SUM * plane_stride + parts, mask=mask, other=0.0)
-    row_max = tl.max(chunk_max, axis=0)
-    # Padding and all -inf chunks weigh exp(-inf) = 0.
-    lse = row_max + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - row_max), axis=0))
-
+    lse = _row_lse(parts_ptr, parts, mask, plane_stride)
     chunk_best = tl.load(parts_ptr + _BEST * plane_stride + parts, mask=mask, other=float("-inf"))
     chunk_raw = tl.load(parts_ptr + _RAW_AT_BEST * plane_stride + parts, mask=mask, other=0.0)
     chunk_index = tl.load(index_ptr + _INDEX * plane_stride + parts, mask=mask, other=VOCAB)
@@ -209,6 +204,69 @@ def combine_chunks_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _sample_row(
+    scores_ptr,
+    raw_ptr,
+    parts_ptr,
+    token_ids_ptr,
+    packed_ptr,
+    row,
+    scores_row_stride,
+    raw_row_stride,
+    plane_stride,
+    packed_row_stride,
+    scale,
+    key,
+    VOCAB: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Row `row`'s token under INVERSE_CDF: U = `tl.rand(key, row)`, uniform in [0, 1), and
+    the token is the first whose cumulative softmax(scores * scale) mass exceeds U times the
+    row's mass: the chunk where that happens from the chunks' masses, then the token inside it
+    from that chunk's scores, read again (`runner.sampler.inverse_cdf_ref`). A token of zero mass
+    (a score of -inf) is never picked; where rounding leaves the target past the last
+    cumulative mass, the last token with mass is; a row of no mass at all picks token 0, as
+    the argmax of an all -inf row does."""
+    offs = tl.arange(0, CHUNKS_PAD)
+    mask = offs < NUM_CHUNKS
+    parts = row * NUM_CHUNKS + offs
+    lse = _row_lse(parts_ptr, parts, mask, plane_stride)
+    chunk_best = tl.load(parts_ptr + _BEST * plane_stride + parts, mask=mask, other=float("-inf"))
+    chunk_sum = tl.load(parts_ptr + _RAW_AT_BEST * plane_stride + parts, mask=mask, other=0.0)
+    best = tl.max(chunk_best, axis=0)
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    mass = chunk_sum * tl.exp(chunk_best - shift)  # each chunk's, on the row's scale
+    target = tl.rand(key, row) * tl.sum(mass, axis=0)
+    past = (tl.cumsum(mass, axis=0) > target) & (mass > 0)
+    chunk = tl.min(tl.where(past, offs, CHUNKS_PAD), axis=0)
+    last_with_mass = tl.max(tl.where(mass > 0, offs, 0), axis=0)
+    chunk = tl.where(chunk == CHUNKS_PAD, last_with_mass, chunk)
+    # The target's place inside the chunk, as a share of the chunk's own mass: its tokens'
+    # masses are summed again below, in another order, and need not round to the same total.
+    before = tl.sum(tl.where(offs < chunk, mass, 0.0), axis=0)
+    chunk_mass = tl.sum(tl.where(offs == chunk, mass, 0.0), axis=0)
+    share = (target - before) / tl.where(chunk_mass > 0, chunk_mass, 1.0)  # 0 in a massless row
+
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < VOCAB
+    score = tl.load(scores_ptr + row * scores_row_stride + cols, mask=col_mask, other=float("-inf"))
+    weight = tl.exp(score.to(tl.float32) * scale - shift)  # -inf scores weigh 0
+    running = tl.cumsum(weight, axis=0)
+    inside = share * tl.sum(weight, axis=0)
+    hit = (running > inside) & (weight > 0)
+    token = tl.min(tl.where(hit, cols, VOCAB), axis=0)
+    last_token = tl.max(tl.where(weight > 0, cols, 0), axis=0)
+    token = tl.where(token == VOCAB, last_token, token)
+    token = tl.minimum(token, VOCAB - 1)  # an all-NaN row matches nothing
+    raw = tl.load(raw_ptr + row * raw_row_stride + token).to(tl.float32)
+    tl.store(token_ids_ptr + row, token.to(tl.int64))
+    tl.store(packed_ptr + row, token.to(tl.float64))
+    tl.store(packed_ptr + packed_row_stride + row, (raw - lse).to(tl.float64))
+
+
 @triton.jit(do_not_specialize=_PICK_VARYING)
 def pick_kernel(
     scores_ptr,
@@ -225,19 +283,19 @@ def pick_kernel(
     plane_stride,  # N * NUM_CHUNKS
     packed_row_stride,
     scale,
-    noise_seed,  # NOISE_DRAWN: the Philox key of the launch's draws
+    key,  # INVERSE_CDF: the Philox key of the launch's uniform draws, one a row
     VOCAB: tl.constexpr,  # the whole vocabulary (one rank reads all of it)
     NUM_CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    NOISE: tl.constexpr,
+    RULE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     _store_chunk_partials(
         scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr, row, tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale, noise_seed,
-        VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, NOISE, NOISE_FLOOR,
+        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
+        VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR,
     )  # fmt: skip
     # Every thread's partial stores precede the counter's release (barrier, then an acq_rel
     # atomic at GPU scope); the chunk that counts last acquires all of its row's.
@@ -246,9 +304,16 @@ def pick_kernel(
     num_done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
     if num_done == NUM_CHUNKS - 1:
-        _combine_row(
-            parts_ptr, index_ptr, token_ids_ptr, packed_ptr, row,
-            plane_stride, 0, packed_row_stride,
-            VOCAB, NUM_CHUNKS, CHUNKS_PAD, 1, 1,
-        )  # fmt: skip
+        if RULE == _INVERSE_CDF:
+            _sample_row(
+                scores_ptr, raw_ptr, parts_ptr, token_ids_ptr, packed_ptr, row,
+                scores_row_stride, raw_row_stride, plane_stride, packed_row_stride, scale, key,
+                VOCAB, NUM_CHUNKS, CHUNKS_PAD, BLOCK_V,
+            )  # fmt: skip
+        else:
+            _combine_row(
+                parts_ptr, index_ptr, token_ids_ptr, packed_ptr, row,
+                plane_stride, 0, packed_row_stride,
+                VOCAB, NUM_CHUNKS, CHUNKS_PAD, 1, 1,
+            )  # fmt: skip
         tl.store(counter, 0)  # zero again for the next launch (stream-ordered)

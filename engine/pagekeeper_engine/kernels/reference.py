@@ -120,17 +120,17 @@ _PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)  # and its round multipliers
 _MASK32 = 0xFFFFFFFF
 
 
-def exp_draws_ref(seed: int, num_rows: int, vocab_size: int) -> torch.Tensor:
-    """`pick_kernels.exp_draws` for every column of `num_rows` rows, (N, V) fp32 on the CPU:
-    Philox4x32-10 of the counter (r * ceil(V / 4) + c // 4, 0, 0, 0) under the key (seed's low
-    and high 32 bits), lane c % 4; U = the lane as int32, negatives complemented, times
-    4.6566127342e-10 (Triton's `uint_to_uniform_float`); E = -log(U)."""
+def uniforms_ref(key: int, num_rows: int) -> torch.Tensor:
+    """`tl.rand(key, row)` for rows 0..num_rows-1, (N,) fp32 on the CPU: lane 0 of Philox4x32-10
+    of the counter (row, 0, 0, 0) under the key (its low and high 32 bits), as int32 with
+    negatives complemented, times 4.6566127342e-10 (Triton's `uint_to_uniform_float`): uniform
+    in [0, 1)."""
     import numpy as np  # noqa: PLC0415  (the references alone use numpy's exact uint64 products)
 
-    quads_per_row = -(-vocab_size // 4)
-    counters = np.arange(num_rows * quads_per_row, dtype=np.uint64)
-    c = [counters & _MASK32, counters >> np.uint64(32), counters * 0, counters * 0]
-    k0, k1 = np.uint64(seed & _MASK32), np.uint64((seed >> 32) & _MASK32)
+    rows = np.arange(num_rows, dtype=np.uint64)
+    zero = rows * np.uint64(0)
+    c = [rows & np.uint64(_MASK32), rows >> np.uint64(32), zero, zero]
+    k0, k1 = np.uint64(key & _MASK32), np.uint64((key >> 32) & _MASK32)
     mask = np.uint64(_MASK32)
     round_a, round_b = np.uint64(_PHILOX_ROUND[0]), np.uint64(_PHILOX_ROUND[1])
     for _ in range(10):
@@ -143,9 +143,6 @@ def exp_draws_ref(seed: int, num_rows: int, vocab_size: int) -> torch.Tensor:
         ]
         k0 = (k0 + np.uint64(_PHILOX_KEY[0])) & mask
         k1 = (k1 + np.uint64(_PHILOX_KEY[1])) & mask
-    lanes = np.stack(c, axis=1).astype(np.uint32).view(np.int32)  # (counters, 4)
-    lanes = np.where(lanes < 0, ~lanes, lanes).astype(np.float32)
-    uniform = lanes * np.float32(4.6566127342e-10)
-    with np.errstate(divide="ignore"):
-        draws = -np.log(uniform)
-    return torch.from_numpy(draws.reshape(num_rows, -1)[:, :vocab_size].copy())
+    lane = c[0].astype(np.uint32).view(np.int32)
+    lane = np.where(lane < 0, ~lane, lane).astype(np.float32)
+    return torch.from_numpy(lane * np.float32(4.6566127342e-10))

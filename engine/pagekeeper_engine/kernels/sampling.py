@@ -10,11 +10,12 @@ model's dtype (bf16 / fp16), widened in registers, so that no step copies them t
 
 Without noise it is the greedy argmax. With scale = 1 / T and noise E ~ Exp(1) it is the
 exponential race (the Gumbel-max trick: -log E is Gumbel-distributed), which samples exactly
-from softmax(scores / T). The draws come in a tensor, or, given `noise_seed` instead, the
-one-rank pick draws them itself (`pick_kernels.exp_draws`, Philox keyed by the seed, one draw
-per row and column): at 256 rows of a 151,936-entry vocabulary a tensor of draws is 156 MB
-written by one kernel and read by the pick, and W-nano on an H200 spent ~1.2% of its time on
-them (greedy, with no draws at all, ran 1.1-1.5% faster; docs/benchmarks.md, run 38).
+from softmax(scores / T). Given `sample_key` instead of draws, the one-rank pick samples the
+same distribution by inverting each row's CDF at one uniform draw (`pick_kernels._sample_row`,
+Philox keyed by `sample_key` and the row): one draw a row instead of one a row and column. At
+256 rows of a 151,936-entry vocabulary the race's draws are 156 MB, written by one kernel and
+read by the pick, and the race cost an H100 2.6x a greedy pick (200 against 77 us); W-nano on
+an H200 ran 1.1-1.5% faster greedy than at temperature 0.6 (docs/benchmarks.md, run 38).
 
 Why: on an H200, at batch 1, torch's sampler cost ~120 us of a ~4.6 ms decode step of an 8B
 model. Its softmax over a 128,256-entry vocabulary runs one thread block per row (33 us at one
@@ -44,9 +45,9 @@ import triton
 
 from pagekeeper_engine.kernels import NOISE_FLOOR, check_device, check_like, next_power_of_2
 from pagekeeper_engine.kernels.pick_kernels import (
-    NO_NOISE,
-    NOISE_DRAWN,
-    NOISE_TENSOR,
+    ARGMAX,
+    INVERSE_CDF,
+    RACE,
     chunk_partials_kernel,
     combine_chunks_kernel,
     pick_kernel,
@@ -102,7 +103,7 @@ def chunk_partials(
         NO_INDEX=vocab_size,
         NUM_CHUNKS=num_chunks,
         BLOCK_V=block_v,
-        NOISE=NO_NOISE if noise is None else NOISE_TENSOR,
+        RULE=ARGMAX if noise is None else RACE,
         NOISE_FLOOR=NOISE_FLOOR,
         num_warps=8,
     )
@@ -153,14 +154,14 @@ def pick_tokens(
     *,
     scale: float = 1.0,  # 1 / temperature
     noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
-    noise_seed: int | None = None,  # instead of `noise`: the kernel draws them from this seed
+    sample_key: int | None = None,  # instead of `noise`: invert the CDF at draws of this key
     scratch: PickScratch | None = None,  # where the results go; default: new tensors
     block_v: int | None = None,  # vocabulary entries a program reads; default: the scratch's
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw, in one launch over a one-rank scratch. Ids below 2**53 are
-    exact in float64. With `noise_seed` the draws are `reference.exp_draws_ref(noise_seed, N,
-    V)`'s."""
+    exact in float64. With `sample_key` row r's token is `runner.sampler.inverse_cdf_ref`'s at
+    the uniform `reference.uniforms_ref(sample_key, N)[r]`."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
     if scratch is None:
         scratch = PickScratch(raw.shape[0], raw.shape[1], raw.device, block_v or BLOCK_V)
@@ -169,8 +170,8 @@ def pick_tokens(
     )
     assert scratch.ranks == 1, "a scratch of several ranks picks in two launches around a gather"
     _check_pick_operands(scores, raw, scale, noise)
-    assert noise is None or noise_seed is None, "draws come in `noise` or from `noise_seed`"
-    assert noise_seed is None or 0 <= noise_seed < 2**63, f"noise_seed {noise_seed} not in int64"
+    assert noise is None or sample_key is None, "a pick races over `noise` or samples by a key"
+    assert sample_key is None or 0 <= sample_key < 2**63, f"sample_key {sample_key} not in int64"
     num_rows, vocab_size = raw.shape
     assert vocab_size >= 1, "raw has an empty vocabulary"
     _check_scratch(scratch, raw)
@@ -194,23 +195,23 @@ def pick_tokens(
         num_rows * num_chunks,
         packed.stride(0),
         scale,
-        0 if noise_seed is None else noise_seed,
+        0 if sample_key is None else sample_key,
         VOCAB=vocab_size,
         NUM_CHUNKS=num_chunks,
         CHUNKS_PAD=next_power_of_2(num_chunks),
         BLOCK_V=block_v,
-        NOISE=_noise_mode(noise, noise_seed),
+        RULE=_rule(noise, sample_key),
         NOISE_FLOOR=NOISE_FLOOR,
         num_warps=8,
     )
     return token_ids, packed
 
 
-def _noise_mode(noise: torch.Tensor | None, noise_seed: int | None) -> int:
-    """The pick kernel's NOISE: where its draws come from."""
-    if noise_seed is not None:
-        return NOISE_DRAWN
-    return NO_NOISE if noise is None else NOISE_TENSOR
+def _rule(noise: torch.Tensor | None, sample_key: int | None) -> int:
+    """The pick kernel's RULE."""
+    if sample_key is not None:
+        return INVERSE_CDF
+    return ARGMAX if noise is None else RACE
 
 
 def _check_pick_operands(

@@ -27,7 +27,7 @@ import torch
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
-from pagekeeper_engine.kernels.reference import exp_draws_ref
+from pagekeeper_engine.kernels.reference import uniforms_ref
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -57,27 +57,53 @@ def pick_tokens_ref(
     return token_ids, torch.stack((token_ids.double(), logprobs.double()))
 
 
+def inverse_cdf_ref(
+    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype
+    raw: torch.Tensor,  # (N, V): the model's unmodified logits
+    *,
+    scale: float,
+    uniforms: torch.Tensor,  # (N,) in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.sampling.pick_tokens` with a sample key, in plain torch (fp64): row r's token
+    is the first whose cumulative softmax(scores * scale) mass exceeds uniforms[r] times the
+    row's mass (never one of zero mass; the last with mass where rounding leaves none past the
+    target; token 0 for a row of no mass)."""
+    race = scores.double() * scale
+    shift = race.max(dim=-1, keepdim=True).values
+    weight = (race - shift.masked_fill(shift.isinf(), 0.0)).exp()
+    cdf = weight.cumsum(dim=-1)
+    target = uniforms.double()[:, None] * cdf[:, -1:]
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    columns = torch.arange(weight.shape[1], device=weight.device)
+    last = torch.where(weight > 0, columns, 0).max(dim=-1).values
+    token_ids = torch.where(token_ids >= weight.shape[1], last, token_ids)
+    wide = raw.float()
+    logprobs = wide.gather(1, token_ids[:, None]).squeeze(1) - wide.logsumexp(dim=-1)
+    return token_ids, torch.stack((token_ids.double(), logprobs.double()))
+
+
 def pick_tokens(
     scores: torch.Tensor,
     raw: torch.Tensor,
     *,
     scale: float = 1.0,
     noise: torch.Tensor | None = None,
-    noise_seed: int | None = None,  # instead of `noise`: draws keyed by it (`exp_draws_ref`)
+    sample_key: int | None = None,  # instead of `noise`: invert the CDF at this key's draws
     scratch: PickScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
     `scratch` where given)."""
     if not raw.is_cuda:
-        if noise_seed is not None:
-            noise = exp_draws_ref(noise_seed, *raw.shape).to(raw.device)
+        if sample_key is not None:
+            uniforms = uniforms_ref(sample_key, raw.shape[0]).to(raw.device)
+            return inverse_cdf_ref(scores, raw, scale=scale, uniforms=uniforms)
         return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
     # Imported on first CUDA use: a kernel module fixes interpreted or native mode
     # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
     from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
 
     return sampling.pick_tokens(
-        scores, raw, scale=scale, noise=noise, noise_seed=noise_seed, scratch=scratch
+        scores, raw, scale=scale, noise=noise, sample_key=sample_key, scratch=scratch
     )
 
 
@@ -200,9 +226,9 @@ class Sampler:
                     scores.copy_(masked)
                 cut_top_k_top_p(scores, params, scale, buffers.cut)
             if buffers.pick is not None and all(p.seed is None for p in params):
-                key = self.pick_keys.getrandbits(63)  # the pick draws the noise itself
+                key = self.pick_keys.getrandbits(63)  # one uniform draw a row, in the pick
                 return pick_tokens(
-                    scores, logits, scale=scale, noise_seed=key, scratch=buffers.pick
+                    scores, logits, scale=scale, sample_key=key, scratch=buffers.pick
                 )
             noise = self._draw_noise(buffers.noise, params, num_output_tokens)
             return pick_tokens(scores, logits, scale=scale, noise=noise, scratch=buffers.pick)

@@ -1,5 +1,6 @@
-"""The sampler on a GPU: a race with no seeded row has the pick draw its own noise (the draws
-`exp_draws_ref` gives for the step's key), and a seeded row keeps its own generator's draws."""
+"""The sampler on a GPU: a batch of one temperature and no seeded row samples by inverting
+each row's CDF at the uniform its step's key gives (`uniforms_ref`), and a seeded row keeps its
+own generator's draws, beside unseeded rows or alone."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.kernels.reference import exp_draws_ref
-from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
+from pagekeeper_engine.kernels.reference import uniforms_ref
+from pagekeeper_engine.runner.sampler import Sampler, inverse_cdf_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,15 +26,15 @@ def logits(num_rows: int) -> torch.Tensor:
     return (3 * torch.randn((num_rows, VOCAB), generator=gen, device="cuda")).bfloat16()
 
 
-def test_an_unseeded_race_draws_in_the_pick_with_the_steps_key() -> None:
+def test_an_unseeded_batch_inverts_the_cdf_at_its_steps_key() -> None:
     sampler = Sampler("cuda", SEED, frozenset({2}))
     rows = logits(4)
     params = [SamplingParams(temperature=0.8)] * 4
     keys = random.Random(SEED)
     for _ in range(2):  # each step its own key
         token_ids, packed = sampler.sample(rows, params, [0] * 4)
-        noise = exp_draws_ref(keys.getrandbits(63), 4, VOCAB).cuda()
-        ref_ids, ref_packed = pick_tokens_ref(rows, rows, scale=1 / 0.8, noise=noise)
+        uniforms = uniforms_ref(keys.getrandbits(63), 4).cuda()
+        ref_ids, ref_packed = inverse_cdf_ref(rows, rows, scale=1 / 0.8, uniforms=uniforms)
         assert torch.equal(token_ids, ref_ids)
         torch.testing.assert_close(packed[1], ref_packed[1], rtol=1e-5, atol=1e-5)
 

@@ -59,7 +59,7 @@ PICK = {
     "plane_stride": "i32",
     "packed_row_stride": "i32",
     "scale": "fp32",
-    "noise_seed": "i64",
+    "key": "i64",
 }
 
 
@@ -74,7 +74,7 @@ def compile_pick(ranks: int) -> None:
         "NO_INDEX": VOCAB,
         "NUM_CHUNKS": chunks,
         "BLOCK_V": BLOCK_V,
-        "NOISE": pick_kernels.NOISE_TENSOR,
+        "RULE": pick_kernels.RACE,
         "NOISE_FLOOR": NOISE_FLOOR,
     }
     combine_constants: dict[str, object] = {
@@ -86,14 +86,14 @@ def compile_pick(ranks: int) -> None:
     }
     _compile(pick_kernels.chunk_partials_kernel, PARTIALS, partial_constants)
     _compile(pick_kernels.combine_chunks_kernel, COMBINE, combine_constants)
-    if ranks == 1:  # the shard is the whole vocabulary: draws in a tensor, then drawn here
-        for noise in (pick_kernels.NOISE_TENSOR, pick_kernels.NOISE_DRAWN):
+    if ranks == 1:  # the shard is the whole vocabulary: a race, and a CDF's inverse
+        for rule in (pick_kernels.RACE, pick_kernels.INVERSE_CDF):
             pick_constants: dict[str, object] = {
                 "VOCAB": VOCAB,
                 "NUM_CHUNKS": chunks,
                 "CHUNKS_PAD": next_power_of_2(chunks),
                 "BLOCK_V": BLOCK_V,
-                "NOISE": noise,
+                "RULE": rule,
                 "NOISE_FLOOR": NOISE_FLOOR,
             }
             _compile(pick_kernels.pick_kernel, PICK, pick_constants)

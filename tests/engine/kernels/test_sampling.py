@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.kernels.reference import exp_draws_ref
+from pagekeeper_engine.kernels.reference import uniforms_ref
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
-from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
+from pagekeeper_engine.runner.sampler import Sampler, inverse_cdf_ref, pick_tokens_ref
 from tests.engine.kernels.hopper_compile import compile_for_hopper
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
@@ -105,47 +105,78 @@ def test_low_precision_logits_pick_as_their_fp32_copy(
     torch.testing.assert_close(packed[1], wide_packed[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("is_masked", [False, True])
 @pytest.mark.parametrize(
     ("num_rows", "vocab_size", "block_v"),
-    [(1, 1, BLOCK_V), (3, 37, BLOCK_V), (2, BLOCK_V + 7, BLOCK_V), (3, 1001, SMALL_BLOCK_V)],
+    [(1, 1, BLOCK_V), (3, 37, BLOCK_V), (2, BLOCK_V + 7, BLOCK_V), (5, 1001, SMALL_BLOCK_V)],
 )
-def test_drawn_noise_picks_as_its_reference_draws(
-    num_rows: int, vocab_size: int, block_v: int, device: torch.device, generator: torch.Generator
+def test_a_keyed_pick_inverts_the_cdf_as_the_reference(
+    num_rows: int,
+    vocab_size: int,
+    block_v: int,
+    is_masked: bool,
+    device: torch.device,
+    generator: torch.Generator,
 ) -> None:
-    # The pick that draws its own noise picks what the reference's draws make it pick, so the
-    # draws are exactly `exp_draws_ref`'s (Philox, one per row and column, whatever the chunks).
-    raw = random_logits(num_rows, vocab_size, device, generator)
-    seed = 2**62 + 12345  # both halves of the key in use
-    token_ids, packed = pick_tokens(raw, raw, scale=1 / 0.7, noise_seed=seed, block_v=block_v)
-    noise = exp_draws_ref(seed, num_rows, vocab_size).to(device)
-    ref_ids, ref_packed = pick_tokens_ref(raw, raw, scale=1 / 0.7, noise=noise)
+    # One uniform a row, drawn in the kernel from the key (`uniforms_ref`'s), and the row's
+    # softmax CDF inverted there: the same tokens as the fp64 reference, masked tokens never.
+    raw = random_logits(num_rows, vocab_size, device, generator).bfloat16()
+    scores = raw
+    if is_masked:
+        drop = torch.rand(raw.shape, generator=generator, device=device) < 0.3
+        drop[:, 0] = False
+        scores = raw.float().masked_fill(drop, float("-inf"))
+    key = 2**62 + 12345  # both halves of the key in use
+    token_ids, packed = pick_tokens(scores, raw, scale=1 / 0.7, sample_key=key, block_v=block_v)
+    uniforms = uniforms_ref(key, num_rows).to(device)
+    ref_ids, ref_packed = inverse_cdf_ref(scores, raw, scale=1 / 0.7, uniforms=uniforms)
     assert torch.equal(token_ids, ref_ids)
+    assert torch.equal(packed[0], token_ids.double())
     torch.testing.assert_close(packed[1], ref_packed[1], rtol=1e-5, atol=1e-5)
+    if is_masked:
+        assert bool(torch.isfinite(scores.float().gather(1, token_ids[:, None])).all())
 
 
-def test_drawn_noise_samples_the_softmax() -> None:
-    # 4,000 rows of the same six logits, each row its own draws (the kernel's, exactly: the
-    # test above): the race's picks come at softmax(logits / T)'s frequencies (chi-square at
+def test_a_keyed_pick_at_the_edges_of_the_cdf(device: torch.device) -> None:
+    # A row of one live token picks it at any uniform, a row of no mass picks token 0 (as the
+    # argmax of an all -inf row), and the first and the last live tokens are reachable.
+    inf = float("inf")
+    scores = torch.tensor(
+        [[-inf, -inf, 3.0, -inf], [-inf, -inf, -inf, -inf], [0.0, -inf, -inf, 0.0]],
+        device=device,
+    )
+    raw = torch.zeros_like(scores)
+    picked = set()
+    for key in range(40):
+        token_ids, _ = pick_tokens(scores, raw, scale=1.0, sample_key=key, block_v=16)
+        assert token_ids[:2].tolist() == [2, 0]
+        picked.add(int(token_ids[2]))
+    assert picked == {0, 3}
+
+
+def test_inverting_the_cdf_samples_the_softmax() -> None:
+    # 4,000 rows of the same six logits, each with its own uniform (the kernel's, exactly: the
+    # test above): the picks come at softmax(logits / T)'s frequencies (a chi-square test at
     # p = 1e-4 on one fixed key, so it cannot flake).
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     num_rows, temperature = 4000, 1.3
     raw = logits.expand(num_rows, -1).contiguous()
-    noise = exp_draws_ref(7, num_rows, 6)
-    token_ids, _ = pick_tokens_ref(raw, raw, scale=1 / temperature, noise=noise)
+    token_ids, _ = inverse_cdf_ref(
+        raw, raw, scale=1 / temperature, uniforms=uniforms_ref(7, num_rows)
+    )
     counts = torch.bincount(token_ids, minlength=6).double()
     expected = torch.softmax(logits.double() / temperature, dim=0) * num_rows
     chi_square = float(((counts - expected) ** 2 / expected).sum())
     assert chi_square < 25.7, (counts.tolist(), expected.tolist())  # 5 d.o.f., p = 1e-4
 
 
-def test_draws_are_exp_one_and_differ_by_key() -> None:
-    draws = exp_draws_ref(11, 64, 4099)
-    assert draws.shape == (64, 4099) and draws.dtype == torch.float32
-    assert bool((draws >= 0).all())
-    assert abs(float(draws.mean()) - 1.0) < 0.01 and abs(float(draws.var()) - 1.0) < 0.02
-    assert not torch.equal(draws, exp_draws_ref(12, 64, 4099))
-    # A row's counters start at row * ceil(V / 4): row 0's draws are the same at any width.
-    assert torch.equal(draws[0, :100], exp_draws_ref(11, 1, 100)[0])
+def test_the_uniforms_are_uniform_and_differ_by_key() -> None:
+    draws = uniforms_ref(11, 100_000)
+    assert draws.dtype == torch.float32 and bool(((draws >= 0) & (draws < 1)).all())
+    histogram = torch.histc(draws, bins=10, min=0.0, max=1.0)
+    assert float(((histogram - 10_000) ** 2 / 10_000).sum()) < 33.7  # 9 d.o.f., p = 1e-4
+    assert not torch.equal(draws, uniforms_ref(12, 100_000))
+    assert torch.equal(draws[:100], uniforms_ref(11, 100))
 
 
 def test_picks_over_one_scratch_write_its_rows(
