@@ -1,19 +1,18 @@
 """Picks the next token of each sampled row: greedy, or temperature with top-k and top-p.
 
-Every path ends in one pick: token = argmax(scores * scale - log E), logprob = raw[token] -
-logsumexp(raw) under the model's unmodified logits; on CUDA that is two Triton launches
-(`kernels/sampling.py`). The logits arrive in the model's dtype and the pick reads them so,
-computing in fp32: only scores that a mask or a cut rewrites are copied, once, to fp32 rows.
-Greedy rows pick their masked logits with no noise. Random rows race: argmax(l / T - log E) with
-E ~ Exp(1) (the exponential race, or Gumbel-max trick) samples exactly from softmax(l / T) after
-the top-k / top-p cut. A batch of greedy rows, or of random rows with one temperature (the
-common cases), goes straight to the pick with scale 1 / T; a mixed batch builds its scores in
-torch first. A request with a seed gets its own generator seeded with `seed +
-num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
-the others draw from the engine's seed: on a GPU, a race with no seeded row has the pick draw
-its Exp(1) noise itself from a key the sampler's host generator gives each step (no tensor of
-draws is written and read again), and any other batch's draws come from the engine's device
-generator. Either way each draw is Exp(1) and independent of every other.
+Every path ends in one pick, logprob = raw[token] - logsumexp(raw) under the model's unmodified
+logits; on CUDA that is one Triton launch (`kernels/sampling.py`). The logits arrive in the
+model's dtype and the pick reads them so, computing in fp32: only scores that a mask or a cut
+rewrites are copied, once, to fp32 rows. Greedy rows pick the argmax of their masked logits.
+Random rows sample softmax(l / T) after the top-k / top-p cut, in one of two exact ways. A batch
+of one temperature with no seeded row (the common case) goes straight to the pick with scale
+1 / T, and on CUDA with a key: the pick inverts each row's softmax CDF at one uniform draw it
+makes from the key (the sampler's host generator, seeded with the engine's seed, gives one key
+a step). Any other batch, and any batch on the CPU, races: argmax(l / T - log E) with E ~ Exp(1) (the exponential race,
+or Gumbel-max trick), a mixed batch building its race scores in torch first. A request with a
+seed gets its own generator for its draws, seeded with `seed + num_output_tokens`, so its tokens
+do not depend on what else is in the batch or on preemption; the other rows' draws come from
+the engine's device generator.
 """
 
 from __future__ import annotations
