@@ -5,14 +5,14 @@ logits; on CUDA that is one Triton launch (`kernels/sampling.py`). The logits ar
 model's dtype and the pick reads them so, computing in fp32: only scores that a mask or a cut
 rewrites are copied, once, to fp32 rows. Greedy rows pick the argmax of their masked logits.
 Random rows sample softmax(l / T) after the top-k / top-p cut, in one of two exact ways. A batch
-of one temperature with no seeded row (the common case) goes straight to the pick with scale
-1 / T, and on CUDA with a key: the pick inverts each row's softmax CDF at one uniform draw it
-makes from the key (the sampler's host generator, seeded with the engine's seed, gives one key
-a step). Any other batch, and any batch on the CPU, races: argmax(l / T - log E) with E ~ Exp(1) (the exponential race,
-or Gumbel-max trick), a mixed batch building its race scores in torch first. A request with a
-seed gets its own generator for its draws, seeded with `seed + num_output_tokens`, so its tokens
-do not depend on what else is in the batch or on preemption; the other rows' draws come from
-the engine's device generator.
+of one temperature with no seeded row (the common case) goes straight to the pick with scale 1 /
+T, and on CUDA with a key: the pick inverts each row's softmax CDF at one uniform draw it makes
+from the key (the sampler's host generator, seeded with the engine's seed, gives one key a
+step). Any other batch, and any batch on the CPU, races: argmax(l / T - log E) with E ~ Exp(1)
+(the exponential race, or Gumbel-max trick), a mixed batch building its race scores in torch
+first. A request with a seed gets its own generator for its draws, seeded with `seed +
+num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
+the other rows' draws come from the engine's device generator.
 """
 
 from __future__ import annotations
