@@ -226,7 +226,7 @@ def _sample_row(
     """Row `row`'s token under INVERSE_CDF: U = `tl.rand(key, row)`, uniform in [0, 1), and
     the token is the first whose cumulative softmax(scores * scale) mass exceeds U times the
     row's mass: the chunk where that happens from the chunks' masses, then the token inside it
-    from that chunk's scores, read again (`runner.sampler.inverse_cdf_ref`). A token of zero mass
+    from that chunk's scores, read again (`reference.inverse_cdf_ref`). A token of zero mass
     (a score of -inf) is never picked; where rounding leaves the target past the last
     cumulative mass, the last token with mass is; a row of no mass at all picks token 0, as
     the argmax of an all -inf row does."""

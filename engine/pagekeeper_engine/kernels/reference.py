@@ -146,3 +146,28 @@ def uniforms_ref(key: int, num_rows: int) -> torch.Tensor:
     lane = c[0].astype(np.uint32).view(np.int32)
     lane = np.where(lane < 0, ~lane, lane).astype(np.float32)
     return torch.from_numpy(lane * np.float32(4.6566127342e-10))
+
+
+def inverse_cdf_ref(
+    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype
+    raw: torch.Tensor,  # (N, V): the model's unmodified logits
+    *,
+    scale: float,
+    uniforms: torch.Tensor,  # (N,) in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.sampling.pick_tokens` with a sample key, in plain torch (fp64), at `uniforms`
+    (`uniforms_ref` of the key): row r's token is the first whose cumulative softmax(scores *
+    scale) mass exceeds uniforms[r] times the row's mass (never one of zero mass; the last with
+    mass where rounding leaves none past the target; token 0 for a row of no mass)."""
+    race = scores.double() * scale
+    shift = race.max(dim=-1, keepdim=True).values
+    weight = (race - shift.masked_fill(shift.isinf(), 0.0)).exp()
+    cdf = weight.cumsum(dim=-1)
+    target = uniforms.double()[:, None] * cdf[:, -1:]
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    columns = torch.arange(weight.shape[1], device=weight.device)
+    last = torch.where(weight > 0, columns, 0).max(dim=-1).values
+    token_ids = torch.where(token_ids >= weight.shape[1], last, token_ids)
+    wide = raw.float()
+    logprobs = wide.gather(1, token_ids[:, None]).squeeze(1) - wide.logsumexp(dim=-1)
+    return token_ids, torch.stack((token_ids.double(), logprobs.double()))

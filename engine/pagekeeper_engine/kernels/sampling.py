@@ -15,7 +15,7 @@ same distribution by inverting each row's CDF at one uniform draw (`pick_kernels
 Philox keyed by `sample_key` and the row): one draw a row instead of one a row and column. At
 256 rows of a 151,936-entry vocabulary the race's draws are 156 MB, written by one kernel and
 read by the pick, and the race cost an H100 2.6x a greedy pick (200 against 77 us); W-nano on
-an H200 ran 1.1-1.5% faster greedy than at temperature 0.6 (docs/benchmarks.md, run 38).
+an H200 ran 1.2-1.3% faster greedy than at temperature 0.6 (docs/benchmarks.md, run 38).
 
 Why: on an H200, at batch 1, torch's sampler cost ~120 us of a ~4.6 ms decode step of an 8B
 model. Its softmax over a 128,256-entry vocabulary runs one thread block per row (33 us at one
@@ -160,7 +160,7 @@ def pick_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw, in one launch over a one-rank scratch. Ids below 2**53 are
-    exact in float64. With `sample_key` row r's token is `runner.sampler.inverse_cdf_ref`'s at
+    exact in float64. With `sample_key` row r's token is `reference.inverse_cdf_ref`'s at
     the uniform `reference.uniforms_ref(sample_key, N)[r]`."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
     if scratch is None:

@@ -26,7 +26,6 @@ import torch
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
-from pagekeeper_engine.kernels.reference import uniforms_ref
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -56,31 +55,6 @@ def pick_tokens_ref(
     return token_ids, torch.stack((token_ids.double(), logprobs.double()))
 
 
-def inverse_cdf_ref(
-    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype
-    raw: torch.Tensor,  # (N, V): the model's unmodified logits
-    *,
-    scale: float,
-    uniforms: torch.Tensor,  # (N,) in [0, 1)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.sampling.pick_tokens` with a sample key, in plain torch (fp64): row r's token
-    is the first whose cumulative softmax(scores * scale) mass exceeds uniforms[r] times the
-    row's mass (never one of zero mass; the last with mass where rounding leaves none past the
-    target; token 0 for a row of no mass)."""
-    race = scores.double() * scale
-    shift = race.max(dim=-1, keepdim=True).values
-    weight = (race - shift.masked_fill(shift.isinf(), 0.0)).exp()
-    cdf = weight.cumsum(dim=-1)
-    target = uniforms.double()[:, None] * cdf[:, -1:]
-    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    columns = torch.arange(weight.shape[1], device=weight.device)
-    last = torch.where(weight > 0, columns, 0).max(dim=-1).values
-    token_ids = torch.where(token_ids >= weight.shape[1], last, token_ids)
-    wide = raw.float()
-    logprobs = wide.gather(1, token_ids[:, None]).squeeze(1) - wide.logsumexp(dim=-1)
-    return token_ids, torch.stack((token_ids.double(), logprobs.double()))
-
-
 def pick_tokens(
     scores: torch.Tensor,
     raw: torch.Tensor,
@@ -93,9 +67,7 @@ def pick_tokens(
     """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
     `scratch` where given)."""
     if not raw.is_cuda:
-        if sample_key is not None:
-            uniforms = uniforms_ref(sample_key, raw.shape[0]).to(raw.device)
-            return inverse_cdf_ref(scores, raw, scale=scale, uniforms=uniforms)
+        assert sample_key is None, "a keyed pick runs in the CUDA kernel; the CPU's races"
         return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
     # Imported on first CUDA use: a kernel module fixes interpreted or native mode
     # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
@@ -181,7 +153,7 @@ class Sampler:
     ):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.pick_keys = random.Random(seed)  # the keys of the picks that draw their own noise
+        self.pick_keys = random.Random(seed)  # a key a step for the CUDA pick's uniform draws
         self.eos_token_ids = eos_token_ids
         self.buffers = buffers
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.sampler import Sampler, pick_tokens
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, apply_top_k_top_p
 
 EOS = 3
@@ -111,9 +111,10 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
 
 
 def test_fused_and_mixed_paths_pick_the_same_tokens() -> None:
-    # One temperature goes straight to the pick (scale 1 / T, noise); a greedy row beside the
-    # same rows sends them through the scores built in torch. The unseeded rows draw the same
-    # noise either way.
+    # On the CPU one temperature goes straight to the pick (scale 1 / T, noise); a greedy row
+    # beside the same rows sends them through the scores built in torch. The unseeded rows draw
+    # the same noise either way. (On CUDA the first batch inverts the CDF in the pick instead:
+    # tests/engine/gpu/test_sampler_gpu.py.)
     num_rows = 64
     logits = torch.randn(num_rows + 1, 300, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9)] * num_rows
@@ -158,3 +159,10 @@ def test_logits_in_the_models_dtype_pick_as_their_fp32_copy(
     wide = make_sampler(2)(low.float(), params, [0, 1, 2, 3])
     assert out.token_ids == wide.token_ids
     assert out.logprobs == pytest.approx(wide.logprobs, rel=1e-6, abs=1e-6)
+
+
+def test_a_keyed_pick_is_refused_on_the_cpu() -> None:
+    # The key's inverse CDF is the CUDA kernel's rule; the CPU's pick races and says so.
+    logits = torch.zeros(2, 8)
+    with pytest.raises(AssertionError, match="keyed pick runs in the CUDA kernel"):
+        pick_tokens(logits, logits, scale=1.0, sample_key=3)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.kernels.reference import uniforms_ref
-from pagekeeper_engine.runner.sampler import Sampler, inverse_cdf_ref
+from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
+from pagekeeper_engine.runner.sampler import Sampler
 
 pytestmark = [
     pytest.mark.gpu,

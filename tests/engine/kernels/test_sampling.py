@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.kernels.reference import uniforms_ref
+from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
-from pagekeeper_engine.runner.sampler import Sampler, inverse_cdf_ref, pick_tokens_ref
+from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
 from tests.engine.kernels.hopper_compile import compile_for_hopper
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
