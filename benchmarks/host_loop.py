@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from benchmarks.throughput import Workload, w_nano
+from benchmarks.offline_engine import Workload, w_nano
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.limits import EngineLimits

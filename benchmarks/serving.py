@@ -6,7 +6,7 @@ subprocess, or `--url` names one already running. Each `--concurrency` level kee
 flight across `--client-processes` processes (closed loop); each `--request-rate` level sends on
 seeded Poisson arrivals (open loop). /metrics is read after each level. Then the server is
 stopped (its GPU memory freed) and each closed-loop level's requests run through the offline
-engine (`throughput.build_engine`, with the server's engine settings), which also times the
+engine (`offline_engine.build_engine`, with the server's engine settings), which also times the
 decode step at that batch. torch is imported only by the offline part and by writing a shape's
 checkpoint; the client processes never import it.
 
@@ -62,7 +62,7 @@ def prepare_model_dir(args: argparse.Namespace, root: Path) -> Path:
     if args.model_dir is not None:
         model_dir = Path(args.model_dir)
     else:
-        from benchmarks.throughput import write_checkpoint  # noqa: PLC0415 (imports torch)
+        from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
 
         model_dir = write_checkpoint(args.shape, root)
     if not (model_dir / "tokenizer.json").exists():
@@ -282,12 +282,12 @@ def run_offline(
     assert model_dir is not None, "the offline engine runs on a checkpoint prepared here"
     import torch  # noqa: PLC0415
 
-    from benchmarks import throughput  # noqa: PLC0415
+    from benchmarks import offline_engine  # noqa: PLC0415
 
     fields = asdict(settings)
     # the server's settings, not W-nano's (max_model_len 2048, CUDA, no prefix caching)
     args = argparse.Namespace(**fields, async_scheduling=None, safety="on")
-    engine, start = throughput.build_engine(model_dir, args, **fields)
+    engine, start = offline_engine.build_engine(model_dir, args, **fields)
     env = {"torch": torch.__version__, **start}
     if settings.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()

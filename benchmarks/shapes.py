@@ -97,3 +97,11 @@ def prefill_flops(cfg: dict[str, Any], prompt_lens: Iterable[int]) -> float:
         * cfg["num_hidden_layers"]
     )  # 2 matmuls x 2 FLOPs x L^2 / 2, causal
     return float(2 * matmul_params * sum(lens) + attention)
+
+
+def kv_bytes_per_token(
+    cfg: dict[str, Any], kv_element_bytes: int = 2, tensor_parallel_size: int = 1
+) -> int:
+    """One token's keys and values in every layer, on one rank (its KV heads, at least one)."""
+    kv_heads = -(-cfg["num_key_value_heads"] // tensor_parallel_size)
+    return 2 * cfg["num_hidden_layers"] * kv_heads * cfg["head_dim"] * kv_element_bytes

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.offline_engine import build_engine, run_engine, w_nano, write_checkpoint
 from benchmarks.shapes import SHAPES
-from benchmarks.throughput import build_engine, run_engine, w_nano, write_checkpoint
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
 

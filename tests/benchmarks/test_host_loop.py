@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.host_loop import build_loop, run_pass
-from benchmarks.throughput import Workload
+from benchmarks.offline_engine import Workload
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.shapes import ONE_GPU_SHAPES, SHAPES, weight_bytes_per_step
-from benchmarks.throughput import kv_bytes_per_token, physical_floor, w_nano
+from benchmarks.offline_engine import physical_floor, w_nano
+from benchmarks.shapes import ONE_GPU_SHAPES, SHAPES, kv_bytes_per_token, weight_bytes_per_step
 
 BANDWIDTH, RATE = 4.0e12, 8.0e14
 

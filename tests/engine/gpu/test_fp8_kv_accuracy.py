@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.engine_probes import compare_greedy, greedy_logprobs
 from benchmarks.shapes import SHAPES
-from benchmarks.throughput import compare_greedy, greedy_logprobs
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.runner.runner import ModelRunner
