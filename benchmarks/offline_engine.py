@@ -159,7 +159,7 @@ def build_engine(
         print(f"  batch-1 {line}")
     if start["batch1_layer"] is not None:
         print(f"  batch-1 {start['batch1_layer']}")
-    if args.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1:
         print(f"  all-reduce: {start['all_reduce']}")
     engine = LLMEngine(config, runner, runner.eos_token_ids)
     freeze_startup_heap("the benchmark's engine")  # as the engine core's process does
