@@ -156,15 +156,14 @@ def check_token_stop(
     the detokenized text and are checked by the front end.
     """
     params = seq.sampling
-    num_known = seq.num_known_tokens
-    num_output = num_known - len(seq.prompt_token_ids)
+    num_output = seq.num_known_output_tokens
     if num_output == 0:
         return None
-    last = seq.token_ids[num_known - 1]
+    last = seq.last_known_token_id
     if num_output >= params.min_tokens and (
         (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
     ):
         return SequenceStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or num_known >= max_seq_len:
+    if num_output >= params.max_tokens or seq.num_known_tokens >= max_seq_len:
         return SequenceStatus.FINISHED_LENGTH
     return None
