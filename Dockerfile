@@ -33,6 +33,7 @@ print('\n'.join(p['build-system']['requires'] + p['project']['optional-dependenc
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY README.md ./
 COPY operator/ operator/
+COPY memplan/ memplan/
 # hadolint ignore=DL3013
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src
 WORKDIR /
@@ -68,6 +69,7 @@ print('\n'.join(p['build-system']['requires'] + p['project']['optional-dependenc
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY README.md ./
 COPY engine/ engine/
+COPY memplan/ memplan/
 # hadolint ignore=DL3013
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src
 WORKDIR /

@@ -4,7 +4,7 @@ CACHE ?= $(HOME)/.cache/pagekeeper
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python
 export PAGEKEEPER_CACHE := $(CACHE)
-export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)
+export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)/memplan:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
 
 .PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo \

@@ -104,7 +104,7 @@ def spawn_engine(checkpoint: Path, workdir: Path, shape: EngineShape) -> Service
     port = free_port()
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO)]),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
         # One core for the engine leaves the other to the control plane and Prometheus.
         "OMP_NUM_THREADS": "1",
     }

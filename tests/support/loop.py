@@ -70,7 +70,9 @@ class OperatorProcess:
         env = {
             **os.environ,
             "KUBECONFIG": kubeconfig,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "operator"), str(REPO / "memplan"), str(REPO)]
+            ),
             "PAGEKEEPER_RESYNC_SECONDS": str(RESYNC_SECONDS),
             "PAGEKEEPER_WEBHOOK_PORT": str(self.port),
             "PAGEKEEPER_WEBHOOK_TOKEN_FILE": str(self.token_file),

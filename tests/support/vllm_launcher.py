@@ -23,7 +23,7 @@ def start_launcher(
     `tmp_path/<scenario>.waiting` once it waits for SIGTERM."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO)]),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
         "FAKE_VLLM_WAITING": str(tmp_path / f"{scenario}.waiting"),
     }
     output = subprocess.PIPE if capture else subprocess.DEVNULL
