@@ -286,12 +286,17 @@ class LLMEngine:
             device_wait_seconds=self.device_wait_seconds,
         )
 
+    def count_failed_step(self) -> None:
+        """Count a step that failed, wherever it failed: the front ends' health check reads the
+        consecutive count, so a loop that fails every step stops looking alive."""
+        self.num_failed_steps += 1
+        self.num_consecutive_failed_steps += 1
+
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[EngineOutput]:
         # swaps were booked but maybe not copied: every sequence whose blocks moved is suspect
         affected = [s.request_id for s in out.seqs] + out.preempted_ids + out.swapped_in_ids
         logger.exception("step failed; failing requests %s", sorted(set(affected)))
-        self.num_failed_steps += 1
-        self.num_consecutive_failed_steps += 1
+        self.count_failed_step()
         error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         outputs = []
         for request_id in dict.fromkeys(affected):

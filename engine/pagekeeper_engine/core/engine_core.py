@@ -139,8 +139,9 @@ class EngineCore:
             except FatalEngineError as exc:
                 self._give_up(exc)
                 return 1
-            except Exception:  # a scheduler bug: fail what is in flight, keep serving
+            except Exception:  # a scheduler bug: fail what is in flight, counted as a failure
                 logger.exception("engine step raised; failing every request in flight")
+                engine.count_failed_step()
                 outputs = self._fail_all("the engine failed while stepping")
             # an engine that just went idle reports at once: counters match what was answered
             self._send_outputs(outputs, force_stats=not engine.has_work())

@@ -199,6 +199,34 @@ def test_a_failed_step_fails_its_request_and_the_core_goes_on() -> None:
     assert tokens_of(asyncio.run(main())) == rollout([1, 2, 3], 20)
 
 
+def test_steps_that_keep_failing_outside_the_runner_stop_the_core_looking_alive() -> None:
+    """A step that raises before the runner (a scheduler bug) fails what is in flight and counts
+    toward the consecutive-failure limit, so a loop that fails every step turns health red
+    instead of looking alive."""
+    engine, _ = make_engine()
+
+    def broken_step() -> list[object]:
+        raise RuntimeError("scheduler invariant broken")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+
+    async def main() -> tuple[bool, bool]:
+        async with fake_core(engine) as fake:
+            alive_before = fake.client.is_alive()
+            with pytest.raises(RequestFailedError, match="failed while stepping"):
+                await collect(fake.client, "r", [1, 2, 3], GREEDY)
+            limit = fake.client.max_consecutive_failed_steps
+            while (stats := fake.client.stats()) is None or (
+                stats.num_consecutive_failed_steps < limit
+            ):
+                await asyncio.sleep(0.01)
+            return alive_before, fake.client.is_alive()
+
+    assert asyncio.run(main()) == (True, False)
+    assert engine.num_failed_steps >= 3
+    assert engine.num_consecutive_failed_steps == engine.num_failed_steps
+
+
 def test_shutdown_fails_requests_in_flight_and_ends_the_core() -> None:
     async def main() -> list[int]:
         async with fake_core(step_delay_s=0.02) as fake:
