@@ -29,6 +29,7 @@ from pagekeeper_operator.canary import (
     template_identity,
 )
 from pagekeeper_operator.conditions import compute_status, status_patch
+from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.remediation.actions import event
@@ -55,7 +56,7 @@ class ReconcileResult:
     @property
     def is_permanent_error(self) -> bool:
         """A 4xx other than conflict/throttling: the spec (or a render bug) is at fault."""
-        return self.error is not None and self.error.status in {400, 403, 404, 422}
+        return self.error is not None and is_permanent(self.error)
 
 
 def _describe(action: Apply, exc: ApiException) -> str:

@@ -7,8 +7,10 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.remediation.payload import WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator
@@ -165,6 +167,29 @@ def test_handler_failure_is_500_so_alertmanager_retries() -> None:
     async def scenario(client: TestClient[web.Request, web.Application]) -> None:
         response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
         assert response.status == 500
+
+    run(make_app(lambda: TOKEN, failing), scenario)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (ApiException(status=403, reason="Forbidden"), 422),
+        (ApiException(status=422, reason="Unprocessable Entity"), 422),
+        (ValueError("Invalid isoformat string: 'yesterday'"), 422),
+        (ApiException(status=409, reason="Conflict"), 500),
+        (ApiException(status=503, reason="Service Unavailable"), 500),
+        (ConnectionError("API server unreachable"), 500),
+    ],
+)
+def test_a_failure_no_retry_can_fix_is_4xx_and_the_rest_5xx(error: Exception, status: int) -> None:
+    async def failing(message: WebhookMessage) -> dict[str, Any]:
+        raise error
+
+    async def scenario(client: TestClient[web.Request, web.Application]) -> None:
+        response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
+        answer = await response.json()
+        assert (response.status, answer.get("retry", True)) == (status, status >= 500)
 
     run(make_app(lambda: TOKEN, failing), scenario)
 

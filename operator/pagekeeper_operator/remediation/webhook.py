@@ -3,8 +3,10 @@
 `POST /alertmanager` takes Alertmanager's webhook payload (version 4) with
 `Authorization: Bearer <token>` (Alertmanager's `http_config.authorization.credentials_file`).
 Responses: 401 without the right token, 413 past the size bound, 400 for a body that is not
-JSON or not a notification (naming the field), 500 when the cluster could not be read (so
-Alertmanager retries; handling is idempotent), else 200 with the decisions taken.
+JSON or not a notification (naming the field), 422 when handling failed in a way no retry can
+fix (`failures.is_permanent`: the operator's RBAC forbids an action, a malformed time stamp in
+stored status), 500 when it may pass on a retry (the cluster could not be read; Alertmanager
+retries a 5xx, and handling is idempotent), else 200 with the decisions taken.
 `GET /healthz` answers 200 without authentication.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from pagekeeper_operator.failures import describe, is_permanent
 from pagekeeper_operator.remediation.payload import WebhookMessage
 
 logger = logging.getLogger(__name__)
@@ -82,10 +85,14 @@ def make_app(
             return _error(400, "not an Alertmanager notification", fields=_field_errors(error))
         try:
             summary = await on_message(message)
-        except Exception:
-            # Unexpected here means the cluster could not be read or written; Alertmanager
-            # retries a 5xx, and handling a notification twice is safe.
+        except Exception as error:
             logger.exception("could not handle notification %s", message.group_key)
+            if is_permanent(error):
+                # A 4xx: Alertmanager does not re-send what can never pass.
+                return _error(
+                    422, f"the notification cannot be handled: {describe(error)}", retry=False
+                )
+            # Alertmanager retries a 5xx, and handling a notification twice is safe.
             return _error(500, "could not handle the notification; it will be retried")
         return web.json_response(summary)
 
