@@ -57,9 +57,15 @@ def start(checkpoint: Path, workdir: Path, shutdown_timeout_s: int) -> Server:
     )  # fmt: skip
 
 
+# The drain's deadline is not what this test measures: a CPU shared with other work can take
+# far more than a minute for the streams, and a shorter deadline would abort them. The test's
+# own timeout bounds it instead.
+PATIENT_SHUTDOWN_TIMEOUT_S = 3600
+
+
 @pytest.fixture
 def drain_server(long_checkpoint: Path, tmp_path: Path) -> Iterator[Server]:
-    server = start(long_checkpoint, tmp_path, shutdown_timeout_s=60)
+    server = start(long_checkpoint, tmp_path, shutdown_timeout_s=PATIENT_SHUTDOWN_TIMEOUT_S)
     yield server
     server.stop()  # only does something when the test failed before the process exited
 
@@ -97,7 +103,7 @@ def test_sigterm_during_streams_lets_them_finish(drain_server: Server) -> None:
         usage = events[-1]["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS
         assert usage["prompt_tokens"] == len("drain me") + 1
-    assert server.proc.wait(timeout=60) == 0
+    assert server.proc.wait(timeout=120) == 0
     log = server.log.read_text()
     assert f"draining: {NUM_STREAMS} sequences in flight" in log
     assert "(all requests finished)" in log
