@@ -9,16 +9,18 @@ import threading
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.engine_process import StuckLoopHandler
+from pagekeeper_engine.frontend.app import STATE, create_app
 from pagekeeper_engine.frontend.client import EngineDeadError
 from pagekeeper_engine.progress_watch import LoopProgress, ProgressWatchdog, find_stuck
 from pagekeeper_engine.stuck import StuckReport, parse_stuck_message
 from tests.engine.fake_core import collect, fake_core
-from tests.engine.fakes import PagedFakeRunner, make_engine
+from tests.engine.fakes import CharTokenizer, PagedFakeRunner, make_engine
 
 STUCK_TIMEOUT_S = 2.0
 # a bound on finding it, not a speed: the timeout plus a generous margin for a busy machine
@@ -109,31 +111,40 @@ def test_a_loop_stuck_in_a_step_is_ended_with_the_stuck_message(tmp_path: Path) 
         exits.append(code)
         ended.set()
 
-    async def main() -> str | None:
+    async def main() -> tuple[str | None, tuple[int, int, object]]:
         async with fake_core(engine) as fake:
+            app = create_app(EngineConfig(model="fake", max_model_len=128))
+            app[STATE].attach(fake.client, CharTokenizer())  # type: ignore[arg-type]
+            http = TestClient(TestServer(app))
+            await http.start_server()
             loop_thread = fake.thread.ident
             assert loop_thread is not None
             handler = StuckLoopHandler(config, fake.addresses, 1, loop_thread, exit=exit)
             watchdog = ProgressWatchdog(STUCK_TIMEOUT_S, fake.core.progress, handler)
             request = asyncio.ensure_future(collect(fake.client, "r", [1, 2, 3], GREEDY))
             try:
+                before = (await http.get("/ready")).status
                 assert await asyncio.to_thread(runner.inside.wait, FOUND_WITHIN_S)
                 assert await asyncio.to_thread(ended.wait, FOUND_WITHIN_S)
                 # the front end hears of it while the loop is still stuck
                 with pytest.raises(EngineDeadError, match="stuck: the engine's step loop"):
                     await asyncio.wait_for(request, FOUND_WITHIN_S)
                 assert not fake.client.is_alive()
-                return fake.client.dead_reason
+                ready = await http.get("/ready")
+                return fake.client.dead_reason, (before, ready.status, await ready.json())
             finally:
                 watchdog.stop()
                 runner.release.set()
+                await http.close()
 
-    reason = asyncio.run(main())
+    reason, (ready_before, ready_status, ready_body) = asyncio.run(main())
     assert exits == [1]
     report = parse_stuck_message(log.read_text())
     assert report is not None, log.read_text()
     assert (report.num_running, report.num_waiting) == (1, 0)
     assert STUCK_TIMEOUT_S <= report.last_step_age_s < FOUND_WITHIN_S
     assert reason == f"the engine core gave up: stuck: {report.detail}"
+    assert (ready_before, ready_status) == (200, 503)
+    assert ready_body == {"status": "engine loop is not running", "reason": reason}
     assert report.detail.startswith("the engine's step loop completed no step for ")
     assert report.detail.endswith(" s with 1 running and 0 waiting (--stuck-timeout 2)")
