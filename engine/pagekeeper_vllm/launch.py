@@ -13,7 +13,8 @@
   phase=<startup|runtime> detail=...`, `memory.oom`), which the operator reads from the pod.
 - Metrics: `--metrics-port` serves `/metrics` with the allocator series the plugin reports from
   each GPU process (`series`); the child gets `PAGEKEEPER_VLLM_METRICS_DIR` for them.
-- Stuck: once vLLM is ready, `probe` watches its `/health` and progress counters. With requests
+- Stuck: from vLLM's readiness to the first forwarded stop signal (a drain closes vLLM's
+  port), `probe` watches its `/health` and progress counters. With requests
   running or waiting and no new token for `--stuck-timeout` seconds, or no 200 from `/health`
   for as long, the child's process group gets SIGTERM, then SIGKILL after `--stuck-kill-grace`;
   the launcher exits non-zero with the `pagekeeper-stuck ...` termination message (`stuck`),
@@ -184,6 +185,10 @@ class Launcher:
         with self.lock:
             if signum in STOP_SIGNALS and self.stop_line is None:
                 self.stop_line = self.watcher.num_lines
+        if signum in STOP_SIGNALS and self.probe is not None:
+            # a draining vLLM closes its port: no longer a sign of a hang (the kubelet's grace
+            # period bounds the drain)
+            self.probe.stop()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signum)
 

@@ -66,6 +66,7 @@ def _get(url: str, timeout_s: float) -> tuple[int, str] | None:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status, response.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
+        exc.close()
         return exc.code, ""
     except (OSError, http.client.HTTPException):  # refused, reset, timed out
         return None
