@@ -37,9 +37,12 @@ class LoopProgress:
     num_waiting: int  # waiting to start, and swapped out waiting to come back
 
 
-def find_stuck(progress: LoopProgress, now_s: float, timeout_s: float) -> StuckReport | None:
-    """The report of a loop whose newest turn began `timeout_s` or more before `now_s`."""
-    age_s = now_s - progress.last_turn_s
+def find_stuck(
+    progress: LoopProgress, now_s: float, timeout_s: float, *, since_s: float = 0.0
+) -> StuckReport | None:
+    """The report of a loop whose newest turn began `timeout_s` or more before `now_s`; time
+    before `since_s` (when watching began) never counts."""
+    age_s = now_s - max(progress.last_turn_s, since_s)
     if age_s < timeout_s:
         return None
     held = f"{progress.num_running} running and {progress.num_waiting} waiting"
@@ -53,7 +56,8 @@ def find_stuck(progress: LoopProgress, now_s: float, timeout_s: float) -> StuckR
 
 
 class ProgressWatchdog:
-    """Watches `read()` on a daemon thread from now until `stop()`; `on_stuck` at most once."""
+    """Watches `read()` on a daemon thread from now until `stop()`; `on_stuck` at most once.
+    Time before the watchdog started never counts: that was start-up."""
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class ProgressWatchdog:
         self._on_stuck = on_stuck
         self._clock = clock
         self._stopped = threading.Event()
+        self._started_s = clock()
         self.thread = threading.Thread(target=self._watch, name="progress-watch", daemon=True)
         self.thread.start()
 
@@ -79,10 +84,11 @@ class ProgressWatchdog:
     def _watch(self) -> None:
         while not self._stopped.is_set():
             progress = self._read()
-            report = find_stuck(progress, self._clock(), self._timeout_s)
+            report = find_stuck(progress, self._clock(), self._timeout_s, since_s=self._started_s)
             if report is None:
                 # asleep until the newest mark would be too old, unless the loop ends first
-                self._stopped.wait(progress.last_turn_s + self._timeout_s - self._clock())
+                newest_s = max(progress.last_turn_s, self._started_s)
+                self._stopped.wait(newest_s + self._timeout_s - self._clock())
                 continue
             if self._stopped.is_set():  # the loop ended while this one looked
                 return

@@ -5,6 +5,7 @@ tells the front end (`Fatal`, with the reason on /ready) and ends the process.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from pathlib import Path
 
@@ -40,6 +41,13 @@ def test_a_loop_is_stuck_from_the_timeout_on() -> None:
     )
 
 
+def test_time_before_watching_began_never_counts() -> None:
+    progress = LoopProgress(last_turn_s=100.0, num_running=1, num_waiting=0)
+    assert find_stuck(progress, 105.0, 2.0, since_s=104.0) is None
+    report = find_stuck(progress, 106.5, 2.0, since_s=104.0)
+    assert report is not None and report.last_step_age_s == 2.5
+
+
 def test_the_watchdog_reports_once_on_its_own_thread() -> None:
     reports: list[tuple[StuckReport, str]] = []
     found = threading.Event()
@@ -48,8 +56,11 @@ def test_the_watchdog_reports_once_on_its_own_thread() -> None:
         reports.append((report, threading.current_thread().name))
         found.set()
 
-    # a clock 10 s past the only mark: stuck at the first look
-    watchdog = ProgressWatchdog(2.0, lambda: LoopProgress(0.0, 1, 0), on_stuck, clock=lambda: 10.0)
+    # started at 0 s, and 10 s past the only mark at the first look: stuck
+    clock = itertools.chain([0.0], itertools.repeat(10.0))
+    watchdog = ProgressWatchdog(
+        2.0, lambda: LoopProgress(0.0, 1, 0), on_stuck, clock=lambda: next(clock)
+    )
     assert found.wait(FOUND_WITHIN_S)
     watchdog.thread.join(FOUND_WITHIN_S)
     assert not watchdog.thread.is_alive()
