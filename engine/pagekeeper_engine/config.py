@@ -25,10 +25,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # (waiting > 3 x running), so the alert can fire before 429s start.
 WAITING_PER_RUNNING_SLOT = 8
 # --stuck-timeout: seconds the step loop may go without completing a turn before the engine is
-# declared stuck. The longest legitimate step is a whole --max-num-batched-tokens prefill: 8192
-# tokens of a 70B model over four slow (L4-class) GPUs is about 10 s, and a 32k-token prompt
-# without chunked prefill about 30 s. 60 s leaves twice that, and matches the front end's own
-# bound on a silent core (`CoreClient.heartbeat_timeout_s`), past which /health fails anyway.
+# declared stuck. The longest legitimate step is a whole --max-num-batched-tokens prefill on a
+# slow GPU: 8192 tokens take about 2 s for an 8B model on one L4 (some 60 TFLOP/s achieved) or
+# a 70B model over four L40S, and a whole 32k-token prompt without chunked prefill (attention's
+# quadratic term included) about 15-20 s. 60 s leaves three times that, and matches the front
+# end's bound on a silent core (`CoreClient.heartbeat_timeout_s`), past which /health fails.
 DEFAULT_STUCK_TIMEOUT_S = 60.0
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
