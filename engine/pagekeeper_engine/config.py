@@ -24,6 +24,13 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # --max-waiting-requests says otherwise. Larger than the queue backlog alert's ratio
 # (waiting > 3 x running), so the alert can fire before 429s start.
 WAITING_PER_RUNNING_SLOT = 8
+# --stuck-timeout: seconds the step loop may go without completing a turn before the engine is
+# declared stuck. The longest legitimate step is a whole --max-num-batched-tokens prefill on a
+# slow GPU: 8192 tokens take about 2 s for an 8B model on one L4 (some 60 TFLOP/s achieved) or
+# a 70B model over four L40S, and a whole 32k-token prompt without chunked prefill (attention's
+# quadratic term included) about 15-20 s. 60 s leaves three times that, and matches the front
+# end's bound on a silent core (`CoreClient.heartbeat_timeout_s`), past which /health fails.
+DEFAULT_STUCK_TIMEOUT_S = 60.0
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -102,6 +109,7 @@ class EngineConfig:
     admin_token_env: str = "PAGEKEEPER_ADMIN_TOKEN"
     max_waiting_requests: int | None = None
     max_consecutive_ooms: int = 8
+    stuck_timeout: float = DEFAULT_STUCK_TIMEOUT_S  # 0: no progress watchdog
     termination_log_path: str = "/dev/termination-log"
     api_server_count: int = 1
     kv_cache_dtype: str = "auto"
@@ -231,6 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="device out-of-memory errors in a row (each halving the step) before the engine "
         "gives up and exits",
+    )
+    add(
+        "--stuck-timeout",
+        type=_bounded(float, 0.0, None),
+        default=DEFAULT_STUCK_TIMEOUT_S,
+        help="seconds the step loop may go without completing a step (or an idle turn) before "
+        "the engine is declared stuck: readiness fails, the termination message says "
+        f"pagekeeper-stuck and the process exits 1; 0 disables (default "
+        f"{DEFAULT_STUCK_TIMEOUT_S:g})",
     )
     add(
         "--termination-log-path",

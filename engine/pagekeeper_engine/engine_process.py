@@ -13,6 +13,12 @@ Under tensor parallelism a worker rank that ends unasked is reported on the watc
 (`RankFailureHandler`): the loop gives up at its next turn. Rank 0 inside a collective that the
 dead rank never joins cannot get there (NCCL waits out its timeout), so after a grace period
 that thread tells the front ends, writes the termination message and ends the process itself.
+
+With `--stuck-timeout` > 0 a progress watchdog (`progress_watch`) watches the loop from its
+first turn after the load to its end. A loop that completes no turn for that long is stuck
+(`StuckLoopHandler`, on the watchdog's thread): the loop's stack goes to the log, the
+termination message becomes `pagekeeper-stuck ...` (`stuck`), the front ends hear `Fatal`
+(readiness fails at once, and they exit 1), the worker ranks are killed and the process exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +44,8 @@ from pagekeeper_engine.memory.oom import (
 )
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
 from pagekeeper_engine.process_watch import watch_parent
+from pagekeeper_engine.progress_watch import ProgressWatchdog
+from pagekeeper_engine.stuck import StuckReport, write_stuck_message
 
 if TYPE_CHECKING:
     from pagekeeper_engine.core.engine_core import EngineCore
@@ -113,6 +122,44 @@ class RankFailureHandler:
         logger.critical("rank 0 is still in a collective %.0f s later; ending it", self._grace_s)
         announce_fatal(self._addresses, self._num_clients, str(failure))
         report_fatal(self._config, failure)
+        self._exit(1)
+
+
+class StuckLoopHandler:
+    """What the core's process does when the progress watchdog finds the loop stuck (see the
+    module docstring); called on the watchdog's thread. `loop_thread_id` is the thread that runs
+    the loop (its stack is logged), `kill_workers` ends the tensor-parallel ranks, `exit` ends
+    the process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: CoreAddresses,
+        num_clients: int,
+        loop_thread_id: int,
+        *,
+        kill_workers: Callable[[], None] = lambda: None,
+        exit: Callable[[int], object] = _end_process,
+    ) -> None:
+        self._config = config
+        self._addresses = addresses
+        self._num_clients = num_clients
+        self._loop_thread_id = loop_thread_id
+        self._kill_workers = kill_workers
+        self._exit = exit
+
+    def __call__(self, report: StuckReport) -> None:
+        from pagekeeper_engine.core.engine_core import announce_fatal  # noqa: PLC0415
+
+        logger.critical("the engine is stuck: %s", report.detail)
+        frame = sys._current_frames().get(self._loop_thread_id)
+        if frame is not None:
+            stack = "".join(traceback.format_stack(frame))
+            logger.critical("the step loop's thread is here:\n%s", stack.rstrip())
+        # the message first: whatever happens next, the operator reads why the pod ended
+        write_stuck_message(report, Path(self._config.termination_log_path))
+        announce_fatal(self._addresses, self._num_clients, f"stuck: {report.detail}")
+        self._kill_workers()
         self._exit(1)
 
 
@@ -203,7 +250,21 @@ def _load_and_serve(
             runner.num_gpu_blocks,
             runner.block_size,
         )
-        code = core.run()
+        watchdog = None
+        if config.stuck_timeout > 0:
+            on_stuck = StuckLoopHandler(
+                config,
+                addresses,
+                num_clients,
+                threading.get_ident(),
+                kill_workers=workers.kill if workers is not None else lambda: None,
+            )
+            watchdog = ProgressWatchdog(config.stuck_timeout, core.progress, on_stuck)
+        try:
+            code = core.run()
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
     finally:
         core.close()
         if workers is not None:

@@ -27,6 +27,7 @@ MODULES: tuple[str, ...] = (
     "pagekeeper_engine.memory.allocator",
     "pagekeeper_engine.memory.cuda",
     "pagekeeper_engine.memory.oom",
+    "pagekeeper_engine.stuck",
     "pagekeeper_engine.frontend.metric_names",
 )
 

@@ -13,6 +13,12 @@
   phase=<startup|runtime> detail=...`, `memory.oom`), which the operator reads from the pod.
 - Metrics: `--metrics-port` serves `/metrics` with the allocator series the plugin reports from
   each GPU process (`series`); the child gets `PAGEKEEPER_VLLM_METRICS_DIR` for them.
+- Stuck: from vLLM's readiness to the first forwarded stop signal (a drain closes vLLM's
+  port), `probe` watches its `/health` and progress counters. With requests
+  running or waiting and no new token for `--stuck-timeout` seconds, or no 200 from `/health`
+  for as long, the child's process group gets SIGTERM, then SIGKILL after `--stuck-kill-grace`;
+  the launcher exits non-zero with the `pagekeeper-stuck ...` termination message (`stuck`),
+  unless vLLM printed a memory error, whose OOM message is the more telling cause.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from pathlib import Path
 from typing import IO
 
 from pagekeeper_engine.memory.oom import TERMINATION_LOG, write_termination_log
+from pagekeeper_engine.stuck import StuckReport, write_stuck_message
 from pagekeeper_vllm.output import LineSplitter, OOMEvent, OOMPhase, OutputWatcher
+from pagekeeper_vllm.probe import ProbeSettings, ProgressProbe, vllm_url
 from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, read_reports
 from pagekeeper_vllm.series import OOMTally, render_metrics
 
@@ -51,6 +59,13 @@ DEFAULT_METRICS_PORT = 8001
 # How long the output pumps may run on after the child exited (an orphan can hold the pipes).
 PUMP_JOIN_S = 5.0
 EXEC_FAILED = 127
+# --stuck-timeout's default, also read from this variable: as the paged engine's (see its
+# `config.DEFAULT_STUCK_TIMEOUT_S` for the longest legitimate step it allows for).
+STUCK_TIMEOUT_ENV = "PAGEKEEPER_VLLM_STUCK_TIMEOUT"
+DEFAULT_STUCK_TIMEOUT_S = 60.0
+DEFAULT_PROBE_INTERVAL_S = 5.0
+PROBE_REQUEST_TIMEOUT_S = 5.0  # at most; never longer than the stuck timeout itself
+DEFAULT_STUCK_KILL_GRACE_S = 10.0
 
 
 def served_model_name(argv: Sequence[str]) -> str:
@@ -74,22 +89,39 @@ def served_model_name(argv: Sequence[str]) -> str:
     return ""
 
 
-def exit_code(returncode: int, oom: OOMEvent | None) -> int:
-    """The launcher's exit code for the child's `returncode` (negative: killed by a signal)."""
+def exit_code(returncode: int, oom: OOMEvent | None, *, is_stuck: bool = False) -> int:
+    """The launcher's exit code for the child's `returncode` (negative: killed by a signal);
+    never 0 for a child that ran out of memory or that the launcher ended as stuck."""
     if returncode < 0:
         return 128 - returncode
-    if oom is not None and returncode == 0:
+    if (oom is not None or is_stuck) and returncode == 0:
         return 1
     return returncode
 
 
 class Launcher:
-    """One run of the child: output pumps, signal forwarding, the metrics endpoint."""
+    """One run of the child: output pumps, signal forwarding, the metrics endpoint, the probe
+    that ends a stuck child (`probe`: None for none; `kill_grace_s` between SIGTERM and
+    SIGKILL)."""
 
-    def __init__(self, argv: Sequence[str], metrics_dir: Path | None, model_name: str) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        metrics_dir: Path | None,
+        model_name: str,
+        *,
+        probe: ProbeSettings | None = None,
+        kill_grace_s: float = DEFAULT_STUCK_KILL_GRACE_S,
+    ) -> None:
         self.argv = list(argv)
         self.metrics_dir = metrics_dir
         self.model_name = model_name
+        self.probe = (
+            None if probe is None else ProgressProbe(vllm_url(argv), probe, self._end_stuck)
+        )
+        self.kill_grace_s = kill_grace_s
+        self.stuck: StuckReport | None = None  # why the launcher ended the child, if it did
+        self.exited = threading.Event()  # the child has been reaped
         self.watcher = OutputWatcher()
         self.tally = OOMTally()
         self.lock = threading.RLock()  # the signal handler takes it on the main thread
@@ -116,10 +148,25 @@ class Launcher:
             was_ready = self.watcher.is_ready
             self.watcher.feed_line(line)
             became_ready = self.watcher.is_ready and not was_ready
+        if became_ready and self.probe is not None:
+            self.probe.start()
         if became_ready and self.metrics_dir is not None:
             self._read_reports()
             with self.lock:
                 self.tally.mark_ready()
+
+    def _end_stuck(self, report: StuckReport) -> None:
+        """End the stuck child's process group: SIGTERM, then SIGKILL after the grace."""
+        assert self.child is not None
+        self.stuck = report
+        logger.error("vLLM is stuck, ending it: %s", report.detail)
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.child.pid, signum)
+            if self.exited.wait(self.kill_grace_s):
+                return
+            if signum == signal.SIGTERM:
+                logger.error("vLLM still runs %g s after SIGTERM; killing it", self.kill_grace_s)
 
     def _pump(self, source: IO[bytes], sink: IO[bytes]) -> None:
         splitter = LineSplitter()
@@ -138,6 +185,10 @@ class Launcher:
         with self.lock:
             if signum in STOP_SIGNALS and self.stop_line is None:
                 self.stop_line = self.watcher.num_lines
+        if signum in STOP_SIGNALS and self.probe is not None:
+            # a draining vLLM closes its port: no longer a sign of a hang (the kubelet's grace
+            # period bounds the drain)
+            self.probe.stop()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signum)
 
@@ -177,6 +228,9 @@ class Launcher:
             pump.start()
         returncode = self._wait_child(self.child.pid)
         self.child.returncode = returncode
+        self.exited.set()
+        if self.probe is not None:
+            self.probe.stop()
         for pump in pumps:
             pump.join(PUMP_JOIN_S)
         return returncode
@@ -235,6 +289,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=TERMINATION_LOG,
         help="where an out-of-memory exit is reported (the kubelet's terminationMessagePath)",
     )
+    parser.add_argument(
+        "--stuck-timeout",
+        type=float,
+        default=float(os.environ.get(STUCK_TIMEOUT_ENV, DEFAULT_STUCK_TIMEOUT_S)),
+        help="seconds vLLM may hold running or waiting requests without a new token, or leave "
+        "/health unanswered, before it is ended as stuck; 0: never (default "
+        f"${STUCK_TIMEOUT_ENV}, else {DEFAULT_STUCK_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--probe-interval",
+        type=float,
+        default=DEFAULT_PROBE_INTERVAL_S,
+        help="seconds between probes of vLLM's /health and /metrics",
+    )
+    parser.add_argument(
+        "--stuck-kill-grace",
+        type=float,
+        default=DEFAULT_STUCK_KILL_GRACE_S,
+        help="seconds a stuck vLLM gets between SIGTERM and SIGKILL",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then vLLM's command line")
     return parser
 
@@ -246,16 +320,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     if not command:
         build_parser().error("give vLLM's command after --, e.g. -- vllm serve MODEL")
+    if args.stuck_timeout < 0 or args.probe_interval <= 0 or args.stuck_kill_grace < 0:
+        build_parser().error(
+            "--stuck-timeout and --stuck-kill-grace must be >= 0, --probe-interval > 0"
+        )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s pagekeeper: %(message)s")
     metrics_dir = None
     server = None
     if args.metrics_port:
         metrics_dir = Path(tempfile.mkdtemp(prefix="pagekeeper-vllm-"))
-    launcher = Launcher(command, metrics_dir, served_model_name(command))
+    probe = None
+    if args.stuck_timeout > 0:
+        probe = ProbeSettings(
+            args.stuck_timeout,
+            args.probe_interval,
+            min(PROBE_REQUEST_TIMEOUT_S, args.stuck_timeout),
+        )
+    launcher = Launcher(
+        command,
+        metrics_dir,
+        served_model_name(command),
+        probe=probe,
+        kill_grace_s=args.stuck_kill_grace,
+    )
     if metrics_dir is not None:
         server = serve_metrics(launcher, args.metrics_host, args.metrics_port)
     returncode = launcher.run()
     cause = launcher.cause()
+    if launcher.stuck is not None and cause is None:
+        write_stuck_message(launcher.stuck, args.termination_log)
+        logger.error("vLLM ended as stuck (exit %d): %s", returncode, launcher.stuck.detail)
     if cause is not None:
         oom, phase = cause
         write_termination_log("gpu", phase, oom.detail, args.termination_log)
@@ -267,7 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if server is not None:
         server.shutdown()
-    return exit_code(returncode, None if cause is None else cause[0])
+    return exit_code(
+        returncode, None if cause is None else cause[0], is_stuck=launcher.stuck is not None
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support.tools import REPO
@@ -16,11 +17,19 @@ STOP_TIMEOUT_S = 60.0
 
 
 def start_launcher(
-    tmp_path: Path, scenario: str, *, metrics_port: int = 0, capture: bool = True
+    tmp_path: Path,
+    scenario: str,
+    *,
+    metrics_port: int = 0,
+    capture: bool = True,
+    launcher_args: Sequence[str] = ("--stuck-timeout", "0"),
+    child_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """The launcher with the fake child playing `scenario`; its termination log is
     `tmp_path/<scenario>.termination-log`, and the child writes its pid to
-    `tmp_path/<scenario>.waiting` once it waits for SIGTERM."""
+    `tmp_path/<scenario>.waiting` once it waits for SIGTERM. The stuck probe is off unless
+    `launcher_args` turn it on (the fake child serves HTTP only in its probe scenarios, on the
+    `--port` of `child_args`)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
@@ -38,12 +47,14 @@ def start_launcher(
             "127.0.0.1",
             "--termination-log",
             str(tmp_path / f"{scenario}.termination-log"),
+            *launcher_args,
             "--",
             sys.executable,
             str(FAKE_VLLM),
             scenario,
             "--served-model-name",
             "tiny",
+            *child_args,
         ],
         env=env,
         stdout=output,

@@ -3,13 +3,16 @@
 As in vLLM, uvicorn's readiness goes to stderr and vLLM's own log lines (an engine core's
 traceback among them) to stdout.
 
-Usage: fake_vllm.py SCENARIO [vLLM flags, ignored]. Lines are vLLM's own (its child processes'
-lines carry their prefix), and the OOM text is torch's; `main` says what each scenario does.
+Usage: fake_vllm.py SCENARIO [vLLM flags, ignored but --port]. Lines are vLLM's own (its child
+processes' lines carry their prefix), and the OOM text is torch's; `main` says what each scenario
+does. The stuck scenarios serve vLLM's /health and /metrics on --port, as a zombie vLLM would.
 """
 
+import http.server
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +34,48 @@ NO_CACHE = (
     "ValueError: No available memory for the cache blocks. Try increasing "
     "`gpu_memory_utilization` when initializing the engine."
 )
+
+
+# What a vLLM with two engines (data parallel) shows while it holds 1 running and 2 waiting
+# requests and generates nothing.
+STUCK_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 1.0
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 7.0
+vllm:generation_tokens_total{engine="1",model_name="tiny"} 5.0
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 30.0
+"""
+IDLE_METRICS = STUCK_METRICS.replace("} 1.0", "} 0.0")
+
+
+def serve_http(metrics: str, *, health_hangs: bool) -> None:
+    """vLLM's probes on --port: /metrics answers `metrics`; /health 200, or never."""
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    never = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health" and health_hangs:
+                never.wait()
+            body = metrics.encode() if self.path == "/metrics" else b""
+            self.send_response(200 if self.path in ("/health", "/metrics") else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 def say(text: str, stream=sys.stdout) -> None:
@@ -82,6 +127,18 @@ def main(scenario: str) -> None:
     elif scenario == "report":  # a GPU process's report, as the plugin writes it
         stats = AllocatorStats(8 << 30, 1 << 30, 6 << 30, 3, 0)
         write_report(Path(os.environ[METRICS_DIR_ENV]), ProcessReport(os.getpid(), 0, "0", stats))
+        say(READY, sys.stderr)
+        wait_for_term(drain)
+    elif scenario == "stuck":  # a zombie: healthy, holding requests, no token; deaf to SIGTERM
+        serve_http(STUCK_METRICS, health_hangs=False)
+        say(READY, sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        marker = os.environ.get("FAKE_VLLM_WAITING")
+        if marker:
+            Path(marker).write_text(str(os.getpid()))
+        threading.Event().wait()
+    elif scenario == "health-hangs":  # idle, but /health never answers; drains on SIGTERM
+        serve_http(IDLE_METRICS, health_hangs=True)
         say(READY, sys.stderr)
         wait_for_term(drain)
     elif scenario == "survived-oom-then-drain":

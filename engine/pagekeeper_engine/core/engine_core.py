@@ -11,7 +11,8 @@ The loop ends on `Shutdown` (exit 0), when the process that started it is gone (
 pod's front end died), or on a `FatalEngineError` (out-of-memory errors past the engine's limit,
 any step failure under tensor parallelism, a tensor-parallel rank that died: `fail`, from any
 thread): a `Fatal` message to every front end, `fatal` set, exit 1. `announce_fatal` sends the
-same message from a thread of its own where the loop cannot get there.
+same message from a thread of its own where the loop cannot get there. Each turn of the loop is
+marked (`last_turn_s`, read with the requests held by `progress`) for the progress watchdog.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pagekeeper_engine.messages import (
     from_core_codec,
     to_core_codec,
 )
+from pagekeeper_engine.progress_watch import LoopProgress
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +93,24 @@ class EngineCore:
         self._last_stats_s = 0.0
         self._last_parent_check_s = time.monotonic()
         self._is_stopping = False
+        # time.monotonic() at the start of the newest turn; written by the loop, read by the
+        # progress watchdog's thread (one float store a turn)
+        self.last_turn_s = time.monotonic()
 
     @property
     def fatal_error(self) -> str | None:
         """Why the loop gave up (None: it did not)."""
         return None if self.fatal is None else str(self.fatal)
+
+    def progress(self) -> LoopProgress:
+        """The newest turn's mark and the requests held; safe from any thread (it only reads
+        lengths)."""
+        scheduler = self.engine.scheduler
+        return LoopProgress(
+            self.last_turn_s,
+            len(scheduler.running),
+            len(scheduler.waiting) + len(scheduler.swapped),
+        )
 
     def send_ready(self, ready: Ready) -> None:
         self._broadcast(ready)
@@ -125,6 +140,7 @@ class EngineCore:
             if self._is_stopping:
                 break
             now = time.monotonic()
+            self.last_turn_s = now
             if now - self._last_parent_check_s >= PARENT_CHECK_INTERVAL_S:
                 self._last_parent_check_s = now
                 if not self._is_parent_alive():

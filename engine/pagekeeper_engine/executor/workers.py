@@ -83,6 +83,13 @@ class WorkerRanks:
         """The first worker that ended unasked, waiting up to `timeout_s` for one."""
         return self._watchdog.failure(timeout_s)
 
+    def kill(self) -> None:
+        """Kill every worker at once, from any thread, unreported (rank 0 ends with them)."""
+        self._watchdog.stop()
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+
     def stop(self, *, graceful: bool = True) -> None:
         """Tell every worker to stop and wait for them, killing any that do not go; with
         `graceful` False (rank 0 failed, the others may be inside a collective) kill them."""

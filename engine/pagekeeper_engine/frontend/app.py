@@ -2,7 +2,8 @@
 
 `create_app` builds the application before the model is loaded; `ServerState.attach` hands it
 the engine and tokenizer once they exist. /health answers 200 only while the engine loop runs;
-/ready only while serving (not loading, not draining).
+/ready only while serving (not loading, not draining); once the core gave up or was found
+stuck, its 503 says why (`reason`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pagekeeper_engine.frontend.protocol import (
     SamplingRequest,
 )
 from pagekeeper_engine.frontend.serving import Job, check_prompt, resolve_max_tokens
-from pagekeeper_engine.frontend.state import ServerState
+from pagekeeper_engine.frontend.state import Phase, ServerState
 from pagekeeper_engine.frontend.streaming import ChatRenderer, CompletionRenderer, respond
 from pagekeeper_engine.frontend.tokenizer import ChatTemplateError
 from pagekeeper_engine.memory.allocator import AllocatorSettings
@@ -170,9 +171,10 @@ async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.is_serving:
         return web.json_response({"status": "ready"})
-    return web.json_response(
-        {"status": state.phase.value}, status=503, headers={"Retry-After": "5"}
-    )
+    body = {"status": state.phase.value}
+    if state.phase is Phase.SERVING and state.engine is not None:  # the core died or is stuck
+        body = {"status": "engine loop is not running", "reason": state.engine.dead_reason or ""}
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
 async def defragment(request: web.Request) -> web.Response:

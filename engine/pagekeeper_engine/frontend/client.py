@@ -53,8 +53,11 @@ class EngineClient(Protocol):
 
     `generate` streams one request's outputs (cancelling its consumer aborts the request and
     frees its blocks); `drain` stops admission and waits for requests in flight; `is_alive` is
-    what /health reports.
+    what /health reports, and `dead_reason` why it is not (None while the core runs, or where
+    nothing said why).
     """
+
+    dead_reason: str | None
 
     @property
     def ready(self) -> Ready:

@@ -30,7 +30,13 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
-from pagekeeper_engine.faults import FatalEngineError, StepFaultInjection, injected_fault_step
+from pagekeeper_engine.faults import (
+    INJECT_STEP_HANG_ENV,
+    FatalEngineError,
+    StepFaultInjection,
+    injected_fault_step,
+    wait_forever,
+)
 from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
@@ -199,7 +205,10 @@ class ModelRunner:
         )
         self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._faults = StepFaultInjection(
-            self.tp.rank, injected_fault_step(self.tp.rank, os.environ)
+            self.tp.rank,
+            injected_fault_step(self.tp.rank, os.environ),
+            injected_fault_step(self.tp.rank, os.environ, INJECT_STEP_HANG_ENV),
+            hang=self._hang_device if self.device.type == "cuda" else wait_forever,
         )
         shapes = ProfileShapes(
             self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, self.block_size
@@ -351,6 +360,12 @@ class ModelRunner:
     def step_failure(self, exc: Exception) -> FatalEngineError:
         """What a failed step means under tensor parallelism (`step_faults`)."""
         return tensor_parallel_failure(self.tp.rank, self.followers, exc)
+
+    def _hang_device(self) -> None:
+        """The injected hang on a GPU: a kernel that spins for decades, and a wait for it inside
+        CUDA, as a wedged device or collective leaves the step."""
+        torch.cuda._sleep(1 << 62)  # type: ignore[no-untyped-call]  # clock cycles
+        torch.cuda.synchronize(self.device)
 
     def release_cached_memory(self) -> None:
         """Hands the caching allocator's wholly free segments back to the device."""

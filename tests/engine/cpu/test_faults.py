@@ -13,8 +13,10 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,
+    INJECT_STEP_HANG_ENV,
     FatalEngineError,
     InjectedStepFaultError,
+    StepFaultInjection,
     TensorParallelStepError,
     injected_fault_step,
 )
@@ -86,6 +88,22 @@ def test_the_injection_hook(value: str, rank: int, step: int | None) -> None:
 def test_a_malformed_injection_names_the_variable(value: str) -> None:
     with pytest.raises(ValueError, match=INJECT_STEP_FAULT_ENV):
         injected_fault_step(0, {INJECT_STEP_FAULT_ENV: value})
+
+
+def test_the_hang_hook_reads_its_own_variable() -> None:
+    env = {INJECT_STEP_FAULT_ENV: "0:2", INJECT_STEP_HANG_ENV: "1:4"}
+    assert injected_fault_step(1, env, INJECT_STEP_HANG_ENV) == 4
+    assert injected_fault_step(0, env, INJECT_STEP_HANG_ENV) is None
+    with pytest.raises(ValueError, match=INJECT_STEP_HANG_ENV):
+        injected_fault_step(0, {INJECT_STEP_HANG_ENV: "4"}, INJECT_STEP_HANG_ENV)
+
+
+def test_the_injection_hangs_in_the_named_step_only() -> None:
+    hung_at: list[int] = []
+    faults = StepFaultInjection(1, None, 3, hang=lambda: hung_at.append(faults.launched))
+    for _ in range(5):
+        faults.count()
+    assert hung_at == [3]
 
 
 @pytest.fixture(scope="module")
