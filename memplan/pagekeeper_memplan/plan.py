@@ -245,10 +245,11 @@ def judge(
     ]
     if wants_fp8 and gpu.supports_fp8 is False:
         cc = ".".join(map(str, gpu.capability or ()))
+        verb = "need" if len(wants_fp8) > 1 else "needs"
         return Verdict(
             False,
             "NoFP8OnGPU",
-            f"{' and '.join(wants_fp8)} need FP8 (compute capability 8.9 or newer); "
+            f"{' and '.join(wants_fp8)} {verb} FP8 (compute capability 8.9 or newer); "
             f"{gpu.name} has {cc}",
             "weights.quantization" if inputs.quantization == "fp8" else "kvCacheDtype",
         )
