@@ -33,8 +33,13 @@ def test_defaults_follow_the_engines_reading() -> None:
 
 
 def test_qwen2_has_a_bias_and_qwen3_a_qk_norm() -> None:
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     assert parse_shape({**base, "model_type": "qwen2"}).attention_bias
     assert parse_shape({**base, "model_type": "qwen3"}).has_qk_norm
 

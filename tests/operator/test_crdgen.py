@@ -108,6 +108,7 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
         "Desired": ("integer", ".status.desiredReplicas"),
         "Runtime": ("string", ".spec.runtime"),
         "GPU-Util": ("number", ".status.effectiveMemoryPolicy.gpuMemoryUtilization"),
+        "Fits": ("string", ".status.memoryPlan.state"),
         "Last-Scale": ("string", ".status.autoscaling.lastScaleReason"),
         "Last-Remediation": ("date", ".status.lastRemediation"),
         "Age": ("date", ".metadata.creationTimestamp"),
