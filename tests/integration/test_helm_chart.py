@@ -529,7 +529,7 @@ def test_operator_runs_under_the_charts_rbac(
                 _service_account_kubeconfig(cluster, namespace, name, tmp_path / "kc")
             ),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": str(REPO / "operator"),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "memplan")]),
             "HOME": str(tmp_path),
         }
         log_path = tmp_path / "operator.log"
