@@ -7,6 +7,8 @@ shard picker; the KV block: the engine's `KVLayout`.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -100,6 +102,31 @@ def test_weights_of_a_rank_equal_the_engines_shard(
     assert planned == allocated_bytes(model)
 
 
+@pytest.mark.xfail(
+    "quantization" not in inspect.signature(CausalLM).parameters,
+    reason="the engine's FP8 weights arrive with its own change",
+    strict=True,
+)
+@pytest.mark.parametrize(("arch", "overrides"), CASES)
+@pytest.mark.parametrize(("rank", "size"), [(0, 1), (1, 2), (3, 4)])
+def test_fp8_weights_of_a_rank_equal_the_engines(
+    arch: str, overrides: dict[str, Any], rank: int, size: int
+) -> None:
+    raw = tiny_config(arch, **overrides)
+    with torch.device("meta"):
+        model = CausalLM(
+            parse_model_config(raw),
+            MAX_POSITION,
+            get_backend("cpu"),
+            torch.bfloat16,
+            TensorParallelGroup(rank, size),
+            quantization="fp8",  # type: ignore[call-arg]
+        )
+    inputs = PlanInputs(tp=size, dtype="bfloat16", quantization="fp8")
+    planned, _ = weight_bytes(parse_shape(raw), inputs, MAX_POSITION)
+    assert planned == allocated_bytes(model)
+
+
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_bytes_per_block_equal_the_engines_layout(size: int, kv_dtype: str) -> None:
@@ -109,7 +136,9 @@ def test_bytes_per_block_equal_the_engines_layout(size: int, kv_dtype: str) -> N
     inputs = PlanInputs(
         tp=size, dtype="bfloat16", kv_cache_dtype="fp8" if kv_dtype == "fp8" else "auto"
     )
-    assert kv_layout(parse_shape(raw), inputs) == engine_kv_layout(local, 16, dtype)
+    planned, engine = kv_layout(parse_shape(raw), inputs), engine_kv_layout(local, 16, dtype)
+    assert astuple(planned) == astuple(engine)
+    assert planned.bytes_per_block == engine.bytes_per_block
 
 
 @pytest.mark.parametrize(("size", "max_tokens"), [(1, 40), (2, 9000), (4, 8192)])

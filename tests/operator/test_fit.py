@@ -3,11 +3,13 @@ condition, and the rollout it holds."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pagekeeper_memplan.gpus import GpuModel, MiB
 from pagekeeper_operator.conditions import compute_status
-from pagekeeper_operator.effective import effective_memory_policy
+from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.fit import (
     candidate_gpu,
     decide_fit,
@@ -169,6 +171,20 @@ def test_a_held_rollout_keeps_the_running_template_or_makes_no_deployment() -> N
     assert held[0]["spec"] == {"replicas": 2, "template": {"metadata": {"labels": {"old": "1"}}}}
     assert held[1] == SERVICE
     assert hold_rollout([DEPLOYMENT, SERVICE], None) == [SERVICE]
+
+
+def test_servers_without_the_new_fields_keep_their_policy_hash() -> None:
+    """The hash from before kvCacheMemory and weights existed: no pod rolls on an upgrade."""
+    server = make_server({"memoryPolicy": {"maxModelLen": 4096}})
+    old_dump = effective_memory_policy(server).model_dump(by_alias=True, mode="json")
+    del old_dump["kvCacheMemory"], old_dump["weights"]
+    assert old_dump["gpuMemoryUtilization"] == 0.9
+    text = json.dumps(old_dump, sort_keys=True)
+    expected = hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert memory_policy_hash(server.spec.memory_policy) == expected
+    assert memory_policy_hash(effective_memory_policy(server)) == expected
+    fp8 = make_server({"memoryPolicy": {"maxModelLen": 4096, "weights": {"quantization": "fp8"}}})
+    assert memory_policy_hash(fp8.spec.memory_policy) != expected
 
 
 def test_status_carries_the_plan_and_its_condition() -> None:

@@ -127,6 +127,14 @@ def test_budget_and_weight_flags_render_as_vllm_names_them(spec: dict[str, Any])
     assert "--quantization" in flags or "--cpu-offload-gb" in flags
 
 
+def test_vllm_gets_the_same_budget_and_weight_flags() -> None:
+    command = _command(BUDGET_SPECS[2])
+    assert command[:2] == ["vllm", "serve"]
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == "1500000000"
+    assert command[command.index("--cpu-offload-gb") + 1] == "2.5"
+    assert "--gpu-memory-utilization" not in command and "--quantization" not in command
+
+
 def test_unset_weights_and_budget_render_no_new_flag() -> None:
     """Servers that set none of them keep their command (and pods) across an upgrade."""
     for runtime in ("pagekeeper", "vllm"):
