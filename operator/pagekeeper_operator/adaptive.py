@@ -13,9 +13,10 @@ got SIGKILL): that is a host OOM of unknown phase.
 
 Only run-time GPU OOMs step the policy down: first gpuMemoryUtilization by `utilizationStep`
 toward its floor, then (at the floor) maxNumBatchedTokens by the `maxNumBatchedTokensStep`
-factor toward its floor. A start-up OOM means the model does not fit the budget at all; lowering
-the budget will not help it, so it is only reported. The result is written to status, never
-to spec.
+factor toward its floor. Under a KV byte budget (`kvCacheMemory`) there is no utilization to
+lower: maxNumBatchedTokens steps down at once. A start-up OOM means the model does not fit the
+budget at all; lowering the budget will not help it, so it is only reported. The result is
+written to status, never to spec.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ def step_down(
     """
     if not adaptive.enabled:
         return None
-    utilization = float(effective_policy["gpuMemoryUtilization"])
     floor = adaptive.min_gpu_memory_utilization
-    if utilization > floor:
+    utilization = effective_policy.get("gpuMemoryUtilization")
+    if utilization is not None and float(utilization) > floor:
+        utilization = float(utilization)
         lowered = max(floor, round(utilization - adaptive.utilization_step, UTILIZATION_DECIMALS))
         reason = (
             f"gpuMemoryUtilization {utilization:g} -> {lowered:g} after a run-time GPU "
@@ -112,8 +114,13 @@ def step_down(
     lowered_tokens = max(tokens_floor, int(tokens * adaptive.max_num_batched_tokens_step))
     if lowered_tokens >= tokens:
         return None
+    budget = (
+        f"gpuMemoryUtilization at its floor {floor:g}"
+        if utilization is not None
+        else "a kvCacheMemory budget"
+    )
     reason = (
         f"maxNumBatchedTokens {tokens} -> {lowered_tokens} after a run-time GPU out-of-memory "
-        f"crash (gpuMemoryUtilization at its floor {floor:g}; token floor {tokens_floor})"
+        f"crash ({budget}; token floor {tokens_floor})"
     )
     return {**effective_policy, "maxNumBatchedTokens": lowered_tokens}, reason

@@ -23,6 +23,7 @@ from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
@@ -44,6 +45,7 @@ OWNED_FIELDS = (
     "policyHash",
     "triggers",
     "canary",
+    "memoryPlan",
 )
 
 
@@ -236,15 +238,29 @@ def runtime_conditions(
     ]
 
 
+def fit_condition(server: LLMServer, fit: FitOutcome | None, now: str) -> list[Condition]:
+    """PolicyFits from this reconcile's plan; the last one kept where none was made (a status
+    refresh from a Deployment event)."""
+    if fit is None:
+        previous = server.status.condition(POLICY_FITS)
+        return [] if previous is None else [previous]
+    status, reason, message = fit.condition
+    previous = server.status.condition(POLICY_FITS)
+    generation = server.metadata.generation
+    return [_condition(previous, POLICY_FITS, status, reason, message, generation, now)]
+
+
 def compute_status(
     server: LLMServer,
     deployment: Mapping[str, Any] | None,
     now: str,
     apply_error: str | None = None,
     autoscaling: AutoscalingStatus | None = None,
+    fit: FitOutcome | None = None,
 ) -> LLMServerStatus:
-    """The status to write, given the Deployment as observed (None when absent) and, under
-    spec.autoscaling, what its autoscaler did (`autoscaling.autoscaling_status`)."""
+    """The status to write, given the Deployment as observed (None when absent), under
+    spec.autoscaling what its autoscaler did (`autoscaling.autoscaling_status`), and the
+    memory plan of this reconcile (`fit.decide_fit`; None keeps the last one)."""
     old = server.status
     generation = server.metadata.generation
     conditions = [
@@ -263,7 +279,9 @@ def compute_status(
                 memory,
                 *canary,
                 *runtime_conditions(server, deployment, now),
+                *fit_condition(server, fit, now),
             ],
+            "memory_plan": old.memory_plan if fit is None else fit.status,
             "replicas": int(dep_status.get("replicas") or 0),
             "ready_replicas": int(dep_status.get("readyReplicas") or 0),
             "updated_replicas": int(dep_status.get("updatedReplicas") or 0),

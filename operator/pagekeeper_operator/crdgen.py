@@ -208,7 +208,15 @@ def _printer_columns() -> list[dict[str, Any]]:
             "name": "GPU-Util",
             "type": "number",
             "jsonPath": ".status.effectiveMemoryPolicy.gpuMemoryUtilization",
-            "description": "Effective --gpu-memory-utilization of the pods.",
+            "description": (
+                "Effective --gpu-memory-utilization of the pods (empty under kvCacheMemory)."
+            ),
+        },
+        {
+            "name": "Fits",
+            "type": "string",
+            "jsonPath": ".status.memoryPlan.state",
+            "description": "The memory plan's verdict: Fits, DoesNotFit (rollout held), Unknown.",
         },
         {
             "name": "Last-Scale",

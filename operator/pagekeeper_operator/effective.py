@@ -18,10 +18,29 @@ from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
 HASH_LENGTH = 16
 
 
+# Fields added after servers existed: left out of the hash while unset, so those servers keep
+# their hash (and their pods) across an operator upgrade.
+_HASHED_WHEN_SET = ("kvCacheMemory", "weights")
+
+
 def memory_policy_hash(policy: MemoryPolicy) -> str:
-    """A short, stable hash of a policy's values (key order and defaults do not matter)."""
-    text = json.dumps(policy.model_dump(by_alias=True, mode="json"), sort_keys=True)
+    """A short, stable hash of a policy's values (key order and defaults do not matter; an
+    unset gpuMemoryUtilization hashes as the 0.9 it means)."""
+    values = resolve_budget(policy).model_dump(by_alias=True, mode="json")
+    for name in _HASHED_WHEN_SET:
+        if values.get(name) is None:
+            values.pop(name, None)
+    text = json.dumps(values, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
+
+
+def resolve_budget(policy: MemoryPolicy) -> MemoryPolicy:
+    """The policy with its budget spelled out: gpuMemoryUtilization 0.9 where neither it nor
+    kvCacheMemory is set, so status, the step-down and `kubectl get` read the value in force."""
+    utilization = policy.effective_utilization
+    if utilization == policy.gpu_memory_utilization:
+        return policy
+    return policy.model_copy(update={"gpu_memory_utilization": utilization})
 
 
 def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
@@ -31,8 +50,8 @@ def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
         status.effective_memory_policy is not None
         and status.spec_memory_policy_hash == memory_policy_hash(server.spec.memory_policy)
     ):
-        return status.effective_memory_policy
-    return server.spec.memory_policy
+        return resolve_budget(status.effective_memory_policy)
+    return resolve_budget(server.spec.memory_policy)
 
 
 def allocator_conf(allocator: AllocatorPolicy) -> str:

@@ -143,6 +143,12 @@ class Kube:
                 return None
             raise
 
+    def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
+        """The cluster's nodes matching `label_selector` (cluster-scoped)."""
+        answer = self._request("GET", "/api/v1/nodes", query=[("labelSelector", label_selector)])
+        items: list[dict[str, Any]] = answer.get("items") or []
+        return items
+
     def list(
         self, api_version: str, kind: str, namespace: str, label_selector: str
     ) -> list[dict[str, Any]]:

@@ -29,7 +29,9 @@ from pagekeeper_operator.canary import (
     template_identity,
 )
 from pagekeeper_operator.conditions import compute_status, status_patch
+from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
+from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.remediation.actions import event
@@ -80,7 +82,13 @@ def reconcile(
     now = now or utc_now()
     desired = render_all(server, default_images, features)
     stored = server  # the status patch is the difference from what the API server holds
-    desired, server, canary_event = _with_canary(kube, server, desired, now)
+    fit = _plan_fit(kube, server)
+    if fit.holds_rollout:
+        running = kube.get("apps/v1", "Deployment", namespace, server.metadata.name)
+        desired = hold_rollout(desired, running)
+    canary_event = None
+    if any(m["kind"] == "Deployment" for m in desired):
+        desired, server, canary_event = _with_canary(kube, server, desired, now)
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
     error_text = _hand_over(kube, server, observed, result)
@@ -110,11 +118,37 @@ def reconcile(
         error_text = _prune(kube, server, unwanted, result)
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event)
+    fit_event = _fit_event(server, fit)
+    if fit_event is not None:
+        _post_event(kube, server, fit_event)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
-    status = compute_status(server, deployment, now, error_text, autoscaling)
+    status = compute_status(server, deployment, now, error_text, autoscaling, fit)
     result.status_patch = status_patch(stored, status)
     return result
+
+
+def _plan_fit(kube: Kube, server: LLMServer) -> FitOutcome:
+    """The memory plan of the effective policy on the nodes the pods may land on; nodes that
+    cannot be listed leave the GPU to the spec (or unknown)."""
+    selector = ",".join(f"{key}={value}" for key, value in node_selector(server).items())
+    try:
+        nodes = kube.list_nodes(selector)
+    except ApiException as exc:
+        logger.warning("listing nodes for the memory plan failed (%s %s)", exc.status, exc.reason)
+        nodes = []
+    return decide_fit(server, effective_memory_policy(server), nodes)
+
+
+def _fit_event(server: LLMServer, fit: FitOutcome) -> CanaryEvent | None:
+    """A Warning when the plan stops fitting (or fails differently): the rollout is held."""
+    status, reason, message = fit.condition
+    previous = server.status.condition(POLICY_FITS)
+    if status != "False" or (
+        previous is not None and previous.status == "False" and previous.reason == reason
+    ):
+        return None
+    return CanaryEvent("Warning", "PolicyDoesNotFit", message)
 
 
 def _hand_over(

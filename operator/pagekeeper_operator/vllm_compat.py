@@ -2,8 +2,10 @@
 and whether pagekeeper's plugin loads. Both become conditions under runtime vllm.
 
 - PolicyHonored: False (IgnoredByRuntime) when the image's vLLM version is known to ignore a
-  field the spec sets; Unknown (RuntimeVersionUnknown) when such a field is set and the image
-  tag names no version; True otherwise.
+  field the spec sets, or predates the version whose parser pagekeeper checked a field's flag
+  against (`FLAG_FIELDS`: its parser may refuse the flag, and the pod would not start);
+  Unknown (RuntimeVersionUnknown) when such a field is set and the image tag names no
+  version; True otherwise.
 - PluginLoaded: False (ExcludedByVLLMPlugins) when the container's VLLM_PLUGINS leaves out
   pagekeeper's plugin, so the allocator and OOM series (and their alerts) are missing; Unknown
   when VLLM_PLUGINS comes from a Secret or ConfigMap; True otherwise.
@@ -36,6 +38,7 @@ class IgnoredField:
     is_set: Callable[[MemoryPolicy], bool]
     honored_from: Version
     why: str
+    effect: str = "ignores"  # what a version before `honored_from` does with it
 
 
 IGNORED_FIELDS: tuple[IgnoredField, ...] = (
@@ -44,6 +47,34 @@ IGNORED_FIELDS: tuple[IgnoredField, ...] = (
         lambda policy: not policy.enable_chunked_prefill,
         (0, 11, 1),
         "its V1 engine turns chunked prefill back on for generative models",
+    ),
+)
+
+
+# The flags of byte budgets and weight memory: vLLM 0.11.0's and 0.33.0's parsers accept them
+# (tests/vllm/test_real_vllm.py), and no older parser is checked.
+CHECKED_FROM: Version = (0, 11, 0)
+FLAG_FIELDS: tuple[IgnoredField, ...] = (
+    IgnoredField(
+        "spec.memoryPolicy.kvCacheMemory",
+        lambda policy: policy.kv_cache_memory is not None,
+        CHECKED_FROM,
+        "pagekeeper checks --kv-cache-memory-bytes against vLLM 0.11.0 and later only",
+        "may refuse",
+    ),
+    IgnoredField(
+        "spec.memoryPolicy.weights.quantization: fp8",
+        lambda policy: policy.weight_policy.quantization == "fp8",
+        CHECKED_FROM,
+        "pagekeeper checks --quantization fp8 against vLLM 0.11.0 and later only",
+        "may refuse",
+    ),
+    IgnoredField(
+        "spec.memoryPolicy.weights.cpuOffloadGiB",
+        lambda policy: policy.weight_policy.cpu_offload_gib > 0,
+        CHECKED_FROM,
+        "pagekeeper checks --cpu-offload-gb against vLLM 0.11.0 and later only",
+        "may refuse",
     ),
 )
 
@@ -70,14 +101,14 @@ def policy_verdict(policy: MemoryPolicy, image: str) -> Verdict:
     """PolicyHonored for a vLLM pod of `image` running `policy`."""
     version = image_version(image)
     ignored, unknown = [], []
-    for entry in IGNORED_FIELDS:
+    for entry in (*IGNORED_FIELDS, *FLAG_FIELDS):
         if not entry.is_set(policy):
             continue
         if version is None:
             unknown.append(entry)
         elif version < entry.honored_from:
             ignored.append(
-                f"vLLM {_text(version)} ignores {entry.field} ({entry.why}); vLLM "
+                f"vLLM {_text(version)} {entry.effect} {entry.field} ({entry.why}); vLLM "
                 f"{_text(entry.honored_from)} and later honour it"
             )
     if ignored:

@@ -56,7 +56,9 @@ class OperatorProcess:
         env = {
             **os.environ,
             "KUBECONFIG": self.cluster.kubeconfig,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "operator"), str(REPO / "memplan"), str(REPO)]
+            ),
             "PAGEKEEPER_RESYNC_SECONDS": str(int(self.resync_seconds)),
             **self.extra_env,
         }

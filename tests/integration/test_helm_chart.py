@@ -63,6 +63,7 @@ CRD_RULE = {
     "verbs": ["get", "list", "watch"],
 }
 NAMESPACES_RULE = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
+NODES_RULE = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}
 
 
 def _peering_rule(resource: str) -> dict[str, Any]:
@@ -216,12 +217,17 @@ def test_rbac_cluster_wide_and_per_namespace(
 ) -> None:
     docs = render(cluster, kube_version, namespace)
     (role,) = by_kind(docs, "ClusterRole")
-    assert role["rules"] == [CRD_RULE, *NAMESPACED_RULES]
+    assert role["rules"] == [CRD_RULE, NODES_RULE, *NAMESPACED_RULES]
     assert not by_kind(docs, "Role")
 
     docs = render(cluster, kube_version, namespace, "--set", "replicas=2")
     (role,) = by_kind(docs, "ClusterRole")
-    assert role["rules"] == [CRD_RULE, _peering_rule("clusterkopfpeerings"), *NAMESPACED_RULES]
+    assert role["rules"] == [
+        CRD_RULE,
+        NODES_RULE,
+        _peering_rule("clusterkopfpeerings"),
+        *NAMESPACED_RULES,
+    ]
     (peering,) = by_kind(docs, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "pk-pagekeeper"
 
@@ -229,7 +235,7 @@ def test_rbac_cluster_wide_and_per_namespace(
         cluster, kube_version, namespace, "--set", "replicas=2", "--set", "watchNamespaces={a,b}"
     )
     (role,) = by_kind(docs, "ClusterRole")
-    assert role["rules"] == [CRD_RULE, NAMESPACES_RULE]
+    assert role["rules"] == [CRD_RULE, NODES_RULE, NAMESPACES_RULE]
     roles = by_kind(docs, "Role")
     assert [r["metadata"]["namespace"] for r in roles] == ["a", "b"]
     for r in roles:
@@ -354,7 +360,7 @@ def test_install_upgrade_uninstall(
     )
     assert core.read_namespaced_service_account(name, namespace) is not None
     role = rbac.read_cluster_role(name)
-    assert len(role.rules) == 1 + len(NAMESPACED_RULES)
+    assert len(role.rules) == 2 + len(NAMESPACED_RULES)
     binding = rbac.read_cluster_role_binding(name)
     assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
         ("ServiceAccount", name, namespace)
@@ -371,7 +377,7 @@ def test_install_upgrade_uninstall(
     for verb, resource in [
         ("create", "pods/eviction"), ("patch", "llmservers.pagekeeper.dev/status"),
         ("create", "deployments.apps"), ("watch", "pods"), ("create", "events"),
-        ("delete", "deployments.apps"),
+        ("delete", "deployments.apps"), ("list", "nodes"),
     ]:  # fmt: skip
         assert _can(cluster, user, verb, resource, elsewhere), f"{verb} {resource}"
     for verb, resource in [
@@ -523,7 +529,7 @@ def test_operator_runs_under_the_charts_rbac(
                 _service_account_kubeconfig(cluster, namespace, name, tmp_path / "kc")
             ),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": str(REPO / "operator"),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "memplan")]),
             "HOME": str(tmp_path),
         }
         log_path = tmp_path / "operator.log"

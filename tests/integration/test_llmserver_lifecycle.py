@@ -87,7 +87,11 @@ def test_create_update_scale_delete(
         "Progressing",
         "Degraded",
         "MemoryHealthy",
+        "PolicyFits",
     }
+    # Qwen3-0.6B is in the plan's catalogue; kwok-gpu-0 is labelled as an H100 80GB.
+    assert status["memoryPlan"]["state"] == "Fits"
+    assert status["memoryPlan"]["gpu"] == "NVIDIA-H100-80GB-HBM3"
     printed = cluster.kubectl("get", "llms", "qwen", "-n", namespace).stdout.split("\n")
     assert printed[0].split() == [
         "NAME",
@@ -96,11 +100,12 @@ def test_create_update_scale_delete(
         "DESIRED",
         "RUNTIME",
         "GPU-UTIL",
+        "FITS",
         "LAST-SCALE",
         "LAST-REMEDIATION",
         "AGE",
     ]
-    assert printed[1].split()[:6] == ["qwen", "1", "1", "1", "pagekeeper", "0.9"]
+    assert printed[1].split()[:7] == ["qwen", "1", "1", "1", "pagekeeper", "0.9", "Fits"]
     first_sets = _replica_sets(cluster, namespace, "qwen")
     assert len(first_sets) == 1
 

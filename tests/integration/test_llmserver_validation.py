@@ -13,11 +13,18 @@ from pagekeeper_operator.api.llmserver import (
     BLOCK_SIZE_RULE,
     DRAIN_RULE,
     GPU_RULE,
+    OFFLOAD_MEMORY_RULE,
     PYTHONPATH_RULE,
     SWAP_RULE,
 )
 from pagekeeper_operator.api.pod import ENV_RULE
-from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from pagekeeper_operator.api.policy import (
+    BATCHED_TOKENS_RULE,
+    BUDGETS_RULE,
+    KV_CACHE_MEMORY_RULE,
+    NUM_SEQS_RULE,
+    SPLIT_SIZE_RULE,
+)
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
@@ -103,6 +110,25 @@ CEL_CASES = [
         "spec.resources.gpus",
         GPU_RULE,
     ),
+    (
+        {"memoryPolicy": {"gpuMemoryUtilization": 0.8, "kvCacheMemory": "20Gi"}},
+        "spec.memoryPolicy.kvCacheMemory",
+        BUDGETS_RULE,
+    ),
+    (
+        {"memoryPolicy": {"kvCacheMemory": "0"}},
+        "spec.memoryPolicy.kvCacheMemory",
+        KV_CACHE_MEMORY_RULE,
+    ),
+    (
+        {
+            "parallelism": {"tensor": 2},
+            "resources": {"requests": {"memory": "16Gi"}},
+            "memoryPolicy": {"weights": {"cpuOffloadGiB": 10}},
+        },
+        "spec.memoryPolicy.weights.cpuOffloadGiB",
+        OFFLOAD_MEMORY_RULE,
+    ),
 ]
 SCHEMA_CASES = [
     ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
@@ -116,6 +142,15 @@ SCHEMA_CASES = [
     ({"runtime": "tgi"}, "spec.runtime"),
     ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
     ({"memoryPolicy": {"kvCacheDtype": "fp16"}}, "spec.memoryPolicy.kvCacheDtype"),
+    ({"memoryPolicy": {"kvCacheMemory": "lots"}}, "spec.memoryPolicy.kvCacheMemory"),
+    (
+        {"memoryPolicy": {"weights": {"quantization": "int4"}}},
+        "spec.memoryPolicy.weights.quantization",
+    ),
+    (
+        {"memoryPolicy": {"weights": {"cpuOffloadGiB": -1}}},
+        "spec.memoryPolicy.weights.cpuOffloadGiB",
+    ),
 ]
 
 
@@ -171,7 +206,8 @@ def test_valid_specs_are_stored_with_defaults(
     assert ok.returncode == 0, ok.stderr
     spec = get_server(cluster, namespace, "good")["spec"]
     assert spec["runtime"] == "pagekeeper" and spec["replicas"] == 1
-    assert spec["memoryPolicy"]["gpuMemoryUtilization"] == 0.9
+    # No stored utilization: 0.9 applies unless kvCacheMemory replaces it.
+    assert "gpuMemoryUtilization" not in spec["memoryPolicy"]
     assert spec["memoryPolicy"]["blockSize"] == 16
     assert spec["resources"]["requests"]["cpu"] == 4
     assert spec["remediation"]["maxUnavailable"] == 1
@@ -180,6 +216,28 @@ def test_valid_specs_are_stored_with_defaults(
     assert "the fraction of the GPU's total memory this instance may use" in " ".join(
         explain.stdout.split()
     )
+
+
+def test_budgets_and_weights_that_fit_the_rules_are_stored(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    """A KV byte budget with the adaptive floor (which then does not apply), and an offload the
+    memory request covers; offload beyond the weights is the plan's to refuse, not CEL's."""
+    for name, spec in (
+        ("kv-budget", {"memoryPolicy": {"kvCacheMemory": "20Gi"}}),
+        ("kv-budget-int", {"memoryPolicy": {"kvCacheMemory": 21474836480}}),
+        (
+            "offload",
+            {
+                "parallelism": {"tensor": 2},
+                "resources": {"requests": {"memory": "20Gi"}},
+                "memoryPolicy": {"weights": {"quantization": "fp8", "cpuOffloadGiB": 10}},
+            },
+        ),
+        ("offload-no-request", {"memoryPolicy": {"weights": {"cpuOffloadGiB": 500}}}),
+    ):
+        result = _apply(cluster, namespace, spec, name=name)
+        assert result.returncode == 0, (name, result.stderr)
 
 
 def test_small_example_passes_a_server_side_dry_run(

@@ -150,6 +150,17 @@ def test_token_floor_respects_the_policy_rules() -> None:
     assert chunked is not None and chunked[0]["maxNumBatchedTokens"] == 4096
 
 
+def test_a_kv_byte_budget_steps_the_tokens_at_once() -> None:
+    budget = {k: v for k, v in policy().items() if k != "gpuMemoryUtilization"}
+    step = step_down({**budget, "kvCacheMemory": "20Gi"}, ADAPTIVE)
+    assert step is not None
+    assert "gpuMemoryUtilization" not in step[0] and step[0]["maxNumBatchedTokens"] == 4096
+    assert step[1] == (
+        "maxNumBatchedTokens 8192 -> 4096 after a run-time GPU out-of-memory crash "
+        "(a kvCacheMemory budget; token floor 2048)"
+    )
+
+
 def test_disabled_adaptive_never_steps() -> None:
     assert step_down(policy(), AdaptiveSpec(enabled=False)) is None
 

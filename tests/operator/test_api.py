@@ -35,8 +35,9 @@ def test_defaults_of_a_minimal_server() -> None:
     assert (spec.resources.gpus, spec.parallelism.tensor, spec.num_gpus) == (None, 1, 1)
     assert spec.shutdown_grace_period_seconds == 30
     assert (spec.rollout.max_surge, spec.rollout.max_unavailable) == (0, 1)
+    # No utilization in the spec: 0.9 applies unless kvCacheMemory replaces it.
+    assert spec.memory_policy.effective_utilization == 0.9
     assert spec.memory_policy.to_api() == {
-        "gpuMemoryUtilization": 0.9,
         "blockSize": 16,
         "maxNumBatchedTokens": 8192,
         "maxNumSeqs": 256,

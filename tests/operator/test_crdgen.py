@@ -18,11 +18,18 @@ from pagekeeper_operator.api.llmserver import (
     CANARY_RULE,
     DRAIN_RULE,
     GPU_RULE,
+    OFFLOAD_MEMORY_RULE,
     PYTHONPATH_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
 )
-from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from pagekeeper_operator.api.policy import (
+    BATCHED_TOKENS_RULE,
+    BUDGETS_RULE,
+    KV_CACHE_MEMORY_RULE,
+    NUM_SEQS_RULE,
+    SPLIT_SIZE_RULE,
+)
 
 
 def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -101,6 +108,7 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
         "Desired": ("integer", ".status.desiredReplicas"),
         "Runtime": ("string", ".spec.runtime"),
         "GPU-Util": ("number", ".status.effectiveMemoryPolicy.gpuMemoryUtilization"),
+        "Fits": ("string", ".status.memoryPlan.state"),
         "Last-Scale": ("string", ".status.autoscaling.lastScaleReason"),
         "Last-Remediation": ("date", ".status.lastRemediation"),
         "Age": ("date", ".metadata.creationTimestamp"),
@@ -147,7 +155,6 @@ def test_policy_fields_carry_bounds_defaults_and_nullability(schema: dict[str, A
     policy = schema["properties"]["spec"]["properties"]["memoryPolicy"]
     props = policy["properties"]
     assert policy["default"] == {
-        "gpuMemoryUtilization": 0.9,
         "blockSize": 16,
         "maxNumBatchedTokens": 8192,
         "maxNumSeqs": 256,
@@ -162,12 +169,17 @@ def test_policy_fields_carry_bounds_defaults_and_nullability(schema: dict[str, A
     util = props["gpuMemoryUtilization"]
     assert (
         util["type"],
-        util["default"],
+        util["nullable"],
         util["minimum"],
         util["exclusiveMinimum"],
         util["maximum"],
-    ) == ("number", 0.9, 0.0, True, 0.99)
-    assert "exclusiveMaximum" not in util
+    ) == ("number", True, 0.0, True, 0.99)
+    # No schema default: kvCacheMemory excludes it, and 0.9 applies when neither is set.
+    assert "exclusiveMaximum" not in util and "default" not in util
+    assert props["kvCacheMemory"]["x-kubernetes-int-or-string"] is True
+    weights = props["weights"]["properties"]
+    assert weights["quantization"]["enum"] == ["none", "fp8"]
+    assert (weights["cpuOffloadGiB"]["minimum"], weights["cpuOffloadGiB"]["default"]) == (0.0, 0.0)
     assert props["blockSize"]["enum"] == [8, 16, 32]
     assert props["maxModelLen"]["nullable"] is True and "default" not in props["maxModelLen"]
     assert (
@@ -192,6 +204,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         SWAP_RULE,
         BLOCK_SIZE_RULE,
         ADAPTIVE_FLOOR_RULE,
+        OFFLOAD_MEMORY_RULE,
         DRAIN_RULE,
         GPU_RULE,
         CANARY_RULE,
@@ -199,7 +212,12 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         PYTHONPATH_RULE,
         *TRIGGER_RULES,
     ]
-    assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
+    assert policy["x-kubernetes-validations"] == [
+        BATCHED_TOKENS_RULE,
+        NUM_SEQS_RULE,
+        BUDGETS_RULE,
+        KV_CACHE_MEMORY_RULE,
+    ]
     assert allocator["x-kubernetes-validations"] == [SPLIT_SIZE_RULE]
     autoscaling = spec["properties"]["autoscaling"]
     assert autoscaling["x-kubernetes-validations"] == [MIN_MAX_RULE]
@@ -211,7 +229,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 15 + len(TRIGGER_RULES)
+    assert len(rules) == 18 + len(TRIGGER_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

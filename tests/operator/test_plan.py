@@ -191,7 +191,10 @@ def test_status_ready_and_rolled_out() -> None:
     assert (
         status.selector == "app.kubernetes.io/name=pagekeeper-engine,pagekeeper.dev/llmserver=qwen"
     )
-    assert status.effective_memory_policy == server.spec.memory_policy
+    # The spec leaves the utilization unset: status spells out the 0.9 in force.
+    assert status.effective_memory_policy == server.spec.memory_policy.model_copy(
+        update={"gpu_memory_utilization": 0.9}
+    )
     assert all(
         c.last_transition_time == NOW and c.observed_generation == 3 for c in status.conditions
     )

@@ -87,6 +87,13 @@ SPECS: list[dict[str, Any]] = [
         },
         "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/srv/extra"}]},
     },
+    {
+        "runtime": "vllm",
+        "memoryPolicy": {
+            "kvCacheMemory": "20Gi",
+            "weights": {"quantization": "fp8", "cpuOffloadGiB": 2.5},
+        },
+    },
 ]
 
 
@@ -139,6 +146,7 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     assert result.returncode == 0, result.stderr[-4000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     policy = server.spec.memory_policy
+    weights = policy.weight_policy
     assert parsed == {
         "model_tag": server.spec.model.source,
         "served_model_name": (
@@ -148,7 +156,11 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
         "port": 8000,
         "dtype": server.spec.model.dtype,
         "load_format": server.spec.model.load_format,
-        "gpu_memory_utilization": policy.gpu_memory_utilization,
+        # Under a KV byte budget no utilization is rendered and vLLM keeps its default, 0.9.
+        "gpu_memory_utilization": policy.effective_utilization or 0.9,
+        "kv_cache_memory_bytes": policy.kv_cache_memory_bytes,
+        "quantization": None if weights.quantization == "none" else weights.quantization,
+        "cpu_offload_gb": weights.cpu_offload_gib,
         "block_size": policy.block_size,
         "max_num_batched_tokens": policy.max_num_batched_tokens,
         "max_num_seqs": policy.max_num_seqs,

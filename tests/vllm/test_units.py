@@ -196,6 +196,19 @@ def test_chunked_prefill_off_is_ignored_before_0_11_1() -> None:
     assert policy_verdict(MemoryPolicy(), "vllm/vllm-openai:v0.11.0")[1] == "True"
 
 
+def test_budget_and_weight_flags_are_checked_from_0_11_0() -> None:
+    policy = MemoryPolicy(kv_cache_memory="20Gi", weights={"quantization": "fp8"})
+    old = policy_verdict(policy, "vllm/vllm-openai:v0.10.2")
+    assert old[1:3] == ("False", "IgnoredByRuntime")
+    assert old[3].startswith(
+        "vLLM 0.10.2 may refuse spec.memoryPolicy.kvCacheMemory (pagekeeper checks "
+        "--kv-cache-memory-bytes against vLLM 0.11.0 and later only); vLLM 0.11.0 and later "
+        "honour it; vLLM 0.10.2 may refuse spec.memoryPolicy.weights.quantization: fp8"
+    )
+    for image in ("vllm/vllm-openai:v0.11.0", "vllm/vllm-openai:v0.33.0"):
+        assert policy_verdict(policy, image)[1:3] == ("True", "AllFieldsHonored")
+
+
 def test_the_launchers_message_is_an_oom_to_the_step_down_and_the_canary() -> None:
     """The launcher's termination message, as the operator reads it from a vLLM pod."""
     detail = classify_line(OOM)

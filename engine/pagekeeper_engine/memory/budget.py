@@ -3,9 +3,11 @@
     allowed  = gpu_memory_utilization x total
     kv_cache = allowed - weights - peak_activations - non_torch - fragmentation_buffer
 
-Every term is measured by the profiler (`memory.profile`) except the fragmentation buffer when it
-is given as a size. The engine refuses to start, naming every term, when the KV cache cannot hold
-one max-model-len request or when the GPU has less free memory than this instance asks for.
+The formula, the KV block's bytes and the fragmentation buffer's rule live in
+`pagekeeper_memplan.budget`, which the operator's plan shares. Every term is measured by the
+profiler (`memory.profile`) except the fragmentation buffer when it is given as a size. The
+engine refuses to start, naming every term, when the KV cache cannot hold one max-model-len
+request or when the GPU has less free memory than this instance asks for.
 """
 
 from __future__ import annotations
@@ -13,15 +15,36 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MiB = 1 << 20
-GiB = 1 << 30
+from pagekeeper_memplan.budget import (
+    FRAGMENTATION_SAFETY_FACTOR,
+    MIN_FRAGMENTATION_BUFFER,
+    GiB,
+    KVLayout,
+    MiB,
+    blocks_for,
+    fragmentation_buffer,
+    kv_cache_bytes,
+)
 
-# Reserved-but-unallocated memory measured after the warm-up is multiplied by this: the warm-up
-# sees a few minutes' worth of shapes, production sees days' worth.
-FRAGMENTATION_SAFETY_FACTOR = 2.0
-# Never budget less than this for fragmentation, even when the warm-up left nothing cached:
-# one max_split_size-class segment of slack keeps a step's largest temporary allocatable.
-MIN_FRAGMENTATION_BUFFER = 64 * MiB
+# The shared arithmetic is re-exported: the engine's modules and tests import it from here.
+__all__ = [
+    "CPU_KV_MEMORY_FRACTION",
+    "FRAGMENTATION_SAFETY_FACTOR",
+    "MIN_FRAGMENTATION_BUFFER",
+    "GiB",
+    "KVLayout",
+    "MemoryBudget",
+    "MemoryBudgetError",
+    "MemoryMeasurements",
+    "MiB",
+    "RankBudgets",
+    "check_num_blocks",
+    "combine_rank_budgets",
+    "compute_budget",
+    "fragmentation_buffer",
+    "num_cpu_kv_blocks",
+]
+
 CPU_KV_MEMORY_FRACTION = 0.25  # at most this share of host RAM for the KV cache on the CPU
 
 
@@ -35,29 +58,6 @@ class MemoryMeasurements:
     peak_activations: int  # peak allocated during the worst-case profile run, minus weights
     non_torch: int  # used by this process outside the caching allocator (CUDA context, cuBLAS)
     warmup_fragmentation: int  # allocator reserved - allocated after the mixed warm-up
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one KV block across all layers."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype_bytes: int
-
-    @property
-    def bytes_per_block(self) -> int:
-        # keys and values, every layer: (2, num_layers, block_size, num_kv_heads, head_dim)
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * (self.dtype_bytes)
-        )
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,6 @@ class MemoryBudgetError(RuntimeError):
     """The engine cannot start within its budget; the message names every term."""
 
 
-def fragmentation_buffer(measured: int, requested: int | str) -> int:
-    """`requested` is "auto" (measured x safety factor, floored) or a byte count."""
-    if requested == "auto":
-        return max(int(measured * FRAGMENTATION_SAFETY_FACTOR), MIN_FRAGMENTATION_BUFFER)
-    assert isinstance(requested, int) and requested >= 0, f"bad buffer size {requested!r}"
-    return requested
-
-
 def compute_budget(
     measured: MemoryMeasurements,
     layout: KVLayout,
@@ -117,7 +109,9 @@ def compute_budget(
     assert 0.0 < gpu_memory_utilization <= 1.0, gpu_memory_utilization
     allowed = int(gpu_memory_utilization * measured.total)
     buffer = fragmentation_buffer(measured.warmup_fragmentation, requested_buffer)
-    kv_cache = allowed - measured.weights - measured.peak_activations - measured.non_torch - buffer
+    kv_cache = kv_cache_bytes(
+        allowed, measured.weights, measured.peak_activations, measured.non_torch, buffer
+    )
     num_blocks = max(kv_cache, 0) // layout.bytes_per_block
     budget = MemoryBudget(
         total=measured.total,
@@ -139,7 +133,7 @@ def compute_budget(
             f"process holds the difference; lower the utilization or free the GPU "
             f"({budget.describe()})"
         )
-    blocks_needed = -(-max_model_len // layout.block_size)
+    blocks_needed = blocks_for(max_model_len, layout.block_size)
     if num_blocks < blocks_needed:
         raise MemoryBudgetError(
             f"the KV cache holds {num_blocks} blocks of {layout.block_size} tokens but one "

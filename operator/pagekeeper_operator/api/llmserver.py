@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
 from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
-from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.rollout import RolloutSpec
 from pagekeeper_operator.api.runtime import (
@@ -29,6 +29,7 @@ from pagekeeper_operator.api.status import LLMServerStatus
 from pagekeeper_operator.api.types import (
     ApiModel,
     cel,
+    quantity_value,
     validations,
 )
 from pagekeeper_operator.api.workload import (
@@ -63,13 +64,23 @@ BLOCK_SIZE_RULE = cel(
     ".memoryPolicy.blockSize",
 )
 ADAPTIVE_FLOOR_RULE = cel(
-    "!self.remediation.adaptive.enabled"
+    "!self.remediation.adaptive.enabled || has(self.memoryPolicy.kvCacheMemory)"
     " || self.remediation.adaptive.minGpuMemoryUtilization"
-    " <= self.memoryPolicy.gpuMemoryUtilization",
+    " <= (has(self.memoryPolicy.gpuMemoryUtilization)"
+    f" ? self.memoryPolicy.gpuMemoryUtilization : {DEFAULT_GPU_MEMORY_UTILIZATION})",
     "spec.remediation.adaptive.minGpuMemoryUtilization must be <= "
-    "spec.memoryPolicy.gpuMemoryUtilization (the floor of a step-down cannot be above the "
-    "utilization it steps down from)",
+    "spec.memoryPolicy.gpuMemoryUtilization (0.9 when unset; the floor of a step-down cannot be "
+    "above the utilization it steps down from)",
     ".remediation.adaptive.minGpuMemoryUtilization",
+)
+OFFLOAD_MEMORY_RULE = cel(
+    "!has(self.memoryPolicy.weights) || !has(self.resources.requests.memory)"
+    " || quantity(string(self.resources.requests.memory)).asApproximateFloat()"
+    " >= self.memoryPolicy.weights.cpuOffloadGiB * 1073741824.0 * double(self.parallelism.tensor)",
+    "spec.resources.requests.memory must cover spec.memoryPolicy.weights.cpuOffloadGiB times "
+    "spec.parallelism.tensor (the offloaded weights live in the pod's pinned host memory, per "
+    "GPU); raise the request or offload less",
+    ".memoryPolicy.weights.cpuOffloadGiB",
 )
 DRAIN_RULE = cel(
     "self.shutdownGracePeriodSeconds >= self.remediation.drainTimeoutSeconds",
@@ -134,6 +145,7 @@ class LLMServerSpec(ApiModel):
             SWAP_RULE,
             BLOCK_SIZE_RULE,
             ADAPTIVE_FLOOR_RULE,
+            OFFLOAD_MEMORY_RULE,
             DRAIN_RULE,
             GPU_RULE,
             CANARY_RULE,
@@ -255,8 +267,17 @@ class LLMServerSpec(ApiModel):
         if self.runtime != "pagekeeper" and policy.block_size == 8:
             raise ValueError(BLOCK_SIZE_RULE["message"])
         adaptive = remediation.adaptive
-        if adaptive.enabled and adaptive.min_gpu_memory_utilization > policy.gpu_memory_utilization:
+        utilization = policy.effective_utilization
+        if (
+            adaptive.enabled
+            and utilization is not None
+            and adaptive.min_gpu_memory_utilization > utilization
+        ):
             raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
+        memory = self.resources.requests.memory
+        offload = policy.weight_policy.cpu_offload_gib * 2**30 * self.parallelism.tensor
+        if memory is not None and quantity_value(memory) < offload:
+            raise ValueError(OFFLOAD_MEMORY_RULE["message"])
         if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
             raise ValueError(DRAIN_RULE["message"])
         canary, autoscaling = self.rollout.canary, self.autoscaling

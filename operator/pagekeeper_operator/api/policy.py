@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pagekeeper_operator.api.types import ApiModel, cel, validations
+from pagekeeper_operator.api.types import ApiModel, Quantity, cel, quantity_value, validations
 
 BlockSize = Literal[8, 16, 32]
 FRAGMENTATION_BUFFER_PATTERN = r"^(auto|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?)$"
@@ -27,6 +27,18 @@ NUM_SEQS_RULE = cel(
     "spec.memoryPolicy.maxNumSeqs must be <= maxNumBatchedTokens (each running sequence "
     "needs at least one token of the step budget)",
     ".maxNumSeqs",
+)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+BUDGETS_RULE = cel(
+    "!(has(self.gpuMemoryUtilization) && has(self.kvCacheMemory))",
+    "spec.memoryPolicy.kvCacheMemory and spec.memoryPolicy.gpuMemoryUtilization are mutually "
+    "exclusive (a byte budget for the KV cache replaces the fraction of the GPU; set one)",
+    ".kvCacheMemory",
+)
+KV_CACHE_MEMORY_RULE = cel(
+    "!has(self.kvCacheMemory) || quantity(string(self.kvCacheMemory)).isGreaterThan(quantity('0'))",
+    "spec.memoryPolicy.kvCacheMemory must be above 0 (bytes of KV cache per GPU)",
+    ".kvCacheMemory",
 )
 SPLIT_SIZE_RULE = cel(
     "!(self.expandableSegments && has(self.maxSplitSizeMb))",
@@ -74,19 +86,63 @@ class AllocatorPolicy(ApiModel):
         return self
 
 
+class WeightsPolicy(ApiModel):
+    """How the model's weights use GPU memory."""
+
+    quantization: Literal["none", "fp8"] = Field(
+        default="none",
+        description=(
+            "--quantization: none keeps the checkpoint's weights in the model's dtype; fp8 "
+            "stores the decoder layers' projections in FP8 (e4m3) with a scale per output "
+            "channel, about half the weight memory (the embedding and LM head stay in the "
+            "model's dtype). Needs GPUs of compute capability 8.9 or newer; either runtime."
+        ),
+    )
+    cpu_offload_gib: float = Field(
+        default=0.0,
+        alias="cpuOffloadGiB",
+        ge=0.0,
+        le=4096.0,
+        description=(
+            "--cpu-offload-gb: GiB of weights per GPU kept in pinned host memory and streamed "
+            "to the GPU ahead of use; frees that much GPU memory for the KV cache, at a cost in "
+            "step time. The pod's memory request must cover it (times parallelism.tensor); "
+            "more than the weights is refused by the memory plan (PolicyFits)."
+        ),
+    )
+
+
 class MemoryPolicy(ApiModel):
     """How the engine may use GPU memory; each field is one engine flag of the same name."""
 
-    model_config = ConfigDict(json_schema_extra=validations(BATCHED_TOKENS_RULE, NUM_SEQS_RULE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            BATCHED_TOKENS_RULE, NUM_SEQS_RULE, BUDGETS_RULE, KV_CACHE_MEMORY_RULE
+        )
+    )
 
-    gpu_memory_utilization: float = Field(
-        default=0.9,
+    gpu_memory_utilization: float | None = Field(
+        default=None,
         gt=0.0,
         le=0.99,
         description=(
             "--gpu-memory-utilization, in (0, 0.99]: the fraction of the GPU's total memory "
-            "this instance may use (weights, activations, fragmentation buffer and KV cache)."
+            "this instance may use (weights, activations, fragmentation buffer and KV cache). "
+            "Unset, 0.9 unless kvCacheMemory is set; mutually exclusive with kvCacheMemory."
         ),
+    )
+    kv_cache_memory: Quantity | None = Field(
+        default=None,
+        description=(
+            "--kv-cache-memory-bytes: bytes of KV cache per GPU (e.g. 40Gi), instead of what "
+            "gpuMemoryUtilization leaves; the rest of the GPU's memory is not budgeted, so it "
+            "holds on GPUs shared with other processes. Mutually exclusive with "
+            "gpuMemoryUtilization; either runtime."
+        ),
+    )
+    weights: WeightsPolicy | None = Field(
+        default=None,
+        description="Weight memory: FP8 quantization and CPU offload. Unset: neither.",
     )
     block_size: BlockSize = Field(
         default=16, description="--block-size: tokens per KV-cache block, 8, 16 or 32."
@@ -167,8 +223,29 @@ class MemoryPolicy(ApiModel):
         description="CUDA caching-allocator options (env PYTORCH_CUDA_ALLOC_CONF).",
     )
 
+    @property
+    def effective_utilization(self) -> float | None:
+        """The fraction of the GPU this instance may use; None under a KV byte budget."""
+        if self.kv_cache_memory is not None:
+            return self.gpu_memory_utilization
+        return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        if self.kv_cache_memory is None:
+            return None
+        return int(quantity_value(self.kv_cache_memory))
+
+    @property
+    def weight_policy(self) -> WeightsPolicy:
+        return self.weights or WeightsPolicy()
+
     @model_validator(mode="after")
     def _check_budgets(self) -> MemoryPolicy:
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError(BUDGETS_RULE["message"])
+        if self.kv_cache_memory is not None and quantity_value(self.kv_cache_memory) <= 0:
+            raise ValueError(KV_CACHE_MEMORY_RULE["message"])
         if (
             self.max_model_len is not None
             and not self.enable_chunked_prefill

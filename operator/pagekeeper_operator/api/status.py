@@ -7,6 +7,7 @@ from typing import Literal, get_args
 from pydantic import Field
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
+from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
@@ -20,6 +21,7 @@ ConditionType = Literal[
     "CanaryFailed",
     "PolicyHonored",
     "PluginLoaded",
+    "PolicyFits",
 ]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -32,8 +34,8 @@ class Condition(ApiModel):
     type: str = Field(
         max_length=64,
         description=(
-            "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored or "
-            "PluginLoaded."
+            "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored, "
+            "PluginLoaded or PolicyFits."
         ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
@@ -81,7 +83,8 @@ class LLMServerStatus(ApiModel):
             "Ready, Progressing, Degraded, MemoryHealthy; CanaryFailed while "
             "spec.rollout.canary is enabled; under runtime vllm PolicyHonored (whether the "
             "image's vLLM version honours every memoryPolicy field) and PluginLoaded (whether "
-            "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series)."
+            "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series); PolicyFits "
+            "(whether the memory plan fits the GPU; a spec that does not is not rolled out)."
         ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")
@@ -126,6 +129,15 @@ class LLMServerStatus(ApiModel):
         description=(
             "The alert triggers of spec.remediation: which are active for this server's runtime "
             "and spec, and why the others are not."
+        ),
+    )
+    memory_plan: MemoryPlanStatus | None = Field(
+        default=None,
+        description=(
+            "The memory plan of the spec's policy: each rank's weights, activations, CUDA "
+            "graphs, non-torch memory, fragmentation buffer and KV cache on the GPU assumed, "
+            "the tokens and maxModelLen sequences the KV cache holds, and the verdict "
+            "(condition PolicyFits)."
         ),
     )
     canary: CanaryStatus | None = Field(

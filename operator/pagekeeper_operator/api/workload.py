@@ -15,6 +15,36 @@ from pagekeeper_operator.api.types import (
 )
 
 
+class ModelArchitecture(ApiModel):
+    """The config.json fields the memory plan reads, for a model its catalogue does not know."""
+
+    model_type: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(
+        default="llama", description="config.json model_type."
+    )
+    vocab_size: int = Field(ge=1, le=16_777_216, description="vocab_size.")
+    hidden_size: int = Field(ge=1, le=1_048_576, description="hidden_size.")
+    intermediate_size: int = Field(ge=1, le=4_194_304, description="intermediate_size.")
+    num_hidden_layers: int = Field(ge=1, le=4096, description="num_hidden_layers.")
+    num_attention_heads: int = Field(ge=1, le=4096, description="num_attention_heads.")
+    num_key_value_heads: int | None = Field(
+        default=None, ge=1, le=4096, description="num_key_value_heads; unset, the heads."
+    )
+    head_dim: int | None = Field(
+        default=None, ge=1, le=4096, description="head_dim; unset, hidden / heads."
+    )
+    max_position_embeddings: int = Field(
+        default=2048, ge=1, le=16_777_216, description="max_position_embeddings."
+    )
+    tie_word_embeddings: bool = Field(default=False, description="tie_word_embeddings.")
+    torch_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        default=None, description="torch_dtype: the checkpoint's weight type."
+    )
+
+    def config_json(self) -> dict[str, object]:
+        """The fields as config.json spells them."""
+        return self.model_dump(exclude_none=True)
+
+
 class ModelSource(ApiModel):
     """The model the engine serves."""
 
@@ -38,6 +68,14 @@ class ModelSource(ApiModel):
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         default="auto",
         description="--load-format; dummy builds random weights at the model's real shape.",
+    )
+    architecture: ModelArchitecture | None = Field(
+        default=None,
+        description=(
+            "The model's shape, for the memory plan (status.memoryPlan, PolicyFits) where the "
+            "operator's catalogue does not know the source's name (docs/memory-policy.md lists "
+            "it). Unset and unknown: the plan says Unknown and never blocks a rollout."
+        ),
     )
 
 
@@ -74,6 +112,13 @@ class Resources(ApiModel):
         description=(
             "GPU product the pod must land on, matched against the node label "
             "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3)."
+        ),
+    )
+    gpu_memory: Quantity | None = Field(
+        default=None,
+        description=(
+            "Memory of one GPU (e.g. 80Gi), for the memory plan where no candidate node carries "
+            "NVIDIA GPU feature discovery labels (nvidia.com/gpu.memory, nvidia.com/gpu.product)."
         ),
     )
     requests: ComputeQuantities = Field(

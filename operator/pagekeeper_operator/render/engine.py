@@ -31,9 +31,14 @@ def _switch(name: str, is_on: bool) -> str:
 
 def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
     """The memoryPolicy rows of the contract table, as flags."""
-    flags = [
-        "--gpu-memory-utilization",
-        _number(policy.gpu_memory_utilization),
+    kv_bytes = policy.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        flags = ["--kv-cache-memory-bytes", str(kv_bytes)]
+    else:
+        utilization = policy.effective_utilization
+        assert utilization is not None, "without a KV byte budget the utilization applies"
+        flags = ["--gpu-memory-utilization", _number(utilization)]
+    flags += [
         "--block-size",
         str(policy.block_size),
         "--max-num-batched-tokens",
@@ -49,6 +54,11 @@ def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
     ]
     if policy.kv_cache_dtype != "auto":  # absent at auto, so existing servers keep their pods
         flags += ["--kv-cache-dtype", policy.kv_cache_dtype]
+    weights = policy.weight_policy  # absent when unset, as above
+    if weights.quantization != "none":
+        flags += ["--quantization", weights.quantization]
+    if weights.cpu_offload_gib > 0:
+        flags += ["--cpu-offload-gb", _number(weights.cpu_offload_gib)]
     if is_pagekeeper:
         # vLLM has no equivalent of these three (its V1 engine does not swap KV blocks).
         flags += [
