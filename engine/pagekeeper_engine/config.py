@@ -24,6 +24,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # --max-waiting-requests says otherwise. Larger than the queue backlog alert's ratio
 # (waiting > 3 x running), so the alert can fire before 429s start.
 WAITING_PER_RUNNING_SLOT = 8
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -56,6 +57,16 @@ def _fragmentation_buffer(text: str) -> int | Literal["auto"]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _positive_bytes(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count")
+    return value
+
+
 def _bounded(kind: type[int] | type[float], lo: float, hi: float | None, *, lo_open: bool = False):  # type: ignore[no-untyped-def]
     def check(text: str) -> int | float:
         try:
@@ -83,7 +94,8 @@ class EngineConfig:
     device: str = "cuda"
     load_format: str = "auto"
     seed: int = 0
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_bytes: int | None = None  # the KV cache's bytes per GPU, when given
     block_size: int = 16
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
@@ -160,8 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--gpu-memory-utilization",
         type=_bounded(float, 0.0, 0.99, lo_open=True),
-        default=0.9,
-        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]",
+        default=None,
+        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]; default "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION} unless --kv-cache-memory-bytes is given",
+    )
+    add(
+        "--kv-cache-memory-bytes",
+        type=_positive_bytes,
+        default=None,
+        help="the KV cache's bytes per GPU (a byte count or a quantity such as 20Gi), instead of "
+        "what --gpu-memory-utilization leaves; the engine still refuses to start when the "
+        "weights, activations, non-torch memory, fragmentation buffer and these bytes exceed "
+        "the GPU's free memory. On the CPU: the KV cache's bytes in host memory",
     )
     add("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block")
     add(
@@ -276,5 +298,12 @@ def parse_args(argv: list[str]) -> EngineConfig:
             "argument --kv-cache-dtype: fp8 needs a CUDA GPU (the CPU has no FP8 path); "
             "use --kv-cache-dtype auto with --device cpu"
         )
+    if namespace.kv_cache_memory_bytes is not None and namespace.gpu_memory_utilization is not None:
+        parser.error(
+            "argument --kv-cache-memory-bytes: not allowed with --gpu-memory-utilization "
+            "(the KV cache is sized either by bytes or by a fraction of the GPU, not both)"
+        )
+    if namespace.gpu_memory_utilization is None:
+        namespace.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(namespace).items() if k in names})
