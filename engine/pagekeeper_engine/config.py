@@ -16,6 +16,9 @@ BLOCK_SIZES = (8, 16, 32)
 # fp8_e4m3, as vLLM does) in one byte each.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+# --quantization: the linear projections' weights; "fp8" (e4m3, per-output-channel scales),
+# quantized at load from a bf16 checkpoint or read from an FP8 one (vLLM's flag and names).
+QUANTIZATIONS = ("none", "fp8")
 # Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
 # activations stay a small share of memory.
@@ -119,6 +122,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    # None: the checkpoint's (config.json quantization_config), else none
+    quantization: str | None = None
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -278,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the model's dtype; fp8 (= fp8_e4m3): one byte per value, twice the tokens in "
         "the same memory (CUDA GPUs of compute capability 8.9 or newer)",
+    )
+    add(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the linear projections' weights in FP8 (e4m3) with a scale per output "
+        "channel, quantized at load from a bf16 checkpoint; half their memory, FP8 GEMMs on "
+        "CUDA GPUs of compute capability 8.9 or newer (the CPU runs a dequantizing reference). "
+        "Default: the checkpoint's quantization_config, else none",
     )
     add(
         "--api-server-count",

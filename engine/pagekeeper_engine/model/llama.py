@@ -27,6 +27,7 @@ from pagekeeper_engine.attention.base import (
 )
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.decoder_layer import DecoderLayer, add_summed_and_norm
+from pagekeeper_engine.model.fp8 import FP8_DTYPE, WEIGHT_SCALE_NAMES
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
 from pagekeeper_engine.model.paged_attention import PagedAttention
@@ -49,6 +50,8 @@ _KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
 _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 # Buffers some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# FP8 checkpoints' static activation scales (`model/fp8.py` scales activations dynamically).
+_ACTIVATION_SCALE_SUFFIXES = (".input_scale",)
 
 
 class DecoderModel(nn.Module):
@@ -61,6 +64,7 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         tp: TensorParallelGroup,
+        quantization: str = "none",
     ):
         super().__init__()
         self.tp = tp
@@ -71,7 +75,8 @@ class DecoderModel(nn.Module):
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, dtype, tp) for _ in range(config.num_layers)
+            DecoderLayer(config, rotary, backend, dtype, tp, quantization)
+            for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         # Set by the runner's start-up choice (`model/gemv_choice.py`): one-token steps run
@@ -163,16 +168,18 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         tp: TensorParallelGroup | None = None,
+        quantization: str = "none",
     ):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup()
+        self.quantization = quantization  # of the decoder layers' projections (`model/fp8.py`)
         self.shard = ShardPlan.for_rank(config, self.tp.rank, self.tp.size)
         self.vocab_size = config.vocab_size
         # [start, stop) of the vocabulary on each rank, in rank order (`gather_logits`).
         self.vocab_columns = [self.shard.of_rank(r).vocab_columns for r in range(self.tp.size)]
         config = self.shard.local_config
         self.config = config  # this rank's: its heads, MLP columns and vocabulary shard
-        self.model = DecoderModel(config, max_position, backend, dtype, self.tp)
+        self.model = DecoderModel(config, max_position, backend, dtype, self.tp, quantization)
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
@@ -288,6 +295,8 @@ class CausalLM(nn.Module):
         """Checkpoint tensors that are legitimately unused (tied heads, recomputed buffers)."""
         if name.endswith(_IGNORED_SUFFIXES):
             return True
+        if self.quantization == "fp8" and name.endswith(_ACTIVATION_SCALE_SUFFIXES):
+            return True  # static activation scales: the FP8 GEMMs scale activations per token
         return name == "lm_head.weight" and self.lm_head is None
 
     @torch.no_grad()
@@ -304,13 +313,13 @@ class CausalLM(nn.Module):
             self._load_kv_scale(parent, leaf, tensor)
             return
         module_path, _, proj = parent.rpartition(".")
+        if leaf in WEIGHT_SCALE_NAMES:
+            linear, rows = self._linear_rows(module_path, proj)
+            linear.load_scale_rows(rows, tensor, name)
+            return
         if proj in _PACKED:
-            fused, index = _PACKED[proj]
-            param = self._parameter(f"{module_path}.{fused}.{leaf}")
-            start = sum(
-                self._packed_rows(p) for p, (f, i) in _PACKED.items() if f == fused and i < index
-            )
-            target = param[start : start + self._packed_rows(proj)]
+            fused, _ = _PACKED[proj]
+            target = self._parameter(f"{module_path}.{fused}.{leaf}")[self._packed_slice(proj)]
         else:
             target = self._parameter(name)
         if name.endswith(_VOCAB_ROWS) and tensor.shape[0] < target.shape[0]:
@@ -321,7 +330,40 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
+        if FP8_DTYPE in (target.dtype, tensor.dtype):
+            linear, rows = self._linear_rows(module_path, proj)
+            linear.load_weight_rows(rows, tensor, name)
+            return
         target.copy_(tensor)
+
+    def _packed_slice(self, proj: str) -> slice:
+        """The rows of its fused parameter that checkpoint projection `proj` fills."""
+        fused, index = _PACKED[proj]
+        start = sum(
+            self._packed_rows(p) for p, (f, i) in _PACKED.items() if f == fused and i < index
+        )
+        return slice(start, start + self._packed_rows(proj))
+
+    def _linear_rows(self, module_path: str, proj: str) -> tuple[Linear, slice]:
+        """The Linear module checkpoint projection `proj` under `module_path` is (part of), and
+        the rows of it that the projection fills."""
+        fused = _PACKED[proj][0] if proj in _PACKED else proj
+        try:
+            module = self.get_submodule(f"{module_path}.{fused}")
+        except AttributeError:
+            module = None
+        if not isinstance(module, Linear):
+            raise KeyError(f"{module_path}.{proj}")
+        rows = self._packed_slice(proj) if proj in _PACKED else slice(0, module.weight.shape[0])
+        return module, rows
+
+    def missing_weight_scales(self) -> list[str]:
+        """The FP8 projections some of whose scales no checkpoint tensor gave."""
+        return [
+            name
+            for name, module in self.named_modules()
+            if isinstance(module, Linear) and module.missing_scales()
+        ]
 
     def _load_kv_scale(self, attention: str, leaf: str, tensor: torch.Tensor) -> None:
         try:

@@ -35,6 +35,7 @@ from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes
+from pagekeeper_engine.model.fp8 import weight_quantization
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
@@ -138,6 +139,9 @@ class ModelRunner:
         self.model_config = shard.local_config
         self.dtype = resolve_dtype(config.dtype, full_config.torch_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device)
+        self.quantization = weight_quantization(
+            config.quantization, model_dir, self.dtype, self.device
+        )
         self.limits = resolve_limits(config, full_config.max_position_embeddings)
         self.block_size = config.block_size
         self.eos_token_ids = load_eos_token_ids(model_dir)
@@ -152,6 +156,7 @@ class ModelRunner:
             seed=config.seed,
             progress=progress,
             tp=self.tp,
+            quantization=self.quantization,
         )
         # Loading leaves its transient tensors cached (dummy weights are drawn whole and cut to
         # this rank's slice); the workspace, the sampler's rows and the KV pool must not carve
