@@ -102,14 +102,15 @@ def scaled_mm_linear(
     x_q, x_scales = _token_quantizer(x.is_cuda)(x)
     w_t = weight.t()  # (K, N), column-major: the layout the FP8 GEMM takes for its 2nd operand
     w_scales = scales.view(1, -1)
+    # The bias is added after the GEMM: not every torch build's row-wise scaled GEMM takes one.
     if out is None or not out.is_contiguous():
+        result = torch._scaled_mm(x_q, w_t, scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype)
+        result = result if out is None else out.copy_(result)
+    else:
         result = torch._scaled_mm(
-            x_q, w_t, scale_a=x_scales, scale_b=w_scales, bias=bias, out_dtype=x.dtype
+            x_q, w_t, scale_a=x_scales, scale_b=w_scales, out_dtype=x.dtype, out=out
         )
-        return result if out is None else out.copy_(result)
-    return torch._scaled_mm(
-        x_q, w_t, scale_a=x_scales, scale_b=w_scales, bias=bias, out_dtype=x.dtype, out=out
-    )
+    return result if bias is None else result.add_(bias)
 
 
 def _token_quantizer(is_cuda: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
