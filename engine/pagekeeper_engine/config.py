@@ -124,6 +124,7 @@ class EngineConfig:
     disable_custom_all_reduce: bool = False
     # None: the checkpoint's (config.json quantization_config), else none
     quantization: str | None = None
+    cpu_offload_gb: float = 0.0
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -292,6 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
         "channel, quantized at load from a bf16 checkpoint; half their memory, FP8 GEMMs on "
         "CUDA GPUs of compute capability 8.9 or newer (the CPU runs a dequantizing reference). "
         "Default: the checkpoint's quantization_config, else none",
+    )
+    add(
+        "--cpu-offload-gb",
+        type=_bounded(float, 0.0, None),
+        default=0.0,
+        help="GiB of the linear projections' weights per GPU (whole decoder layers, spread "
+        "evenly over the depth) kept in pinned host memory and copied to the GPU ahead of use "
+        "in every forward pass, overlapped with the layers before them; the steps then run "
+        "without CUDA graphs. A no-op on the CPU",
     )
     add(
         "--api-server-count",

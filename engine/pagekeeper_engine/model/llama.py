@@ -12,8 +12,7 @@ one allocated for the call.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from pagekeeper_engine.model.decoder_layer import DecoderLayer, add_summed_and_n
 from pagekeeper_engine.model.fp8 import FP8_DTYPE, WEIGHT_SCALE_NAMES
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
+from pagekeeper_engine.model.offload import LayerOffload, move_to_host
 from pagekeeper_engine.model.paged_attention import PagedAttention
 from pagekeeper_engine.model.row_fusion import RowFusion, forward_one_row
 from pagekeeper_engine.model.shard import ShardPlan
@@ -65,6 +65,7 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallelGroup,
         quantization: str = "none",
+        offload_layer_ids: Sequence[int] = (),
     ):
         super().__init__()
         self.tp = tp
@@ -74,10 +75,20 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, dtype, tp, quantization)
-            for _ in range(config.num_layers)
-        )
+
+        def layer(i: int) -> DecoderLayer:
+            if i not in offload_layer_ids:
+                return DecoderLayer(config, rotary, backend, dtype, tp, quantization)
+            device = torch.get_default_device()
+            with torch.device("cpu"):  # its weights never touch the GPU (`model/offload.py`)
+                built = DecoderLayer(config, rotary, backend, dtype, tp, quantization)
+            move_to_host(built, device)
+            return built
+
+        self.layers = nn.ModuleList(layer(i) for i in range(config.num_layers))
+        self.offload_layer_ids = tuple(offload_layer_ids)
+        # Made once the weights are loaded (`start_offload`): None runs every layer resident.
+        self.offload: LayerOffload | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         # Set by the runner's start-up choice (`model/gemv_choice.py`): one-token steps run
         # the fused layer of `model/row_fusion.py`.
@@ -96,13 +107,20 @@ class DecoderModel(nn.Module):
             residual = workspace.rows("residual", 1)
             self._embed(input_ids, out=residual)
             statistic = None  # the residual's sums of squares, from one layer to the next
+            offload = self.offload
+            if offload is not None:
+                offload.start()
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, DecoderLayer)
                 norms = (layer.input_layernorm, layer.post_attention_layernorm)
                 attention, mlp = layer.self_attn, layer.mlp
+                if offload is not None:
+                    offload.begin(i)
                 statistic = forward_one_row(
                     i, attention, mlp, norms, positions, meta, workspace, self.row_fusion, statistic
                 )
+                if offload is not None:
+                    offload.end(i)
             hidden = workspace.rows("hidden", 1)
             self.norm(residual, out=hidden)
             return hidden
@@ -121,27 +139,44 @@ class DecoderModel(nn.Module):
         residual = workspace.rows("residual", num_tokens)
         hidden = workspace.rows("hidden", num_tokens)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        offload = self.offload
 
         def first() -> None:
             self._embed(input_ids, out=residual)
+            if offload is not None:
+                offload.start()
+                offload.begin(0)
             layers[0].before_attention(positions, meta, workspace, is_first=True)
 
-        def between(before: DecoderLayer, after: DecoderLayer) -> Callable[[], None]:
+        def between(i: int) -> Callable[[], None]:
+            before, after = layers[i], layers[i + 1]
+
             def dense() -> None:
                 before.after_attention(workspace, num_tokens)
+                if offload is not None:
+                    offload.end(i)
+                    offload.begin(i + 1)
                 after.before_attention(positions, meta, workspace, is_first=False)
 
             return dense
 
         def last() -> None:
             layers[-1].after_attention(workspace, num_tokens)
+            if offload is not None:
+                offload.end(len(layers) - 1)
             add_summed_and_norm(self.tp, self.norm, workspace, num_tokens)
 
         def attention(layer: DecoderLayer) -> Callable[[AttentionMetadata], None]:
             return lambda step_meta: layer.self_attn.attend_cached(step_meta, workspace, num_tokens)
 
-        dense = [first, *(between(a, b) for a, b in itertools.pairwise(layers)), last]
+        dense = [first, *(between(i) for i in range(len(layers) - 1)), last]
         return ForwardStages(dense, [attention(layer) for layer in layers], hidden, input_ids)
+
+    def start_offload(self) -> None:
+        """Stage the offloaded layers' weights from here on (once they are loaded)."""
+        if self.offload_layer_ids:
+            device = self.embed_tokens.weight.device
+            self.offload = LayerOffload(self.layers, self.offload_layer_ids, device)
 
     def _embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """(T,) ids -> (T, H) embeddings; a rank holding a shard of the vocabulary looks up its
@@ -169,6 +204,7 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallelGroup | None = None,
         quantization: str = "none",
+        offload_layer_ids: Sequence[int] = (),
     ):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup()
@@ -179,7 +215,9 @@ class CausalLM(nn.Module):
         self.vocab_columns = [self.shard.of_rank(r).vocab_columns for r in range(self.tp.size)]
         config = self.shard.local_config
         self.config = config  # this rank's: its heads, MLP columns and vocabulary shard
-        self.model = DecoderModel(config, max_position, backend, dtype, self.tp, quantization)
+        self.model = DecoderModel(
+            config, max_position, backend, dtype, self.tp, quantization, offload_layer_ids
+        )
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)

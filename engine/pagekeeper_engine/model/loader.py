@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -217,16 +217,21 @@ def load_model(
     progress: bool = True,
     tp: TensorParallelGroup | None = None,
     quantization: str = "none",
+    offload_layer_ids: Sequence[int] = (),
 ) -> CausalLM:
     """Build the model (or rank `tp.rank`'s shard of it) on `device` in `dtype`, its
     projections' weights in FP8 under `quantization="fp8"` (`model/fp8.py`), and fill its
-    weights as `load_format` says."""
+    weights as `load_format` says; the projections of `offload_layer_ids` in pinned host
+    memory, staged to the GPU ahead of use (`model/offload.py`)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"--load-format {load_format!r} is not one of auto, safetensors, dummy")
     with torch.device(device):
-        model = CausalLM(model_config, max_position, backend, dtype, tp, quantization)
+        model = CausalLM(
+            model_config, max_position, backend, dtype, tp, quantization, offload_layer_ids
+        )
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:
         load_safetensors(model, Path(model_dir), device, progress=progress)
+    model.model.start_offload()
     return model.eval()
