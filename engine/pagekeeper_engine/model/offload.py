@@ -57,7 +57,7 @@ def move_to_host(layer: nn.Module, device: torch.device) -> None:
     for module in layer.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(module) in offloaded and name == "weight":
-                pinned = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                pinned = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=True)
                 setattr(module, name, nn.Parameter(pinned, requires_grad=False))
             else:
                 setattr(module, name, nn.Parameter(param.to(device), requires_grad=False))
