@@ -142,6 +142,7 @@ def compute_budget(
         allowed = int(gpu_memory_utilization * measured.total)
         kv_cache = allowed - others
         asking = f"--gpu-memory-utilization {gpu_memory_utilization} asks for"
+        why = "another process holds the difference"
         lower = "lower the utilization"
         grow = "raise --gpu-memory-utilization"
     else:
@@ -149,6 +150,7 @@ def compute_budget(
         kv_cache = kv_cache_memory_bytes
         allowed = others + kv_cache
         asking = f"--kv-cache-memory-bytes {kv_cache_memory_bytes} with the other terms asks for"
+        why = "the KV cache asked for does not fit beside the other terms"
         lower = "lower --kv-cache-memory-bytes"
         grow = "raise --kv-cache-memory-bytes"
     num_blocks = max(kv_cache, 0) // layout.bytes_per_block
@@ -169,8 +171,7 @@ def compute_budget(
     if measured.free_at_start < allowed:
         raise MemoryBudgetError(
             f"the GPU has {_fmt(measured.free_at_start)} free but {asking} {_fmt(allowed)} of "
-            f"{_fmt(measured.total)}: another process holds the difference, or the model does "
-            f"not fit; {lower} or free the GPU ({budget.describe()})"
+            f"{_fmt(measured.total)}: {why}; {lower} or free the GPU ({budget.describe()})"
         )
     blocks_needed = -(-max_model_len // layout.block_size)
     if num_blocks < blocks_needed:
