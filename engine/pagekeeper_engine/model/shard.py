@@ -35,6 +35,8 @@ _SPLITS: dict[str, tuple[int, Literal["q", "kv", "mlp", "vocab"]]] = {
 # Tensors with one entry per output row of their projection (or a single one): column-parallel
 # ones split with those rows, row-parallel ones stay whole.
 _PER_OUTPUT_ROW = ("bias", "weight_scale", "weight_scale_inv")
+# An FP8 checkpoint's static activation scale: one number for the projection's whole input.
+_UNSPLIT = ("input_scale",)
 
 
 class ShardError(ValueError):
@@ -132,6 +134,8 @@ class ShardPlan:
         if owner not in _SPLITS:
             return None
         dim, unit = _SPLITS[owner]
+        if parts[-1] in _UNSPLIT:
+            return None
         if dim == 1 and parts[-1] in _PER_OUTPUT_ROW:
             # a row-parallel projection's bias or FP8 weight scales are per output row, and
             # every rank has all of its rows: kept whole on every rank

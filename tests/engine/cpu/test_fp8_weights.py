@@ -5,7 +5,6 @@ on the dequantizing reference, against Hugging Face over the same dequantized we
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,8 @@ from transformers import PreTrainedModel
 from pagekeeper_engine.config import parse_args
 from pagekeeper_engine.model.fp8 import (
     FP8_DTYPE,
-    FP8_MAX,
     QuantizationError,
     checkpoint_quantization,
-    dequantize_rows,
     quantize_rows,
     reference_linear,
     resolve_quantization,
@@ -37,38 +34,10 @@ from tests.engine.checkpoints import (
     tokens,
     write_checkpoint,
 )
+from tests.engine.fp8_checkpoints import FP8_CONFIG, dequantized_copy, write_fp8_checkpoint
 from tests.engine.shapes import LLAMA_8B
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU = torch.device("cpu")
-FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-
-
-def is_projection(name: str) -> bool:
-    return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
-
-
-def dequantized_copy(model: PreTrainedModel, per_tensor: bool = False) -> PreTrainedModel:
-    """`model` with every projection's weight replaced by its FP8 round trip."""
-    copy = make_hf_model(model.config.model_type)
-    copy.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for name, param in copy.named_parameters():
-            if is_projection(name):
-                param.copy_(round_trip(param, per_tensor))
-    return copy
-
-
-def round_trip(weight: torch.Tensor, per_tensor: bool) -> torch.Tensor:
-    quantized, scales = quantize(weight, per_tensor)
-    return dequantize_rows(quantized, scales.expand(weight.shape[0]), weight.dtype)
-
-
-def quantize(weight: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if not per_tensor:
-        return quantize_rows(weight)
-    scale = weight.abs().max().float() / FP8_MAX
-    return (weight.float() / scale).to(FP8_DTYPE), scale.reshape(1)
 
 
 def test_the_flag_and_its_default() -> None:
@@ -145,28 +114,6 @@ def test_dummy_weights_are_quantized_too(tmp_path: Path) -> None:
     assert not linear.weight_scale.isnan().any()
 
 
-def write_fp8_checkpoint(
-    path: Path, model: PreTrainedModel, *, per_tensor: bool, scale_name: str
-) -> None:
-    """`model` as an FP8 checkpoint: e4m3 projection weights, their scales, static input
-    scales (unused by the engine), and config.json's quantization_config."""
-    model.save_pretrained(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if is_projection(name):
-            quantized, scales = quantize(tensor, per_tensor)
-            stem = name.removesuffix(".weight")
-            tensors[name] = quantized
-            tensors[f"{stem}.{scale_name}"] = scales if per_tensor else scales[:, None]
-            tensors[f"{stem}.input_scale"] = torch.tensor(1.0)
-        else:
-            tensors[name] = tensor.contiguous()
-    save_file(tensors, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = FP8_CONFIG
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("per_tensor", "scale_name"),
     [(False, "weight_scale"), (True, "weight_scale"), (False, "weight_scale_inv")],
@@ -211,6 +158,9 @@ def test_scales_shard_with_their_output_rows() -> None:
     # Row-parallel projections keep every output row on every rank: their scales stay whole.
     assert plan.slice_of(f"{layer}.self_attn.o_proj.weight_scale") is None
     assert plan.slice_of(f"{layer}.mlp.down_proj.weight_scale") is None
+    # A static activation scale is one number for the whole input, whatever the split.
+    assert plan.slice_of(f"{layer}.mlp.down_proj.input_scale") is None
+    assert plan.slice_of(f"{layer}.self_attn.q_proj.input_scale") is None
 
 
 def test_a_rank_reads_its_rows_of_per_channel_scales_and_all_of_a_per_tensor_one(
