@@ -84,7 +84,8 @@ def measure(
 def weights_section(model_dir: Path, args: argparse.Namespace, work: Workload) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     picked: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for name, quantization in (("bf16", "none"), ("fp8", "fp8")):
+    variants = (("bf16", "none"), ("fp8", "fp8")) if not args.fp8_only else (("fp8", "fp8"),)
+    for name, quantization in variants:
         print(f"## weights {name}")
         engine, start = start_engine(model_dir, args, quantization=quantization)
         rows[name] = {**start, **measure(engine, args, work, args.itl_tokens)}
@@ -93,6 +94,8 @@ def weights_section(model_dir: Path, args: argparse.Namespace, work: Workload) -
         )
         del engine
         stop_ranks()
+    if args.fp8_only:
+        return rows
     bf16, fp8 = rows["bf16"], rows["fp8"]
     section: dict[str, Any] = {
         **rows,
@@ -183,7 +186,10 @@ def offload_section(
 def kv_bytes_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     requested = parse_bytes(args.kv_cache_memory_bytes)
     print(f"## --kv-cache-memory-bytes {requested}")
-    engine, start = start_engine(model_dir, args, kv_cache_memory_bytes=requested)
+    quantization = "fp8" if args.fp8_only else "none"
+    engine, start = start_engine(
+        model_dir, args, kv_cache_memory_bytes=requested, quantization=quantization
+    )
     runner = runner_of(engine)
     allocated = runner.pools.device_pool.nbytes
     bytes_per_block = runner.bytes_per_block
@@ -204,23 +210,35 @@ def kv_bytes_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any
 def table(report: dict[str, Any]) -> str:
     """The readable summary of `report`."""
     w, off, kv = report["weights"], report.get("offload"), report["kv_cache_memory_bytes"]
-    lines = [f"# {report['device']}, {report['shape']}", "", "| figure | bf16 | fp8 | fp8 / bf16 |"]
-    lines.append("|---|---|---|---|")
-    for label, key, scale, fmt in (
-        ("W-nano output tok/s", "output_tok_s", 1.0, ",.0f"),
-        ("batch-1 ITL ms", "itl_s", 1e3, ".3f"),
-    ):
-        a, b = w["bf16"][key] * scale, w["fp8"][key] * scale
-        lines.append(f"| {label} | {a:{fmt}} | {b:{fmt}} | {b / a:.3f} |")
-    if "weights_ratio" in w:
-        a, b = w["bf16"]["budget"]["weights"], w["fp8"]["budget"]["weights"]
-        lines.append(f"| weights GiB (budget) | {a / GiB:.2f} | {b / GiB:.2f} | {b / a:.3f} |")
-    acc = w["accuracy"]
-    lines.append(
-        f"\ngreedy agreement {acc['identical_token_share']:.4f} over {acc['num_positions']} "
-        f"positions; |d logprob| mean {acc['logprob_abs_diff_mean']:.5f}, max "
-        f"{acc['logprob_abs_diff_max']:.4f}"
-    )
+    lines = [f"# {report['device']}, {report['shape']}", ""]
+    if "bf16" not in w:  # --fp8-only
+        fp8 = w["fp8"]
+        lines.append(
+            f"fp8 weights: W-nano {fp8['output_tok_s']:,.0f} output tok/s, batch-1 ITL "
+            f"{fp8['itl_s'] * 1e3:.3f} ms, {fp8['num_gpu_blocks']} KV blocks"
+            + (
+                ""
+                if fp8["budget"] is None
+                else f", weights {fp8['budget']['weights'] / GiB:.2f} GiB"
+            )
+        )
+    else:
+        lines += ["| figure | bf16 | fp8 | fp8 / bf16 |", "|---|---|---|---|"]
+        for label, key, scale, fmt in (
+            ("W-nano output tok/s", "output_tok_s", 1.0, ",.0f"),
+            ("batch-1 ITL ms", "itl_s", 1e3, ".3f"),
+        ):
+            a, b = w["bf16"][key] * scale, w["fp8"][key] * scale
+            lines.append(f"| {label} | {a:{fmt}} | {b:{fmt}} | {b / a:.3f} |")
+        if "weights_ratio" in w:
+            a, b = w["bf16"]["budget"]["weights"], w["fp8"]["budget"]["weights"]
+            lines.append(f"| weights GiB (budget) | {a / GiB:.2f} | {b / GiB:.2f} | {b / a:.3f} |")
+        acc = w["accuracy"]
+        lines.append(
+            f"\ngreedy agreement {acc['identical_token_share']:.4f} over {acc['num_positions']} "
+            f"positions; |d logprob| mean {acc['logprob_abs_diff_mean']:.5f}, max "
+            f"{acc['logprob_abs_diff_max']:.4f}"
+        )
     if off is not None:
         refused = off["without_offload"]
         lines += [
@@ -269,6 +287,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--offload-max-output", type=int, default=128)
     add("--offload-itl-tokens", type=int, default=64)
     add("--no-offload", action="store_true", help="skip the offload section")
+    add(
+        "--fp8-only",
+        action="store_true",
+        help="the FP8 engine alone (a shape whose bf16 weights do not fit, such as the 70B on "
+        "one GPU); implies --no-offload, and the KV byte budget runs in FP8",
+    )
     add("--kv-cache-memory-bytes", default="20Gi")
     # build_engine's settings, at W-nano's values (`throughput.py`)
     add("--max-num-seqs", type=int, default=256)
@@ -298,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(args.model_dir) if args.model_dir else write_checkpoint(args.shape, Path(tmp))
         )
         report["weights"] = weights_section(model_dir, args, work)
-        if not args.no_offload:
+        if not args.no_offload and not args.fp8_only:
             resident = report["weights"]["bf16"]["budget"]
             report["offload"] = offload_section(model_dir, args, resident)
         report["kv_cache_memory_bytes"] = kv_bytes_section(model_dir, args)

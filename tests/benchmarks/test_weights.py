@@ -63,3 +63,25 @@ def test_every_section_runs_at_a_tiny_shape(tmp_path: Path) -> None:
     assert (kv["requested"], kv["num_gpu_blocks"], kv["allocated"]) == (2**20, 256, 2**20)
     assert kv["within_one_block"]
     assert "greedy agreement" in out.with_suffix(".md").read_text()
+
+
+def test_fp8_alone_for_a_shape_whose_bf16_does_not_fit(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "report.json"
+    argv = [
+        "--device", "cpu", "--dtype", "float32", "--model-dir", str(model_dir), "--out", str(out),
+        "--fp8-only", "--num-requests", "2", "--max-output", "3", "--itl-tokens", "4",
+        "--accuracy-prompts", "1", "--accuracy-steps", "2", "--accuracy-prompt-len", "8",
+        "--kv-cache-memory-bytes", "1Mi", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "2048", "--no-async-scheduling",
+    ]  # fmt: skip
+    try:
+        report = weights.main(argv)
+    finally:
+        thaw_heap()
+    assert set(report["weights"]) == {"fp8"} and "offload" not in report
+    assert report["weights"]["fp8"]["num_output_tokens"] == 2 * 3
+    assert report["kv_cache_memory_bytes"]["num_gpu_blocks"] == 256  # 1 MiB / 4 KiB
+    assert out.with_suffix(".md").read_text().splitlines()[2].startswith("fp8 weights: W-nano")
