@@ -16,6 +16,9 @@ BLOCK_SIZES = (8, 16, 32)
 # fp8_e4m3, as vLLM does) in one byte each.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+# --quantization: the linear projections' weights; "fp8" (e4m3, per-output-channel scales),
+# quantized at load from a bf16 checkpoint or read from an FP8 one (vLLM's flag and names).
+QUANTIZATIONS = ("none", "fp8")
 # Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
 # activations stay a small share of memory.
@@ -31,6 +34,7 @@ WAITING_PER_RUNNING_SLOT = 8
 # quadratic term included) about 15-20 s. 60 s leaves three times that, and matches the front
 # end's bound on a silent core (`CoreClient.heartbeat_timeout_s`), past which /health fails.
 DEFAULT_STUCK_TIMEOUT_S = 60.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -63,6 +67,16 @@ def _fragmentation_buffer(text: str) -> int | Literal["auto"]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _positive_bytes(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count")
+    return value
+
+
 def _bounded(kind: type[int] | type[float], lo: float, hi: float | None, *, lo_open: bool = False):  # type: ignore[no-untyped-def]
     def check(text: str) -> int | float:
         try:
@@ -90,7 +104,8 @@ class EngineConfig:
     device: str = "cuda"
     load_format: str = "auto"
     seed: int = 0
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_bytes: int | None = None  # the KV cache's bytes per GPU, when given
     block_size: int = 16
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
@@ -115,6 +130,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    # None: the checkpoint's (config.json quantization_config), else none
+    quantization: str | None = None
+    cpu_offload_gb: float = 0.0
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -168,8 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--gpu-memory-utilization",
         type=_bounded(float, 0.0, 0.99, lo_open=True),
-        default=0.9,
-        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]",
+        default=None,
+        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]; default "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION} unless --kv-cache-memory-bytes is given",
+    )
+    add(
+        "--kv-cache-memory-bytes",
+        type=_positive_bytes,
+        default=None,
+        help="the KV cache's bytes per GPU (a byte count or a quantity such as 20Gi), instead of "
+        "what --gpu-memory-utilization leaves; the engine still refuses to start when the "
+        "weights, activations, non-torch memory, fragmentation buffer and these bytes exceed "
+        "the GPU's free memory. On the CPU: the KV cache's bytes in host memory",
     )
     add("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block")
     add(
@@ -275,6 +303,24 @@ def build_parser() -> argparse.ArgumentParser:
         "the same memory (CUDA GPUs of compute capability 8.9 or newer)",
     )
     add(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the linear projections' weights in FP8 (e4m3) with a scale per output "
+        "channel, quantized at load from a bf16 checkpoint; half their memory, FP8 GEMMs on "
+        "CUDA GPUs of compute capability 8.9 or newer (the CPU runs a dequantizing reference). "
+        "Default: the checkpoint's quantization_config, else none",
+    )
+    add(
+        "--cpu-offload-gb",
+        type=_bounded(float, 0.0, None),
+        default=0.0,
+        help="GiB of the linear projections' weights per GPU (whole decoder layers, spread "
+        "evenly over the depth) kept in pinned host memory and copied to the GPU ahead of use "
+        "in every forward pass, overlapped with the layers before them; the steps then run "
+        "without CUDA graphs. A no-op on the CPU",
+    )
+    add(
         "--api-server-count",
         type=_bounded(int, 1, 64),
         default=1,
@@ -293,5 +339,12 @@ def parse_args(argv: list[str]) -> EngineConfig:
             "argument --kv-cache-dtype: fp8 needs a CUDA GPU (the CPU has no FP8 path); "
             "use --kv-cache-dtype auto with --device cpu"
         )
+    if namespace.kv_cache_memory_bytes is not None and namespace.gpu_memory_utilization is not None:
+        parser.error(
+            "argument --kv-cache-memory-bytes: not allowed with --gpu-memory-utilization "
+            "(the KV cache is sized either by bytes or by a fraction of the GPU, not both)"
+        )
+    if namespace.gpu_memory_utilization is None:
+        namespace.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(namespace).items() if k in names})

@@ -7,7 +7,6 @@ shard picker; the KV block: the engine's `KVLayout`.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import astuple
 from typing import Any
 
@@ -102,11 +101,6 @@ def test_weights_of_a_rank_equal_the_engines_shard(
     assert planned == allocated_bytes(model)
 
 
-@pytest.mark.xfail(
-    "quantization" not in inspect.signature(CausalLM).parameters,
-    reason="the engine's FP8 weights arrive with its own change",
-    strict=True,
-)
 @pytest.mark.parametrize(("arch", "overrides"), CASES)
 @pytest.mark.parametrize(("rank", "size"), [(0, 1), (1, 2), (3, 4)])
 def test_fp8_weights_of_a_rank_equal_the_engines(

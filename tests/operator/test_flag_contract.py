@@ -93,15 +93,9 @@ def test_engine_parses_rendered_args_into_the_policy(spec: dict[str, Any]) -> No
     assert config.shutdown_timeout == server.spec.shutdown_grace_period_seconds
 
 
-# The byte budget and the weight-memory flags: the engine's parser gains them with its own
-# change; until both are in one tree these checks are expected to fail, and then they must pass.
+# The byte budget and the weight-memory flags.
 NEW_FLAGS = {"--kv-cache-memory-bytes", "--quantization", "--cpu-offload-gb"}
 _ENGINE_FLAGS = {opt for action in build_parser()._actions for opt in action.option_strings}
-awaits_engine_flags = pytest.mark.xfail(
-    not NEW_FLAGS <= _ENGINE_FLAGS,
-    reason="the engine's --kv-cache-memory-bytes, --quantization and --cpu-offload-gb",
-    strict=True,
-)
 BUDGET_SPECS: list[dict[str, Any]] = [
     {"memoryPolicy": {"kvCacheMemory": "20Gi", "weights": {"quantization": "fp8"}}},
     {"memoryPolicy": {"gpuMemoryUtilization": 0.8, "weights": {"cpuOffloadGiB": 8}}},
@@ -141,7 +135,6 @@ def test_unset_weights_and_budget_render_no_new_flag() -> None:
         assert not NEW_FLAGS & set(_command({"runtime": runtime}))
 
 
-@awaits_engine_flags
 @pytest.mark.parametrize("spec", BUDGET_SPECS[:2])
 def test_engine_parses_the_budget_and_weight_flags(spec: dict[str, Any]) -> None:
     policy = make_server(spec).spec.memory_policy
@@ -152,7 +145,6 @@ def test_engine_parses_the_budget_and_weight_flags(spec: dict[str, Any]) -> None
     assert float(getattr(config, "cpu_offload_gb", 0.0)) == weights.cpu_offload_gib
 
 
-@awaits_engine_flags
 def test_the_new_flags_are_the_engines() -> None:
     assert NEW_FLAGS <= _ENGINE_FLAGS, NEW_FLAGS - _ENGINE_FLAGS
 

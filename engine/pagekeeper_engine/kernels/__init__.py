@@ -18,6 +18,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # them and compute in the query's dtype.
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 CACHE_DTYPES = (*SUPPORTED_DTYPES, FP8_CACHE_DTYPE)
+# FP8 projection weights (`model/fp8.py`): the GEMV reads them with a scale per row.
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 # The sampler's race reads its Exp(1) draws as max(E, NOISE_FLOOR): an exact 0 draw would make
 # -log E = +inf, and +inf + -inf = NaN on a masked token. The kernel and its torch reference
 # (`runner/sampler.py`) take the same floor.

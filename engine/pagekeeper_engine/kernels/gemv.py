@@ -33,6 +33,11 @@ tile before waiting for the previous kernel: weights do not depend on it, so the
 first DRAM round trip overlap the previous kernel's tail. Everything that reads another kernel's
 output, and every store, comes after the wait.
 
+FP8 weights (`weight_scale` given): W is e4m3 with one fp32 scale per row (`model/fp8.py`).
+The loop reads the e4m3 tiles (half the bytes of bf16) and multiplies them, widened to fp32,
+by x as before; each column's sum is multiplied by its row's scale in the epilogue, before the
+bias (for SWIGLU, the gate's and the up row's scales each on its own sum).
+
 Arithmetic: products and sums in fp32, the result (plus bias) rounded once to the output dtype,
 as cuBLAS does for a bf16/fp16 GEMM; the summation order differs, so results agree with
 `torch.nn.functional.linear` to rounding, not bit for bit.
@@ -47,7 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagekeeper_engine.kernels import SUPPORTED_DTYPES, check_device, next_power_of_2
+from pagekeeper_engine.kernels import (
+    FP8_WEIGHT_DTYPE,
+    SUPPORTED_DTYPES,
+    check_device,
+    next_power_of_2,
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,7 @@ def _gemv_kernel(
     y_ptr,  # the output; with EPILOGUE == ADD also the addend (the residual stream)
     sum_sq_in_ptr,  # NORM_GIVEN: partial sums of x's squares (fp32)
     sum_sq_out_ptr,  # SUM_SQUARES_OUT: one entry a program, its stored values' squares
+    w_scale_ptr,  # W_SCALE: (rows,) fp32, one scale per weight row
     num_parts,  # NORM_GIVEN: entries of sum_sq_in_ptr
     N,  # output columns (I for SWIGLU, whose weight has 2I rows)
     K,
@@ -149,6 +160,7 @@ def _gemv_kernel(
     PARTS_PAD: tl.constexpr,  # a power of two >= num_parts
     EPILOGUE: tl.constexpr,
     SUM_SQUARES_OUT: tl.constexpr,  # EPILOGUE == ADD: accumulate the stored values' squares
+    W_SCALE: tl.constexpr,  # FP8 weights: each column's sum times its row's scale
     USE_PDL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,6 +200,8 @@ def _gemv_kernel(
             w_up = _weight_tile(w_ptrs + up_offset, col_mask, k, offs_k, K, EVEN_N, EVEN_K)
             acc_up += w_up.to(tl.float32) * x
     y = tl.sum(acc, axis=1)
+    if W_SCALE:
+        y *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     out_dtype = y_ptr.dtype.element_ty
@@ -200,7 +214,10 @@ def _gemv_kernel(
             tl.store(sum_sq_out_ptr + tl.program_id(0), tl.sum(value * value, axis=0))
     elif EPILOGUE == 2:
         gate = y.to(out_dtype).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(out_dtype)
+        up_sum = tl.sum(acc_up, axis=1)
+        if W_SCALE:  # the up rows' scales, N rows after the gate rows'
+            up_sum *= tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)
+        up = up_sum.to(out_dtype)
         silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype)
         tl.store(
             y_ptr + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(out_dtype), mask=col_mask
@@ -220,17 +237,32 @@ def gemv(
     epilogue: Epilogue = Epilogue.STORE,
     sum_squares_out: torch.Tensor | None = None,  # (programs(N, config),) fp32, with ADD
     pdl: bool = False,
+    weight_scale: torch.Tensor | None = None,  # (rows,) fp32, with an e4m3 weight
 ) -> torch.Tensor:
     """x W^T (+ bias) for one row of x (normed first with `norm`), through `epilogue`, into
     `out` (allocated when not given, except for ADD, which needs its addend); with
     `sum_squares_out`, the ADD epilogue also writes the partial sums of the squares of the new
-    `out` there, one per program."""
+    `out` there, one per program. With `weight_scale` the weight is e4m3 and W is
+    weight * weight_scale[:, None]."""
     assert x.dim() == 2 and x.shape[0] == 1, f"x must be (1, K), got shape {tuple(x.shape)}"
     assert weight.dim() == 2, f"weight must be (N, K), got shape {tuple(weight.shape)}"
     rows, k = weight.shape
     assert x.shape[1] == k, f"x has K={x.shape[1]}, weight is {tuple(weight.shape)}"
     assert x.dtype in SUPPORTED_DTYPES, f"x dtype {x.dtype} is not supported"
-    assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
+    if weight_scale is None:
+        assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
+    else:
+        assert weight.dtype == FP8_WEIGHT_DTYPE, (
+            f"weight_scale goes with an {FP8_WEIGHT_DTYPE} weight, got {weight.dtype}"
+        )
+        assert weight_scale.shape == (rows,), (
+            f"weight_scale shape {tuple(weight_scale.shape)} != ({rows},)"
+        )
+        assert weight_scale.dtype == torch.float32, (
+            f"weight_scale must be float32, got {weight_scale.dtype}"
+        )
+        assert weight_scale.is_contiguous(), "weight_scale must be contiguous"
+        check_device("weight_scale", weight_scale, x.device)
     assert x.stride(1) == 1, "x must be contiguous in its last dimension"
     assert weight.is_contiguous(), "weight must be contiguous"
     check_device("x", x, x.device)
@@ -280,6 +312,7 @@ def gemv(
         out,
         norm.sum_squares if norm is not None and norm.sum_squares is not None else out,
         sum_squares_out if sum_squares_out is not None else out,
+        weight_scale if weight_scale is not None else out,
         num_parts,
         n,
         k,
@@ -296,6 +329,7 @@ def gemv(
         PARTS_PAD=next_power_of_2(max(num_parts, 1)),
         EPILOGUE=int(epilogue),
         SUM_SQUARES_OUT=sum_squares_out is not None,
+        W_SCALE=weight_scale is not None,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

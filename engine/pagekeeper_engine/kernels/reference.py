@@ -171,3 +171,17 @@ def inverse_cdf_ref(
     wide = raw.float()
     logprobs = wide.gather(1, token_ids[:, None]).squeeze(1) - wide.logsumexp(dim=-1)
     return token_ids, torch.stack((token_ids.double(), logprobs.double()))
+
+
+def gemv_fp8_ref(
+    x: torch.Tensor,  # (1, K)
+    weight: torch.Tensor,  # (N, K) e4m3
+    weight_scale: torch.Tensor,  # (N,) fp32
+    bias: torch.Tensor | None = None,  # (N,)
+) -> torch.Tensor:
+    """`kernels.gemv.gemv` with `weight_scale`, in fp32: x (weight * scale[:, None])^T + bias;
+    the kernel's result is this rounded once to x's dtype."""
+    dequantized = weight.float() * weight_scale[:, None]
+    return torch.nn.functional.linear(
+        x.float(), dequantized, None if bias is None else bias.float()
+    )

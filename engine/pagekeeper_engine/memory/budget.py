@@ -3,6 +3,11 @@
     allowed  = gpu_memory_utilization x total
     kv_cache = allowed - weights - peak_activations - non_torch - fragmentation_buffer
 
+or, under --kv-cache-memory-bytes N, the other way round:
+
+    kv_cache = N
+    allowed  = weights + peak_activations + non_torch + fragmentation_buffer + N
+
 The formula, the KV block's bytes and the fragmentation buffer's rule live in
 `pagekeeper_memplan.budget`, which the operator's plan shares. Every term is measured by the
 profiler (`memory.profile`) except the fragmentation buffer when it is given as a size. The
@@ -75,9 +80,20 @@ class MemoryBudget:
     kv_cache: int
     num_blocks: int
     bytes_per_block: int
+    kv_cache_requested: int | None = None  # --kv-cache-memory-bytes, when given
+
+    @property
+    def kv_cache_allocated(self) -> int:
+        """The pool's bytes: whole blocks, within one block of `kv_cache`."""
+        return self.num_blocks * self.bytes_per_block
 
     @property
     def terms(self) -> dict[str, int]:
+        requested = (
+            {}
+            if self.kv_cache_requested is None
+            else {"kv_cache_requested": self.kv_cache_requested}
+        )
         return {
             "total": self.total,
             "free_at_start": self.free_at_start,
@@ -88,6 +104,7 @@ class MemoryBudget:
             "measured_fragmentation": self.measured_fragmentation,
             "fragmentation_buffer": self.fragmentation_buffer,
             "kv_cache": self.kv_cache,
+            **requested,
         }
 
     def describe(self) -> str:
@@ -104,14 +121,32 @@ def compute_budget(
     gpu_memory_utilization: float,
     requested_buffer: int | str,
     max_model_len: int,
+    kv_cache_memory_bytes: int | None = None,
 ) -> MemoryBudget:
-    """Size the KV cache, or raise MemoryBudgetError with every term in the message."""
+    """Size the KV cache, or raise MemoryBudgetError with every term in the message.
+
+    `kv_cache_memory_bytes` (given) is the KV cache itself, and `gpu_memory_utilization` is
+    then unused: what this instance asks for is the sum of the terms."""
     assert 0.0 < gpu_memory_utilization <= 1.0, gpu_memory_utilization
-    allowed = int(gpu_memory_utilization * measured.total)
     buffer = fragmentation_buffer(measured.warmup_fragmentation, requested_buffer)
-    kv_cache = kv_cache_bytes(
-        allowed, measured.weights, measured.peak_activations, measured.non_torch, buffer
-    )
+    others = measured.weights + measured.peak_activations + measured.non_torch + buffer
+    if kv_cache_memory_bytes is None:
+        allowed = int(gpu_memory_utilization * measured.total)
+        kv_cache = kv_cache_bytes(
+            allowed, measured.weights, measured.peak_activations, measured.non_torch, buffer
+        )
+        asking = f"--gpu-memory-utilization {gpu_memory_utilization} asks for"
+        why = "another process holds the difference"
+        lower = "lower the utilization"
+        grow = "raise --gpu-memory-utilization"
+    else:
+        assert kv_cache_memory_bytes > 0, kv_cache_memory_bytes
+        kv_cache = kv_cache_memory_bytes
+        allowed = others + kv_cache
+        asking = f"--kv-cache-memory-bytes {kv_cache_memory_bytes} with the other terms asks for"
+        why = "the KV cache asked for does not fit beside the other terms"
+        lower = "lower --kv-cache-memory-bytes"
+        grow = "raise --kv-cache-memory-bytes"
     num_blocks = max(kv_cache, 0) // layout.bytes_per_block
     budget = MemoryBudget(
         total=measured.total,
@@ -125,20 +160,19 @@ def compute_budget(
         kv_cache=max(kv_cache, 0),
         num_blocks=num_blocks,
         bytes_per_block=layout.bytes_per_block,
+        kv_cache_requested=kv_cache_memory_bytes,
     )
     if measured.free_at_start < allowed:
         raise MemoryBudgetError(
-            f"the GPU has {_fmt(measured.free_at_start)} free but --gpu-memory-utilization "
-            f"{gpu_memory_utilization} asks for {_fmt(allowed)} of {_fmt(measured.total)}: another "
-            f"process holds the difference; lower the utilization or free the GPU "
-            f"({budget.describe()})"
+            f"the GPU has {_fmt(measured.free_at_start)} free but {asking} {_fmt(allowed)} of "
+            f"{_fmt(measured.total)}: {why}; {lower} or free the GPU ({budget.describe()})"
         )
     blocks_needed = blocks_for(max_model_len, layout.block_size)
     if num_blocks < blocks_needed:
         raise MemoryBudgetError(
             f"the KV cache holds {num_blocks} blocks of {layout.block_size} tokens but one "
             f"--max-model-len {max_model_len} request needs {blocks_needed} "
-            f"({_fmt(blocks_needed * layout.bytes_per_block)}); raise --gpu-memory-utilization, "
+            f"({_fmt(blocks_needed * layout.bytes_per_block)}); {grow}, "
             f"lower --max-model-len or --max-num-batched-tokens ({budget.describe()})"
         )
     return budget
@@ -183,16 +217,24 @@ def num_cpu_kv_blocks(
     block_size: int,
     bytes_per_block: int,
     host_memory_bytes: int,
+    kv_cache_memory_bytes: int | None = None,
 ) -> int:
-    """Blocks for a CPU run: every sequence at full length, bounded by a share of host RAM."""
-    wanted = math.ceil(max_num_seqs * max_model_len / block_size)
-    affordable = int(host_memory_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
-    num_blocks = min(wanted, affordable)
+    """Blocks for a CPU run: every sequence at full length, bounded by a share of host RAM;
+    or exactly the blocks `kv_cache_memory_bytes` holds, when given."""
+    if kv_cache_memory_bytes is not None:
+        num_blocks = kv_cache_memory_bytes // bytes_per_block
+        where = f"--kv-cache-memory-bytes {kv_cache_memory_bytes} ({num_blocks} blocks of "
+        where += f"{bytes_per_block} bytes)"
+    else:
+        wanted = math.ceil(max_num_seqs * max_model_len / block_size)
+        affordable = int(host_memory_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
+        num_blocks = min(wanted, affordable)
+        where = f"the CPU KV cache budget ({affordable} blocks of {bytes_per_block} bytes, "
+        where += f"{CPU_KV_MEMORY_FRACTION:.0%} of host memory)"
     if num_blocks * block_size < max_model_len:
         raise MemoryBudgetError(
-            f"the CPU KV cache budget ({affordable} blocks of {bytes_per_block} bytes, "
-            f"{CPU_KV_MEMORY_FRACTION:.0%} of host memory) cannot hold one --max-model-len "
-            f"{max_model_len} request; lower --max-model-len or set --num-gpu-blocks-override"
+            f"{where} cannot hold one --max-model-len {max_model_len} request; lower "
+            f"--max-model-len, or raise --kv-cache-memory-bytes or --num-gpu-blocks-override"
         )
     return num_blocks
 

@@ -257,6 +257,7 @@ def size_kv_cache(
         config.gpu_memory_utilization,
         config.fragmentation_buffer,
         shapes.max_model_len,
+        config.kv_cache_memory_bytes,
     )
     logger.info("memory budget: %s; %d KV blocks", budget.describe(), budget.num_blocks)
     return budget

@@ -25,6 +25,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         tp: TensorParallelGroup,
+        quantization: str = "none",
     ):
         super().__init__()
         self.tp = tp
@@ -38,8 +39,11 @@ class DecoderLayer(nn.Module):
             rotary=rotary,
             backend=backend,
             dtype=dtype,
+            quantization=quantization,
         )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.mlp = SwiGLU(
+            config.hidden_size, config.intermediate_size, dtype=dtype, quantization=quantization
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from pagekeeper_engine.model import fp8
+from pagekeeper_engine.model.fp8 import FP8_DTYPE, SCALED_MM_ALIGNMENT
 from pagekeeper_engine.model.hf_config import RopeScaling
 from pagekeeper_engine.model.workspace import Workspace
 
@@ -44,11 +46,38 @@ class Linear(nn.Module):
 
     A single row goes through the Triton GEMV when `gemv_config` is set (the runner decides
     per shape at start-up, `model/gemv_choice.py`); everything else through cuBLAS.
+
+    With `quantization="fp8"` W is e4m3 with one fp32 scale per output row in `weight_scale`
+    (a buffer: a bf16 checkpoint has no such tensor), and the products are `model/fp8.py`'s.
+    The scales start as NaN, so a scale the loader never wrote is caught (`missing_scales`).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        quantization: str = "none",
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        self.weight_scale: torch.Tensor | None
+        if quantization == "fp8":
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=FP8_DTYPE), False
+            )
+            self.register_buffer(
+                "weight_scale", torch.full((out_features,), math.nan, dtype=torch.float32)
+            )
+            # cuBLASLt's FP8 layout rule; other shapes (tiny test models) take the reference.
+            self.uses_scaled_mm = (
+                in_features % SCALED_MM_ALIGNMENT == 0 and out_features % SCALED_MM_ALIGNMENT == 0
+            )
+        else:
+            assert quantization == "none", f"unknown quantization {quantization!r}"
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+            self.weight_scale = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
         self.gemv_config: GemvConfig | None = None
 
@@ -56,14 +85,53 @@ class Linear(nn.Module):
         """x: (T, in) -> (T, out_features), into `out` when given."""
         if self.gemv_config is not None and x.shape[0] == 1:
             result: torch.Tensor = _kernel("gemv").gemv(
-                x, self.weight, self.bias, out=out, config=self.gemv_config
+                x,
+                self.weight,
+                self.bias,
+                out=out,
+                config=self.gemv_config,
+                weight_scale=self.weight_scale,
             )
             return result
+        if self.weight_scale is not None:
+            if x.is_cuda and self.uses_scaled_mm:
+                return fp8.scaled_mm_linear(x, self.weight, self.weight_scale, self.bias, out)
+            return fp8.reference_linear(x, self.weight, self.weight_scale, self.bias, out)
         if out is None:
             return functional.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    def load_weight_rows(self, rows: slice, tensor: torch.Tensor, name: str) -> None:
+        """Rows `rows` of an FP8 weight from checkpoint tensor `name`: e4m3 as it is (its
+        scales come in their own tensor), or a wider dtype quantized row by row."""
+        if self.weight_scale is None:
+            raise ValueError(
+                f"tensor {name!r} is FP8 but the model's weights are {self.weight.dtype} "
+                "(--quantization none?)"
+            )
+        if tensor.dtype == FP8_DTYPE:
+            self.weight[rows].copy_(tensor)
+            return
+        quantized, scales = fp8.quantize_rows(tensor)
+        self.weight[rows].copy_(quantized)
+        self.weight_scale[rows].copy_(scales)
+
+    def load_scale_rows(self, rows: slice, tensor: torch.Tensor, name: str) -> None:
+        """Rows `rows` of `weight_scale` from an FP8 checkpoint's scale tensor `name` (one for
+        the whole tensor, or one per output row)."""
+        if self.weight_scale is None:
+            raise ValueError(
+                f"tensor {name!r} scales FP8 weights but the model's weights are "
+                f"{self.weight.dtype} (--quantization none?)"
+            )
+        num_rows = rows.stop - rows.start
+        self.weight_scale[rows].copy_(fp8.spread_scale(tensor, num_rows, name))
+
+    def missing_scales(self) -> bool:
+        """An FP8 weight some of whose rows' scales were never loaded."""
+        return self.weight_scale is not None and bool(self.weight_scale.isnan().any())
 
 
 class RMSNorm(nn.Module):
@@ -165,11 +233,16 @@ class SwiGLU(nn.Module):
         intermediate_size: int,
         *,
         dtype: torch.dtype,
+        quantization: str = "none",
     ):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, quantization=quantization
+        )
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias=False, dtype=dtype, quantization=quantization
+        )
 
     def forward(self, x: torch.Tensor, workspace: Workspace, out: torch.Tensor) -> None:
         """x: (T, H) -> out (T, H), which may be x: the MLP runs over chunks of the workspace's

@@ -12,8 +12,7 @@ one allocated for the call.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,29 +25,15 @@ from pagekeeper_engine.attention.base import (
     KVScales,
 )
 from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.model.checkpoint_weights import CheckpointWeights
 from pagekeeper_engine.model.decoder_layer import DecoderLayer, add_summed_and_norm
 from pagekeeper_engine.model.hf_config import ModelConfig
 from pagekeeper_engine.model.layers import Linear, RMSNorm, RotaryEmbedding
-from pagekeeper_engine.model.paged_attention import PagedAttention
+from pagekeeper_engine.model.offload import LayerOffload, move_to_host
 from pagekeeper_engine.model.row_fusion import RowFusion, forward_one_row
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.stages import ForwardStages
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
-
-# Checkpoint tensor -> (our fused parameter, index of its row slice in pack order).
-_PACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-# A layer's KV-cache scales in FP8 checkpoints (under `self_attn.`; kv_scale sets both).
-_KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
-# Tensors with a row per vocabulary entry (sharded by rows under tensor parallelism).
-_VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
-# Buffers some checkpoints carry that the engine recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderModel(nn.Module):
@@ -61,6 +46,8 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         tp: TensorParallelGroup,
+        quantization: str = "none",
+        offload_layer_ids: Sequence[int] = (),
     ):
         super().__init__()
         self.tp = tp
@@ -70,9 +57,20 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, dtype, tp) for _ in range(config.num_layers)
-        )
+
+        def layer(i: int) -> DecoderLayer:
+            if i not in offload_layer_ids:
+                return DecoderLayer(config, rotary, backend, dtype, tp, quantization)
+            device = torch.get_default_device()
+            with torch.device("cpu"):  # its weights never touch the GPU (`model/offload.py`)
+                built = DecoderLayer(config, rotary, backend, dtype, tp, quantization)
+            move_to_host(built, device)
+            return built
+
+        self.layers = nn.ModuleList(layer(i) for i in range(config.num_layers))
+        self.offload_layer_ids = tuple(offload_layer_ids)
+        # Made once the weights are loaded (`start_offload`): None runs every layer resident.
+        self.offload: LayerOffload | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         # Set by the runner's start-up choice (`model/gemv_choice.py`): one-token steps run
         # the fused layer of `model/row_fusion.py`.
@@ -91,13 +89,20 @@ class DecoderModel(nn.Module):
             residual = workspace.rows("residual", 1)
             self._embed(input_ids, out=residual)
             statistic = None  # the residual's sums of squares, from one layer to the next
+            offload = self.offload
+            if offload is not None:
+                offload.start()
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, DecoderLayer)
                 norms = (layer.input_layernorm, layer.post_attention_layernorm)
                 attention, mlp = layer.self_attn, layer.mlp
+                if offload is not None:
+                    offload.begin(i)
                 statistic = forward_one_row(
                     i, attention, mlp, norms, positions, meta, workspace, self.row_fusion, statistic
                 )
+                if offload is not None:
+                    offload.end(i)
             hidden = workspace.rows("hidden", 1)
             self.norm(residual, out=hidden)
             return hidden
@@ -116,27 +121,44 @@ class DecoderModel(nn.Module):
         residual = workspace.rows("residual", num_tokens)
         hidden = workspace.rows("hidden", num_tokens)
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        offload = self.offload
 
         def first() -> None:
             self._embed(input_ids, out=residual)
+            if offload is not None:
+                offload.start()
+                offload.begin(0)
             layers[0].before_attention(positions, meta, workspace, is_first=True)
 
-        def between(before: DecoderLayer, after: DecoderLayer) -> Callable[[], None]:
+        def between(i: int) -> Callable[[], None]:
+            before, after = layers[i], layers[i + 1]
+
             def dense() -> None:
                 before.after_attention(workspace, num_tokens)
+                if offload is not None:
+                    offload.end(i)
+                    offload.begin(i + 1)
                 after.before_attention(positions, meta, workspace, is_first=False)
 
             return dense
 
         def last() -> None:
             layers[-1].after_attention(workspace, num_tokens)
+            if offload is not None:
+                offload.end(len(layers) - 1)
             add_summed_and_norm(self.tp, self.norm, workspace, num_tokens)
 
         def attention(layer: DecoderLayer) -> Callable[[AttentionMetadata], None]:
             return lambda step_meta: layer.self_attn.attend_cached(step_meta, workspace, num_tokens)
 
-        dense = [first, *(between(a, b) for a, b in itertools.pairwise(layers)), last]
+        dense = [first, *(between(i) for i in range(len(layers) - 1)), last]
         return ForwardStages(dense, [attention(layer) for layer in layers], hidden, input_ids)
+
+    def start_offload(self) -> None:
+        """Stage the offloaded layers' weights from here on (once they are loaded)."""
+        if self.offload_layer_ids:
+            device = self.embed_tokens.weight.device
+            self.offload = LayerOffload(self.layers, self.offload_layer_ids, device)
 
     def _embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """(T,) ids -> (T, H) embeddings; a rank holding a shard of the vocabulary looks up its
@@ -152,7 +174,7 @@ class DecoderModel(nn.Module):
         self.tp.all_reduce_(out)
 
 
-class CausalLM(nn.Module):
+class CausalLM(CheckpointWeights):
     """A decoder-only language model over a paged KV cache: the whole of it, or with `tp` of
     size > 1, the shard of rank `tp.rank` (`config` is always the whole model's)."""
 
@@ -163,16 +185,21 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         tp: TensorParallelGroup | None = None,
+        quantization: str = "none",
+        offload_layer_ids: Sequence[int] = (),
     ):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup()
+        self.quantization = quantization  # of the decoder layers' projections (`model/fp8.py`)
         self.shard = ShardPlan.for_rank(config, self.tp.rank, self.tp.size)
         self.vocab_size = config.vocab_size
         # [start, stop) of the vocabulary on each rank, in rank order (`gather_logits`).
         self.vocab_columns = [self.shard.of_rank(r).vocab_columns for r in range(self.tp.size)]
         config = self.shard.local_config
         self.config = config  # this rank's: its heads, MLP columns and vocabulary shard
-        self.model = DecoderModel(config, max_position, backend, dtype, self.tp)
+        self.model = DecoderModel(
+            config, max_position, backend, dtype, self.tp, quantization, offload_layer_ids
+        )
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
@@ -268,94 +295,3 @@ class CausalLM(nn.Module):
         for rank, (start, stop) in enumerate(self.vocab_columns):
             whole[:, start:stop].copy_(parts[rank, :, : stop - start])
         return whole
-
-    # -- weights ---------------------------------------------------------------------------
-
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor the checkpoint must provide, by its Hugging Face name, with its shape."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, param in self.named_parameters():
-            parent, _, leaf = name.rpartition(".")
-            module_path, _, fused = parent.rpartition(".")
-            parts = [p for p, (f, _) in _PACKED.items() if f == fused]
-            if not parts:
-                shapes[name] = tuple(param.shape)
-            for part in parts:
-                shapes[f"{module_path}.{part}.{leaf}"] = (self._packed_rows(part), *param.shape[1:])
-        return shapes
-
-    def is_ignored_weight(self, name: str) -> bool:
-        """Checkpoint tensors that are legitimately unused (tied heads, recomputed buffers)."""
-        if name.endswith(_IGNORED_SUFFIXES):
-            return True
-        return name == "lm_head.weight" and self.lm_head is None
-
-    @torch.no_grad()
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (Hugging Face name) into its parameter or packed slice,
-        or take a layer's KV-cache scale (`self_attn.k_scale`, `v_scale`, or `kv_scale` for
-        both, as vLLM's FP8 checkpoints name them).
-
-        Raises KeyError for a name the model does not have, ValueError for a wrong shape or a
-        scale that is not one positive number.
-        """
-        parent, _, leaf = name.rpartition(".")
-        if leaf in _KV_SCALE_NAMES:
-            self._load_kv_scale(parent, leaf, tensor)
-            return
-        module_path, _, proj = parent.rpartition(".")
-        if proj in _PACKED:
-            fused, index = _PACKED[proj]
-            param = self._parameter(f"{module_path}.{fused}.{leaf}")
-            start = sum(
-                self._packed_rows(p) for p, (f, i) in _PACKED.items() if f == fused and i < index
-            )
-            target = param[start : start + self._packed_rows(proj)]
-        else:
-            target = self._parameter(name)
-        if name.endswith(_VOCAB_ROWS) and tensor.shape[0] < target.shape[0]:
-            # the last vocabulary shard: its rows past the vocabulary stay zero
-            target[tensor.shape[0] :].zero_()
-            target = target[: tensor.shape[0]]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-
-    def _load_kv_scale(self, attention: str, leaf: str, tensor: torch.Tensor) -> None:
-        try:
-            module = self.get_submodule(attention) if attention else None
-        except AttributeError:
-            module = None
-        if not isinstance(module, PagedAttention):
-            raise KeyError(f"{attention}.{leaf}")
-        if tensor.numel() != 1 or not float(tensor.float().item()) > 0:
-            raise ValueError(
-                f"{attention}.{leaf} must be one positive number, got shape "
-                f"{tuple(tensor.shape)}"
-                + (f" value {tensor.float().item()}" if tensor.numel() == 1 else "")
-            )
-        value = float(tensor.float().item())
-        k, v = module.checkpoint_kv_scales
-        module.checkpoint_kv_scales = KVScales(
-            value if leaf in ("k_scale", "kv_scale") else k,
-            value if leaf in ("v_scale", "kv_scale") else v,
-        )
-
-    def _parameter(self, name: str) -> torch.Tensor:
-        try:
-            return self.get_parameter(name)
-        except AttributeError as exc:
-            raise KeyError(name) from exc
-
-    def _packed_rows(self, proj: str) -> int:
-        cfg = self.config
-        rows = {
-            "q_proj": cfg.q_size,
-            "k_proj": cfg.kv_size,
-            "v_proj": cfg.kv_size,
-            "gate_proj": cfg.intermediate_size,
-            "up_proj": cfg.intermediate_size,
-        }
-        return rows[proj]

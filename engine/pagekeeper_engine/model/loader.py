@@ -6,9 +6,10 @@ does not have, a wrong shape, or tensors the checkpoint lacks.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagekeeper_engine.attention.base import AttentionBackend
 from pagekeeper_engine.distributed.group import TensorParallelGroup
+from pagekeeper_engine.model.fp8 import is_weight_scale
 from pagekeeper_engine.model.hf_config import CheckpointError, ModelConfig, read_json
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.shard import ShardPlan, TensorSlice
@@ -118,6 +120,9 @@ def iter_safetensors(
         with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 part = None if shard is None else shard.slice_of(name)
+                if part is not None and is_weight_scale(name):
+                    # one scale for the whole tensor covers every rank's slice of it
+                    part = None if math.prod(f.get_slice(name).get_shape()) == 1 else part
                 if part is None:
                     yield name, f.get_tensor(name)
                 else:
@@ -163,7 +168,9 @@ def load_safetensors(model: CausalLM, model_dir: Path, device: str, *, progress:
             except ValueError as exc:
                 raise CheckpointError(f"{path}: {exc}") from exc
             loaded.add(name)
-    missing = sorted(expected - loaded)
+    missing = sorted(expected - loaded) + [
+        f"{linear}.weight_scale" for linear in model.missing_weight_scales()
+    ]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise CheckpointError(
@@ -209,15 +216,22 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     tp: TensorParallelGroup | None = None,
+    quantization: str = "none",
+    offload_layer_ids: Sequence[int] = (),
 ) -> CausalLM:
-    """Build the model (or rank `tp.rank`'s shard of it) on `device` in `dtype` and fill its
-    weights as `load_format` says."""
+    """Build the model (or rank `tp.rank`'s shard of it) on `device` in `dtype`, its
+    projections' weights in FP8 under `quantization="fp8"` (`model/fp8.py`), and fill its
+    weights as `load_format` says; the projections of `offload_layer_ids` in pinned host
+    memory, staged to the GPU ahead of use (`model/offload.py`)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"--load-format {load_format!r} is not one of auto, safetensors, dummy")
     with torch.device(device):
-        model = CausalLM(model_config, max_position, backend, dtype, tp)
+        model = CausalLM(
+            model_config, max_position, backend, dtype, tp, quantization, offload_layer_ids
+        )
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:
         load_safetensors(model, Path(model_dir), device, progress=progress)
+    model.model.start_offload()
     return model.eval()

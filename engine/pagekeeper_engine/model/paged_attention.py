@@ -37,6 +37,7 @@ class PagedAttention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
+        quantization: str = "none",
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -45,8 +46,13 @@ class PagedAttention(nn.Module):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=False, dtype=dtype)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(
+            hidden_size, qkv_size, bias=bias, dtype=dtype, quantization=quantization
+        )
+        self.o_proj = Linear(
+            self.q_size, hidden_size, bias=False, dtype=dtype, quantization=quantization
+        )
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if qk_norm_eps else None
         self.rotary = rotary

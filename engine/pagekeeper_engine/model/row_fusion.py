@@ -89,6 +89,7 @@ def forward_one_row(
             epilogue=epilogue,
             sum_squares_out=statistic_out,
             pdl=fusion.pdl,
+            weight_scale=linear.weight_scale,
         )
 
     qkv = project(

@@ -32,6 +32,13 @@ _SPLITS: dict[str, tuple[int, Literal["q", "kv", "mlp", "vocab"]]] = {
 }
 
 
+# Tensors with one entry per output row of their projection (or a single one): column-parallel
+# ones split with those rows, row-parallel ones stay whole.
+_PER_OUTPUT_ROW = ("bias", "weight_scale", "weight_scale_inv")
+# An FP8 checkpoint's static activation scale: one number for the projection's whole input.
+_UNSPLIT = ("input_scale",)
+
+
 class ShardError(ValueError):
     """The model's shapes do not split over this many ranks; the message says which."""
 
@@ -127,8 +134,12 @@ class ShardPlan:
         if owner not in _SPLITS:
             return None
         dim, unit = _SPLITS[owner]
-        if dim == 1 and parts[-1] == "bias":
-            return None  # a row-parallel bias is the whole output's: kept on every rank
+        if parts[-1] in _UNSPLIT:
+            return None
+        if dim == 1 and parts[-1] in _PER_OUTPUT_ROW:
+            # a row-parallel projection's bias or FP8 weight scales are per output row, and
+            # every rank has all of its rows: kept whole on every rank
+            return None
         cfg = self.config
         if unit == "q":
             width = self.num_heads * cfg.head_dim

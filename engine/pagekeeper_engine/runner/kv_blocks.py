@@ -59,6 +59,7 @@ def decide_num_gpu_blocks(
             block_size=layout.block_size,
             bytes_per_block=layout.bytes_per_block,
             host_memory_bytes=host_memory,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         )
         gathered = tp.all_gather_object(num_blocks)
         return min(n for n in gathered if isinstance(n, int)), None

@@ -41,14 +41,16 @@ from pagekeeper_engine.memory.budget import RankBudgets
 from pagekeeper_engine.memory.cuda import CudaAllocatorMonitor
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.profile import ProfileShapes
+from pagekeeper_engine.model.fp8 import weight_quantization
 from pagekeeper_engine.model.hf_config import load_eos_token_ids, load_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model, resolve_dtype
+from pagekeeper_engine.model.offload import plan_for_model
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes
 from pagekeeper_engine.runner.follower_step import FollowerStep, follower_step
-from pagekeeper_engine.runner.kernel_choice import choose_kernels
+from pagekeeper_engine.runner.kernel_choice import KernelChoices, choose_kernels
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
 from pagekeeper_engine.runner.kv_cache import (
     KVPools,
@@ -144,6 +146,13 @@ class ModelRunner:
         self.model_config = shard.local_config
         self.dtype = resolve_dtype(config.dtype, full_config.torch_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device)
+        self.quantization = weight_quantization(
+            config.quantization, model_dir, self.dtype, self.device
+        )
+        bytes_per_weight = 1 if self.quantization == "fp8" else self.dtype.itemsize
+        self.offload_plan = plan_for_model(
+            config.cpu_offload_gb, self.model_config, bytes_per_weight, self.device
+        )
         self.limits = resolve_limits(config, full_config.max_position_embeddings)
         self.block_size = config.block_size
         self.eos_token_ids = load_eos_token_ids(model_dir)
@@ -158,6 +167,8 @@ class ModelRunner:
             seed=config.seed,
             progress=progress,
             tp=self.tp,
+            quantization=self.quantization,
+            offload_layer_ids=self.offload_plan.layer_ids,
         )
         # Loading leaves its transient tensors cached (dummy weights are drawn whole and cut to
         # this rank's slice); the workspace, the sampler's rows and the KV pool must not carve
@@ -203,7 +214,12 @@ class ModelRunner:
             self.tp,
             shard_picker_for(self.model, config.max_num_seqs, config.seed, self.eos_token_ids),
         )
-        self.uses_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # Under CPU offload the steps run eagerly (`model/offload.py`), and nothing is timed in
+        # graphs.
+        is_offloading = bool(self.offload_plan.layer_ids)
+        self.uses_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and not is_offloading
+        )
         self._faults = StepFaultInjection(
             self.tp.rank,
             injected_fault_step(self.tp.rank, os.environ),
@@ -222,7 +238,11 @@ class ModelRunner:
             self.capture_graphs,
             self.release_graphs,
         )
-        chosen = choose_kernels(self.model, self.inputs, self.tp, self.profile_target, self.device)
+        chosen = (
+            KernelChoices()
+            if is_offloading
+            else choose_kernels(self.model, self.inputs, self.tp, self.profile_target, self.device)
+        )
         self.gemv_choices, self.fusion_choice = chosen.gemv, chosen.fusion
         # What the timing left allocated (cuBLAS's workspaces) is the steps' memory, not weights.
         self.profile_target.workspace_bytes += chosen.kept_bytes
