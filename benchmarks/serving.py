@@ -130,7 +130,12 @@ def start_server(
     ]  # fmt: skip
     if args.api_server_count is not None:
         argv += ["--api-server-count", str(args.api_server_count)]
-    paths = [str(REPO / "engine"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    paths = [
+        str(REPO / "engine"),
+        str(REPO / "memplan"),
+        str(REPO),
+        os.environ.get("PYTHONPATH", ""),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     if args.server_cpus:  # every process the server starts inherits the CPU set
         argv = ["taskset", "-c", args.server_cpus, *argv]

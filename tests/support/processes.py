@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -16,6 +17,16 @@ from typing import Any
 import yaml
 
 from tests.support.tools import tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def engine_pythonpath() -> str:
+    """PYTHONPATH for an engine process started from the source tree: the engine, the memory
+    plan it imports and the repository root, then whatever the test run was given (a GPU
+    machine's carried packages, say)."""
+    folders = [str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]
+    return os.pathsep.join([*folders, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def free_port() -> int:

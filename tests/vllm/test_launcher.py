@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import wait_for
-from tests.support.processes import free_port
+from tests.support.processes import engine_pythonpath, free_port
 from tests.support.tools import REPO
 from tests.support.vllm_launcher import start_launcher, stop_launcher
 from tests.vllm.fake_vllm import OOM
@@ -119,7 +119,7 @@ def test_an_oom_vllm_survived_is_no_cause_of_a_clean_drain(tmp_path: Path) -> No
 def test_a_program_that_cannot_run_is_127(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pagekeeper_vllm.launch", "--", str(tmp_path / "no-vllm")],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO)])},
+        env={**os.environ, "PYTHONPATH": engine_pythonpath()},
         capture_output=True,
         text=True,
         timeout=WAIT_S,

@@ -64,11 +64,13 @@ def test_fp8_weights_keep_the_greedy_tokens_and_halve_the_projections(tmp_path: 
     (tmp_path / "config.json").write_text(json.dumps(SHAPES["qwen3-0.6b"]))
     bf16, bf16_weights, _ = greedy(tmp_path, "none")
     fp8, fp8_weights, saved = greedy(tmp_path, "fp8")
-    # The projections are ~0.44 of the 0.6B's 0.75 B parameters (its tied embedding stays
-    # bf16): the measured weights drop by what they save, within 1%.
-    assert saved > 0.35 * bf16_weights
+    # The projections are 440 M of the 0.6B's 596 M parameters, 0.35 of its weight bytes once
+    # the tied embedding (bf16) and the fp32 rotary tables are counted: the measured weights
+    # drop by what they save, within 1%.
+    assert saved > 0.34 * bf16_weights
     assert abs((bf16_weights - fp8_weights) - saved) <= 0.01 * saved
     accuracy = compare_greedy(bf16, fp8)
+    print(f"fp8 against bf16 on the 0.6B shape: {accuracy}")
     assert accuracy["num_positions"] == NUM_PROMPTS * NUM_STEPS
     assert accuracy["identical_token_share"] >= 0.8
     assert accuracy["logprob_abs_diff_mean"] <= 0.05

@@ -58,7 +58,7 @@ def run(model_dir: Path, offload_gib: float) -> tuple[dict[str, list[tuple[int, 
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
-    return picked, weights if not offload_gib else weights - plan.saved_bytes
+    return picked, weights if not offload_gib else weights + plan.saved_bytes
 
 
 def test_offloaded_layers_give_the_same_tokens_and_free_their_memory(tmp_path: Path) -> None:

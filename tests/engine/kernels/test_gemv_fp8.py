@@ -117,7 +117,9 @@ def test_quantized_rows_round_trip_within_e4m3_precision(
     assert torch.equal(quantized[3].float(), torch.zeros(40, device=device))
     # Each row's largest value lands on e4m3's largest, 448; the rest within half a step of
     # three mantissa bits (2^-4 relative) of the row's values.
-    assert torch.equal(quantized.float().abs().amax(dim=1)[[0, 1, 2, 4]], torch.full((4,), 448.0))
+    assert torch.equal(
+        quantized.float().abs().amax(dim=1)[[0, 1, 2, 4]], torch.full((4,), 448.0, device=device)
+    )
     restored = quantized.float() * scale[:, None]
     assert ((restored - weight).abs() <= weight.abs() / 16 + 1e-30).all()
 

@@ -16,7 +16,7 @@ import requests
 from transformers import PreTrainedModel
 
 from tests.engine.server.checkpoint import MAX_POSITIONS, write_checkpoint
-from tests.support.processes import free_port
+from tests.support.processes import engine_pythonpath, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_NAME = "tiny-llama"
@@ -72,7 +72,7 @@ def start_server(checkpoint: Path, workdir: Path, *extra_flags: str) -> Server:
         *extra_flags,
     ]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTHONPATH"] = engine_pythonpath()
     log = workdir / f"engine-{port}.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=workdir)

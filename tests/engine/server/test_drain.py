@@ -17,11 +17,10 @@ import requests
 from tests.engine.server.conftest import (
     LONG_CONTEXT,
     MODEL_NAME,
-    REPO_ROOT,
     Server,
     start_server,
 )
-from tests.support.processes import free_port
+from tests.support.processes import engine_pythonpath, free_port
 
 NUM_STREAMS = 3
 MAX_TOKENS = 600  # seconds of work at several ms per step: still running at SIGTERM
@@ -126,7 +125,7 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(impatient_server: S
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTHONPATH"] = engine_pythonpath()
     argv = [sys.executable, "-m", "pagekeeper_engine.cli", *args]
     return subprocess.run(
         argv, check=False, capture_output=True, text=True, env=env, timeout=timeout_s

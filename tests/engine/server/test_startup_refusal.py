@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.engine.server.conftest import REPO_ROOT, Checkpoint
-from tests.support.processes import free_port
+from tests.engine.server.conftest import Checkpoint
+from tests.support.processes import engine_pythonpath, free_port
 
 
 def test_server_refuses_a_budget_that_cannot_hold_one_request(
@@ -24,7 +24,7 @@ def test_server_refuses_a_budget_that_cannot_hold_one_request(
         "--termination-log-path", str(termination_log),
     ]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTHONPATH"] = engine_pythonpath()
     env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
     reason = (
@@ -50,7 +50,7 @@ def test_server_refuses_a_model_that_does_not_split_over_the_ranks(
         "--termination-log-path", str(tmp_path / "termination-log"),
     ]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTHONPATH"] = engine_pythonpath()
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     assert (
@@ -74,7 +74,7 @@ def test_every_rank_refuses_the_same_budget_and_the_server_exits_1(
         "--tensor-parallel-size", "2", "--termination-log-path", str(termination_log),
     ]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "engine"), str(REPO_ROOT)])
+    env["PYTHONPATH"] = engine_pythonpath()
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     assert termination_log.read_text().startswith(
