@@ -22,7 +22,8 @@ from typing import Any
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
-from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.api.tuning import TuningStatus
+from pagekeeper_operator.effective import compose, effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
@@ -44,6 +45,8 @@ OWNED_FIELDS = (
     "policyHash",
     "triggers",
     "canary",
+    "recommendations",
+    "tuning",
 )
 
 
@@ -254,7 +257,11 @@ def compute_status(
     memory = memory_condition(server, now)
     canary = canary_condition(server, now)
     dep_status = (deployment or {}).get("status", {})
-    policy = effective_memory_policy(server)
+    effective = compose(server)
+    policy = effective.policy
+    tuning = old.tuning
+    if tuning is not None or effective.step_down is not None:
+        tuning = (tuning or TuningStatus()).model_copy(update={"step_down": effective.step_down})
     return old.model_copy(
         update={
             "observed_generation": generation,
@@ -273,6 +280,7 @@ def compute_status(
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
             "policy_hash": memory_policy_hash(policy),
+            "tuning": tuning,
             "triggers": trigger_status(
                 server.spec.runtime,
                 server.spec.remediation,

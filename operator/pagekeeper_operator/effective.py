@@ -1,19 +1,33 @@
-"""The memory policy pods actually run with, and its hash.
+"""The memory policy pods actually run with: the spec and the layers over it, and its hash.
 
-`spec.memoryPolicy` is what the user asked for; `status.effectiveMemoryPolicy` is what the pods
-run with. The adaptive logic may step the effective policy down after out-of-memory crashes
-(writing status only, so GitOps tools see no drift). `status.specMemoryPolicyHash` records
-which spec the effective policy was derived from: when the user edits the policy, the stepped-down
-values are dropped and the new spec applies as written.
+`spec.memoryPolicy` is what a person (or Git) declared; the operator never writes it. `compose`
+is the one function that builds what pods run (ARCHITECTURE.md, "The policy's layers"):
+
+1. the spec;
+2. the tuning layer (`status.tuning.changes`): recommendations accepted by annotation or
+   promoted by a canary. A change holds while spec's value of its field is still the one it was
+   made over (`specValue`) and its value is inside `spec.tuning.bounds`; it lapses once spec's
+   value changes, for instance when it is carried into Git;
+3. the adaptive step-down layer (`status.tuning.stepDown`): caps on gpuMemoryUtilization and
+   maxNumBatchedTokens after run-time GPU OOMs, made under one spec (its hash) and dropped when
+   the spec changes.
+
+Remediation steps down by writing `status.effectiveMemoryPolicy` (the composed policy, lowered)
+without `status.policyHash`; a stored policy whose hash differs from `policyHash` is therefore a
+step-down not yet folded into the caps, and its lower values become caps. The renderer, the
+canary, the tuner and status all read `compose`'s result, never re-derive it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
+from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange
+from pagekeeper_operator.tuning.fields import read_field, with_change, within_bounds
 
 HASH_LENGTH = 16
 
@@ -24,15 +38,86 @@ def memory_policy_hash(policy: MemoryPolicy) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
 
 
-def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
-    """The policy to render: the stepped-down status copy while it still matches the spec."""
+@dataclass(frozen=True)
+class EffectivePolicy:
+    """The composed policy and the layers that made it, each as it still holds."""
+
+    policy: MemoryPolicy
+    changes: tuple[TunedChange, ...]  # the tuning layer's changes in force
+    step_down: StepDownCaps | None  # the step-down layer's caps in force
+
+
+def _tuning_layer(server: LLMServer) -> tuple[MemoryPolicy, tuple[TunedChange, ...]]:
+    spec, tuning = server.spec, server.status.tuning
+    policy = spec.memory_policy
+    kept: list[TunedChange] = []
+    for change in tuning.changes if tuning is not None else ():
+        if read_field(spec.memory_policy, change.field) != change.spec_value:
+            continue  # spec moved on: the spec's new value wins
+        if not within_bounds(change.field, change.value, spec.tuning.bounds, spec.runtime):
+            continue
+        try:
+            policy = with_change(policy, change.field, change.value)
+        except ValueError:
+            continue
+        kept.append(change)
+    return policy, tuple(kept)
+
+
+def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps | None:
     status = server.status
-    if (
-        status.effective_memory_policy is not None
-        and status.spec_memory_policy_hash == memory_policy_hash(server.spec.memory_policy)
-    ):
-        return status.effective_memory_policy
-    return server.spec.memory_policy
+    recorded = status.tuning.step_down if status.tuning is not None else None
+    if recorded is not None and recorded.spec_memory_policy_hash != spec_hash:
+        recorded = None
+    stored = status.effective_memory_policy
+    if stored is None or status.spec_memory_policy_hash != spec_hash:
+        return recorded
+    is_new_step = status.tuning is None or memory_policy_hash(stored) != status.policy_hash
+    if not is_new_step:
+        return recorded
+    capped = _apply_caps(base, recorded)
+    utilization = recorded.gpu_memory_utilization if recorded else None
+    tokens = recorded.max_num_batched_tokens if recorded else None
+    if stored.gpu_memory_utilization < capped.gpu_memory_utilization:
+        utilization = stored.gpu_memory_utilization
+    if stored.max_num_batched_tokens < capped.max_num_batched_tokens:
+        tokens = stored.max_num_batched_tokens
+    if utilization is None and tokens is None:
+        return None
+    return StepDownCaps(
+        gpu_memory_utilization=utilization,
+        max_num_batched_tokens=tokens,
+        spec_memory_policy_hash=spec_hash,
+    )
+
+
+def _apply_caps(policy: MemoryPolicy, caps: StepDownCaps | None) -> MemoryPolicy:
+    if caps is None:
+        return policy
+    update: dict[str, float | int] = {}
+    if caps.gpu_memory_utilization is not None:
+        update["gpu_memory_utilization"] = min(
+            policy.gpu_memory_utilization, caps.gpu_memory_utilization
+        )
+    if caps.max_num_batched_tokens is not None:
+        tokens = min(policy.max_num_batched_tokens, caps.max_num_batched_tokens)
+        update["max_num_batched_tokens"] = tokens
+        # maxNumSeqs <= maxNumBatchedTokens (the CRD's rule): the cap wins over a tuned count.
+        update["max_num_seqs"] = min(policy.max_num_seqs, tokens)
+    return policy.model_copy(update=update)
+
+
+def compose(server: LLMServer) -> EffectivePolicy:
+    """spec -> tuning layer -> step-down caps (see the module docstring)."""
+    spec_hash = memory_policy_hash(server.spec.memory_policy)
+    base, changes = _tuning_layer(server)
+    caps = _caps(server, base, spec_hash)
+    return EffectivePolicy(_apply_caps(base, caps), changes, caps)
+
+
+def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
+    """The policy to render: `compose(server).policy`."""
+    return compose(server).policy
 
 
 def allocator_conf(allocator: AllocatorPolicy) -> str:

@@ -12,8 +12,11 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
+from pagekeeper_operator.api.tuning import FloatRange, IntRange, TuningBounds
 
 Kind = Literal["bool", "int", "float", "text"]
+# The ceiling of gpuMemoryUtilization when spec.tuning.bounds leaves it unset.
+DEFAULT_MAX_UTILIZATION = 0.95
 
 # camelCase field -> kind; "allocator." fields live in memoryPolicy.allocator.
 TUNABLE: dict[str, Kind] = {
@@ -85,3 +88,31 @@ def with_change(policy: MemoryPolicy, field: str, text: str) -> MemoryPolicy:
         return MemoryPolicy.model_validate(body)
     except ValidationError as error:
         raise ValueError(f"{field}={text} makes an invalid policy: {error}") from error
+
+
+def within_bounds(field: str, text: str, bounds: TuningBounds, runtime: Runtime) -> bool:
+    """Whether `field` = `text` lies inside spec.tuning.bounds and what the runtime honours."""
+    if not is_tunable(field, runtime):
+        return False
+    value = _typed(field, text)
+    ranges: dict[str, FloatRange | IntRange | None] = {
+        "gpuMemoryUtilization": bounds.gpu_memory_utilization,
+        "maxNumSeqs": bounds.max_num_seqs,
+        "maxNumBatchedTokens": bounds.max_num_batched_tokens,
+    }
+    if field in ranges:
+        bound = ranges[field]
+        assert isinstance(value, int | float), (field, value)
+        if field == "gpuMemoryUtilization" and bound is None:
+            return value <= DEFAULT_MAX_UTILIZATION
+        return bound is None or bound.min <= value <= bound.max
+    if field == "blockSize":
+        allowed = set(bounds.block_sizes or (8, 16, 32)) - ({8} if runtime == "vllm" else set())
+        return value in allowed
+    if field == "kvCacheDtype":
+        return value == "auto" or bounds.allow_fp8_kv
+    if field == "enablePrefixCaching":
+        return bounds.allow_prefix_caching_change
+    if field == "fragmentationBuffer":
+        return bounds.allow_fragmentation_buffer_change
+    return bounds.allow_allocator_change

@@ -42,14 +42,19 @@ from dataclasses import dataclass
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.tuning.fields import is_tunable, read_field, value_text, with_change
+from pagekeeper_operator.tuning.fields import (
+    DEFAULT_MAX_UTILIZATION,
+    is_tunable,
+    read_field,
+    value_text,
+    with_change,
+)
 from pagekeeper_operator.tuning.window import MetricWindow
 
 MIN_REQUESTS = 100
 MIN_PREFIX_TOKENS = 50_000
 MIN_FRAGMENTATION_ALERTS = 2
 PREFIX_HIT_THRESHOLD = 0.3
-DEFAULT_MAX_UTILIZATION = 0.95
 MIB = 1 << 20
 MIN_BUFFER_BYTES = 256 * MIB
 PRIORITY = (
