@@ -19,7 +19,7 @@ from pagekeeper_operator.api.llmserver import (
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
-from pagekeeper_operator.api.tuning import BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     get_server,
@@ -121,6 +121,7 @@ CEL_CASES = [
         "spec.tuning.bounds.blockSizes",
         BOUNDS_RULES[6],
     ),
+    ({"replicas": 2, "tuning": {"mode": "Apply"}}, "spec.tuning.mode", APPLY_RULE),
 ]
 SCHEMA_CASES = [
     ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),

@@ -25,7 +25,7 @@ from pagekeeper_operator.api.llmserver import (
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
-from pagekeeper_operator.api.tuning import BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from tests.operator.servers import make_server, server_body
 
 
@@ -144,6 +144,7 @@ def _error_messages(spec: dict[str, Any]) -> str:
             BOUNDS_RULES[5]["message"],
         ),
         ({"tuning": {"bounds": {"blockSizes": [8, 32]}}}, BOUNDS_RULES[6]["message"]),
+        ({"replicas": 2, "tuning": {"mode": "Apply"}}, APPLY_RULE["message"]),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:

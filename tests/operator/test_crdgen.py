@@ -23,7 +23,7 @@ from pagekeeper_operator.api.llmserver import (
     TRIGGER_RULES,
 )
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
-from pagekeeper_operator.api.tuning import BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 
 
 def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -201,6 +201,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         PYTHONPATH_RULE,
         *TRIGGER_RULES,
         *BOUNDS_RULES,
+        APPLY_RULE,
     ]
     assert spec["properties"]["tuning"]["x-kubernetes-validations"] == [TTFT_RULE, ITL_RULE]
     assert policy["x-kubernetes-validations"] == [BATCHED_TOKENS_RULE, NUM_SEQS_RULE]
@@ -215,7 +216,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 17 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
+    assert len(rules) == 18 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

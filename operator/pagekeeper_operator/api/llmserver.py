@@ -26,7 +26,7 @@ from pagekeeper_operator.api.runtime import (
     vllm_loads_plugin,
 )
 from pagekeeper_operator.api.status import LLMServerStatus
-from pagekeeper_operator.api.tuning import BOUNDS_RULES, TuningSpec, bounds_violation
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, TuningSpec, bounds_violation
 from pagekeeper_operator.api.types import (
     ApiModel,
     cel,
@@ -142,6 +142,7 @@ class LLMServerSpec(ApiModel):
             PYTHONPATH_RULE,
             *TRIGGER_RULES,
             *BOUNDS_RULES,
+            APPLY_RULE,
         )
     )
 
@@ -290,6 +291,8 @@ class LLMServerSpec(ApiModel):
             ):
                 reason = unfed_message(self.runtime, trigger)
                 raise ValueError(_trigger_rule(self.runtime, trigger.key, reason)["message"])
+        if self.tuning.mode == "Apply" and not canary.enabled:
+            raise ValueError(APPLY_RULE["message"])
         violation = bounds_violation(self.tuning.bounds, policy)
         if violation is not None:
             raise ValueError(violation)

@@ -299,9 +299,6 @@ class TuningStatus(ApiModel):
         max_length=MAX_HOLD_OFFS,
         description="Fields not proposed again until their time (spec.tuning.holdOffSeconds).",
     )
-    last_window_end: str | None = Field(
-        default=None, max_length=64, description="End of the last window observed (RFC 3339)."
-    )
     message: str = Field(
         default="", max_length=1024, description="Why there is no recommendation, if none."
     )
@@ -329,6 +326,12 @@ def _range_rule(field: str) -> dict[str, str]:
 
 
 RANGE_FIELDS = ("gpuMemoryUtilization", "maxNumSeqs", "maxNumBatchedTokens")
+APPLY_RULE = cel(
+    "self.tuning.mode != 'Apply' || self.rollout.canary.enabled",
+    "spec.tuning.mode Apply needs spec.rollout.canary.enabled (a change is tried on canary pods "
+    "against the others before it is kept)",
+    ".tuning.mode",
+)
 BOUNDS_RULES: tuple[dict[str, str], ...] = (
     *(_order_rule(field) for field in RANGE_FIELDS),
     *(_range_rule(field) for field in RANGE_FIELDS),

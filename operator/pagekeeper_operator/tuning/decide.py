@@ -4,7 +4,8 @@ One trial at a time, on the existing canary (`canary.py`): the canary pods run t
 policy plus the top recommendation, the other pods the effective policy. Each reconcile:
 
 - a new UTC day resets `changesToday`; hold-offs whose time has passed are dropped;
-- a trial whose canary failed (a `failOn` signal, as `status.canary` records it) is rolled back;
+- a trial whose mode is no longer Apply, or whose canary failed (a `failOn` signal, as
+  `status.canary` records it), is rolled back;
 - a trial `windowSeconds` old is compared (`compare`): a win is promoted into the tuning layer
   of the effective policy, a loss or a tie is rolled back. No verdict yet (too few samples)
   waits, up to twice the window, then rolls back;
@@ -176,6 +177,11 @@ def decide(
     live = [h for h in status.hold_offs if (parse_time(h.until) or now) > now]
     status = status.model_copy(update={"hold_offs": live})
     trial = status.trial
+    if trial is not None and spec.mode != "Apply":
+        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None:
         return _judge(status, spec, trial, evidence, spec_value_of.get(trial.field, ""), now)
     if spec.mode != "Apply" or not recommendations:

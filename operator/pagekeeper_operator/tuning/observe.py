@@ -160,3 +160,13 @@ def throughput_query(scope: Scope, seconds: int) -> str:
 def pod_samples(url: str, scope: Scope, seconds: int) -> dict[str, list[float]]:
     """Pod -> its throughput samples over the window (for the canary's comparison)."""
     return query_samples(url, throughput_query(scope, seconds), "pod")
+
+
+def p99_query(scope: Scope, seconds: int, histogram: str) -> str:
+    """One p99 over every pod of `scope` (the canary's together)."""
+    rate = f"rate({histogram}_bucket{scope.selector}[{seconds}s])"
+    return f"histogram_quantile(0.99, sum by (namespace, le) ({rate}))"
+
+
+def canary_p99(url: str, scope: Scope, seconds: int, histogram: str) -> float | None:
+    return query_by(url, p99_query(scope, seconds, histogram), "namespace").get(scope.namespace)
