@@ -66,7 +66,9 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         "waiting_avg": f"avg {by} (avg_over_time(vllm:num_requests_waiting{sel}{w}))",
         "running_avg": f"avg {by} (avg_over_time({running}{w}))",
         "running_peak": f"max {by} (max_over_time({running}{w}))",
-        "seq_cap_fraction": f"avg {by} (avg_over_time(({running} >= bool {max_num_seqs}){w}:]))",
+        "seq_cap_fraction": (
+            f"avg {by} (avg_over_time(({running} >= bool {max_num_seqs})[{seconds}s:]))"
+        ),
         "prefix_queries": counter("vllm:prefix_cache_queries_total"),
         "prefix_hits": counter("vllm:prefix_cache_hits_total"),
         "prefix_shadow_hits": counter("pagekeeper_prefix_cache_shadow_hits_total"),
