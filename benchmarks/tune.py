@@ -231,7 +231,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--device", choices=["cuda", "cpu"], default="cuda")
     add("--classes", nargs="+", choices=["chat", "rag", "burst"], default=["chat", "rag", "burst"])
     add("--rounds", type=int, default=5)
-    add("--quick", action="store_true", help="fewer requests, 3 rounds: well under 10 minutes")
+    add(
+        "--quick",
+        action="store_true",
+        help="256 requests a class, 30 s of bursts, 3 rounds, a smaller grid, eager engines",
+    )
     add("--scale", type=float, default=1.0, help="shrink prompt and output lengths (smoke runs)")
     add("--num-requests", type=int, default=None, help="cap each closed-loop class's requests")
     add("--objective", choices=["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"],
@@ -250,8 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--fixtures", default=None, help="save each round's window here as a JSON fixture")
     add("--json", default=None)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick:  # about 14 engine starts: eager ones start fastest
         args.rounds = min(args.rounds, 3)
+        args.enforce_eager = True
     # what serving.start_server and run_online read
     args.api_server_count, args.server_cpus, args.client_cpus = None, None, None
     args.model_name, args.prompt_format = serving.MODEL_NAME, "ids"

@@ -110,7 +110,10 @@ def classes(
     recommender may move for it."""
     n = 256 if quick else 1024
     base = {"maxModelLen": max_model_len}
-    burst_work, arrivals = burst(40.0 if quick else 120.0, seed, vocab_size, scale)
+    burst_work, arrivals = burst(30.0 if quick else 120.0, seed, vocab_size, scale)
+    rag_grid = [(c, b) for c in (False, True) for b in (16, 32)]
+    if quick:  # the start (off, 32) and caching on at both sizes
+        rag_grid.remove((False, 16))
     return [
         WorkloadClass(
             "chat", chat(n, seed, vocab_size, scale), 128, [],
@@ -121,8 +124,7 @@ def classes(
         WorkloadClass(
             "rag", rag(n // 2, seed, vocab_size, scale), 64, [],
             policy(**base, enablePrefixCaching=False, blockSize=32),
-            [policy(**base, enablePrefixCaching=c, blockSize=b) for c in (False, True)
-             for b in (16, 32)],
+            [policy(**base, enablePrefixCaching=c, blockSize=b) for c, b in rag_grid],
             "prefix caching off while every prompt starts with one of 8 shared 2,048-token "
             "prefixes; 32-token blocks for contexts of 32 to 4,096 tokens",
         ),
