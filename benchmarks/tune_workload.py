@@ -186,10 +186,13 @@ def window_of(
         return sum(values) / len(values) if values else None
 
     kv, waiting = gauge("vllm:kv_cache_usage_perc"), gauge("vllm:num_requests_waiting")
-    running, waste = (
-        gauge("vllm:num_requests_running"),
-        gauge("pagekeeper_kv_internal_fragmentation_ratio"),
-    )
+    running = gauge("vllm:num_requests_running")
+    waste = [  # while blocks are in use, as the operator's query reads it
+        v
+        for s in samples
+        if (v := s.get("pagekeeper_kv_internal_fragmentation_ratio")) is not None
+        and (s.get("vllm:kv_cache_usage_perc") or 0.0) > 0
+    ]
     reserved, frag = (
         gauge("pagekeeper_allocator_reserved_bytes"),
         gauge("pagekeeper_allocator_fragmentation_bytes"),

@@ -72,8 +72,10 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         "prefix_queries": counter("vllm:prefix_cache_queries_total"),
         "prefix_hits": counter("vllm:prefix_cache_hits_total"),
         "prefix_shadow_hits": counter("pagekeeper_prefix_cache_shadow_hits_total"),
+        # Waste only means something while blocks are in use: idle samples (0) are left out.
         "kv_waste_avg": (
-            f"avg {by} (avg_over_time(pagekeeper_kv_internal_fragmentation_ratio{sel}{w}))"
+            f"avg {by} (avg_over_time((pagekeeper_kv_internal_fragmentation_ratio{sel}"
+            f" and vllm:kv_cache_usage_perc{sel} > 0)[{seconds}s:]))"
         ),
         "reserved_peak_bytes": (
             f"max {by} (max_over_time(pagekeeper_allocator_reserved_bytes{sel}{w}))"

@@ -161,7 +161,7 @@ def prefix_caching(ctx: Context) -> Proposal | None:
 def block_size(ctx: Context) -> Proposal | None:
     w, size = ctx.window, ctx.policy.block_size
     waste = w.kv_waste_avg
-    if waste is None or w.num_requests < MIN_REQUESTS:
+    if waste is None or w.num_requests < MIN_REQUESTS or not w.kv_usage_peak:
         return None
     allowed = set(ctx.tuning.bounds.block_sizes or (8, 16, 32))
     if ctx.runtime == "vllm":

@@ -31,7 +31,8 @@ class MetricWindow:
     prefix_hits: float = 0.0  # of those, tokens found cached
     # tokens whose full blocks repeated an earlier prompt's while prefix caching was off
     prefix_shadow_hits: float | None = None
-    kv_waste_avg: float | None = None  # unused slots of partly filled blocks / allocated slots
+    # unused slots of partly filled blocks / allocated slots, while any block is in use
+    kv_waste_avg: float | None = None
     reserved_peak_bytes: float | None = None
     fragmentation_peak_bytes: float | None = None  # allocator reserved - allocated, peak
     num_fragmentation_alerts: int = 0
