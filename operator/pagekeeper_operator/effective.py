@@ -14,7 +14,8 @@ is the one function that builds what pods run (ARCHITECTURE.md, "The policy's la
 
 Remediation steps down by writing `status.effectiveMemoryPolicy` (the composed policy, lowered)
 without `status.policyHash`; a stored policy whose hash differs from `policyHash` is therefore a
-step-down not yet folded into the caps, and its lower values become caps. The renderer, the
+step-down not yet folded into the caps, and its lower values become caps. Without a tuning
+layer, any stored value below the spec's is a step-down. The renderer, the
 canary, the tuner and status all read `compose`'s result, never re-derive it.
 """
 
@@ -72,7 +73,11 @@ def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps
     stored = status.effective_memory_policy
     if stored is None or status.spec_memory_policy_hash != spec_hash:
         return recorded
-    is_new_step = status.tuning is None or memory_policy_hash(stored) != status.policy_hash
+    # Without a tuning layer the base is the spec, so a stored value below it can only be a
+    # step-down (also one recorded before the layers existed); with one, only a stored policy
+    # remediation wrote since status last recorded the composition (no policyHash) is new.
+    has_layer = status.tuning is not None and bool(status.tuning.changes)
+    is_new_step = not has_layer or memory_policy_hash(stored) != status.policy_hash
     if not is_new_step:
         return recorded
     capped = _apply_caps(base, recorded)

@@ -105,6 +105,20 @@ def test_a_step_down_from_before_the_layers_is_kept() -> None:
     assert compose(legacy).policy.gpu_memory_utilization == 0.8
 
 
+def test_a_step_down_from_before_the_layers_survives_the_tuners_first_status() -> None:
+    server = make_server()
+    stepped = MemoryPolicy(gpu_memory_utilization=0.8)
+    legacy = with_status(
+        server,
+        effectiveMemoryPolicy=stepped.to_api(),
+        specMemoryPolicyHash=memory_policy_hash(server.spec.memory_policy),
+        policyHash=memory_policy_hash(stepped),
+        tuning={"day": "2026-11-29", "message": "the window supports no change"},
+    )
+    assert compose(legacy).policy.gpu_memory_utilization == 0.8
+    assert compose(reconciled(reconciled(legacy))).policy.gpu_memory_utilization == 0.8
+
+
 def test_a_spec_change_drops_the_caps() -> None:
     server = make_server()
     stepped = reconciled(
