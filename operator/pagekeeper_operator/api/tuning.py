@@ -59,8 +59,8 @@ class TuningBounds(ApiModel):
     gpu_memory_utilization: FloatRange | None = Field(
         default=None,
         description=(
-            "Range of gpuMemoryUtilization. Unset: the tuner may raise it up to 0.95 and never "
-            "lowers it (adaptive step-down does that)."
+            "Range of gpuMemoryUtilization; unset: up to 0.95. The tuner only raises it, into "
+            "measured slack (spec.remediation.adaptive steps it down after an OOM)."
         ),
     )
     max_num_seqs: IntRange | None = Field(
@@ -164,7 +164,11 @@ class TuningSpec(ApiModel):
         ),
     )
     bounds: TuningBounds = Field(
-        default_factory=TuningBounds, description="Where the tuner may move each field."
+        default_factory=TuningBounds,
+        description=(
+            "Where the tuner may move each field; it never leaves them. Each range must contain "
+            "the spec.memoryPolicy value (the API server refuses one that does not)."
+        ),
     )
 
     @model_validator(mode="after")
