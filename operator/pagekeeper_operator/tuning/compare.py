@@ -1,7 +1,8 @@
 """Canary against baseline (pure): did the change measurably win?
 
-The samples are output tokens/s per pod, one each `observe.SAMPLE_STEP_SECONDS` over the same
-window, canary pods against baseline pods. The rule (docs/memory-policy.md, Tuning):
+The samples are output tokens/s per pod, `observe.SAMPLES_PER_WINDOW` of them over the same
+window (each over its own stretch of it), canary pods against baseline pods. The rule
+(docs/memory-policy.md, Tuning):
 
 - at least MIN_SAMPLES samples on each side, else no verdict yet;
 - improvement = (mean canary - mean baseline) / mean baseline;

@@ -19,7 +19,11 @@ from pagekeeper_operator.prometheus import query_by, query_samples
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FRAGMENTATION_ALERT = "PagekeeperFragmentationHigh"
-SAMPLE_STEP_SECONDS = 60
+# A trial's window gives each pod SAMPLES_PER_WINDOW throughput samples (compare.MIN_SAMPLES
+# needs 8 a side), each a rate over its own step so that no two overlap; the scrape interval
+# must be at most half the step (15 s for the default 15-minute window gives a 56 s step).
+SAMPLES_PER_WINDOW = 16
+MIN_SAMPLE_STEP_SECONDS = 5
 
 Query = Callable[[str, str], dict[str, float]]  # (promql, label) -> label value -> value
 
@@ -155,8 +159,8 @@ def observe_server(
 
 
 def throughput_query(scope: Scope, seconds: int) -> str:
-    """Per-pod output tokens/s, one sample a SAMPLE_STEP_SECONDS over the window."""
-    step = f"{SAMPLE_STEP_SECONDS}s"
+    """Per-pod output tokens/s, SAMPLES_PER_WINDOW samples over the window."""
+    step = f"{max(MIN_SAMPLE_STEP_SECONDS, seconds // SAMPLES_PER_WINDOW)}s"
     rate = f"rate(vllm:generation_tokens_total{scope.selector}[{step}])"
     return f"(sum by (pod) ({rate}))[{seconds}s:{step}]"
 

@@ -51,8 +51,9 @@ def test_queries_select_the_server_and_aggregate_by_what_they_name() -> None:
     canary = Scope("ml", "qwen", "qwen-canary-.*")
     assert throughput_query(canary, 600) == (
         '(sum by (pod) (rate(vllm:generation_tokens_total{namespace="ml",llmserver="qwen",'
-        'pod=~"qwen-canary-.*"}[60s])))[600s:60s]'
+        'pod=~"qwen-canary-.*"}[37s])))[600s:37s]'
     )
+    assert throughput_query(canary, 60).endswith("[5s])))[60s:5s]")
 
 
 def test_answers_become_the_window() -> None:
