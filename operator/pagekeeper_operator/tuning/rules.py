@@ -16,7 +16,8 @@ The rules (derived in docs/memory-policy.md, Tuning):
   the limit (peak usage >= 0.9 or preemptions); double when w < 0.02 and KV is not the limit.
 - max-num-seqs-up: the cap binds (running at the cap in >= half the window, requests waiting)
   with KV peak < 0.8 and no preemption. KV use grows about linearly with running sequences, so
-  cap x 0.9 / peak keeps the peak under 0.9; at most doubled.
+  cap x 0.9 / peak keeps the peak under 0.9; no more than the demand (mean running + waiting),
+  and at most four times the cap in one step.
 - max-num-seqs-down: >= 5% of requests preempted with KV peak >= 0.95: the cap admits more than
   the KV holds. New cap: 85% of the mean running count, the concurrency the KV actually held.
 - batched-tokens: under ThroughputUnderTTFT with TTFT p99 above its bound and requests waiting,
@@ -209,7 +210,8 @@ def max_num_seqs(ctx: Context) -> Proposal | None:
         )  # fmt: skip
     binds = w.seq_cap_fraction or 0.0
     if binds >= 0.5 and (w.waiting_avg or 0.0) >= 1.0 and peak < 0.8 and w.num_preemptions == 0:
-        new = _clip_int(int(cap * min(2.0, 0.9 / max(peak, 0.01))), low, high)
+        demand = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0)
+        new = _clip_int(int(min(cap * 4.0, cap * 0.9 / max(peak, 0.01), demand)), low, high)
         evidence = {"seqCapFraction": binds, "kvUsagePeak": peak,
                     "waitingAvg": w.waiting_avg or 0.0}  # fmt: skip
         return _proposal(

@@ -91,7 +91,8 @@ def test_kv_bound_preemption_lowers_the_cap_and_offers_fp8_only_when_allowed() -
 
 def test_cap_binds_with_kv_room_raises_the_cap_within_bounds() -> None:
     policy = {"maxNumSeqs": 16}
-    assert changes(run("cap_binds", policy)) == [("maxNumSeqs", "16", "32", "max-num-seqs-up")]
+    # min(4 x 16, 16 x 0.9 / 0.3 = 48, demand 15.5 running + 30 waiting) = 45
+    assert changes(run("cap_binds", policy)) == [("maxNumSeqs", "16", "45", "max-num-seqs-up")]
     bounded = run("cap_binds", policy, {"bounds": {"maxNumSeqs": {"min": 8, "max": 24}}})
     assert changes(bounded) == [("maxNumSeqs", "16", "24", "max-num-seqs-up")]
     assert run("cap_binds", policy, held=("maxNumSeqs",)) == []
