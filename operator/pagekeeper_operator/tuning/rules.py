@@ -23,9 +23,10 @@ The rules (derived in docs/memory-policy.md, Tuning):
 - batched-tokens: under ThroughputUnderTTFT with TTFT p99 above its bound and requests waiting,
   double maxNumBatchedTokens (more prompt tokens per step); under ThroughputUnderITL with ITL
   p99 above its bound, halve it (shorter prefill chunks stall decodes less).
-- utilization-up: no OOM of any kind, no step-down, KV the limit, and the peak reserved memory
-  more than 5% of the GPU under the allowed budget: raise utilization by that slack minus a
-  margin (the peak fragmentation, at least 2% of the GPU), to hundredths.
+- utilization-up: no OOM of any kind, no step-down, KV the limit, and more than 5% of the GPU
+  never reserved in the window. A pod has its GPUs to itself, so memory above the budget is
+  idle: raise utilization to the ceiling (the bound, 0.95 unset), less a margin (the peak
+  reserved - allocated, at least 2% of the GPU, for what the allocator does not count).
 - kv-fp8: KV the limit (peak >= 0.95 with preemptions or a queue) and bounds.allowFp8Kv.
 - allocator-expandable: >= 2 fragmentation alerts in the window without expandableSegments;
   with them already on, a garbage-collection threshold of 0.8.
@@ -256,27 +257,27 @@ def batched_tokens(ctx: Context) -> Proposal | None:
 
 def utilization(ctx: Context) -> Proposal | None:
     w, policy = ctx.window, ctx.policy
-    total, allowed, reserved = w.gpu_total_bytes, w.budget_allowed_bytes, w.reserved_peak_bytes
-    if total is None or allowed is None or reserved is None or w.num_requests < MIN_REQUESTS:
+    total, reserved = w.gpu_total_bytes, w.reserved_peak_bytes
+    if total is None or reserved is None or w.num_requests < MIN_REQUESTS:
         return None
     if w.num_ooms > 0 or w.is_stepped_down or not _is_kv_bound(w):
         return None
-    slack = (allowed - reserved) / total
-    margin = max((w.fragmentation_peak_bytes or 0.0) / total, 0.02)
-    if slack <= 0.05:
+    idle = (total - reserved) / total
+    if idle <= 0.05:
         return None
+    margin = max((w.fragmentation_peak_bytes or 0.0) / total, 0.02)
     bounds = ctx.tuning.bounds.gpu_memory_utilization
     high = bounds.max if bounds else DEFAULT_MAX_UTILIZATION
-    new = min(high, math.floor((policy.gpu_memory_utilization + slack - margin) * 100) / 100)
+    new = min(high, math.floor((1.0 - margin) * 100) / 100)
     if new <= policy.gpu_memory_utilization:
         return None
-    evidence = {"reservedPeakGiB": reserved / 2**30, "allowedGiB": allowed / 2**30,
-                "slackFraction": slack, "oomEvents": 0.0}  # fmt: skip
+    evidence = {"reservedPeakGiB": reserved / 2**30, "gpuTotalGiB": total / 2**30,
+                "idleFraction": idle, "oomEvents": 0.0}  # fmt: skip
     return _proposal(
         ctx, "gpuMemoryUtilization", new, "utilization-up", evidence,
-        f"peak reserved memory stayed {slack:.0%} of the GPU under the budget with no OOM: "
-        "that memory becomes KV cache",
-        _sample_confidence(w.num_requests, MIN_REQUESTS) * min(1.0, slack / 0.1),
+        f"{idle:.0%} of the GPU was never reserved while KV was the limit and nothing ran out "
+        f"of memory: at {new:g} that memory becomes KV cache",
+        _sample_confidence(w.num_requests, MIN_REQUESTS) * min(1.0, idle / 0.1),
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from pagekeeper_operator.tuning.rules import Proposal, recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FIXTURES = Path(__file__).parent / "fixtures"
+UTIL = ("gpuMemoryUtilization",)  # held, to look at one rule at a time
 
 
 def window(name: str) -> MetricWindow:
@@ -75,18 +76,21 @@ def test_prefix_caching_on_from_the_engines_shadow_count() -> None:
 
 
 def test_kv_bound_preemption_lowers_the_cap_and_offers_fp8_only_when_allowed() -> None:
+    # 16 of 140 GiB never reserved, KV-bound, no OOM: the utilization ceiling too.
     assert changes(run("kv_bound_preempting")) == [
-        ("maxNumSeqs", "256", "153", "max-num-seqs-down")
+        ("maxNumSeqs", "256", "153", "max-num-seqs-down"),
+        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up"),
     ]
     fp8 = run("kv_bound_preempting", tuning={"bounds": {"allowFp8Kv": True}})
     assert changes(fp8) == [
         ("maxNumSeqs", "256", "153", "max-num-seqs-down"),
         ("kvCacheDtype", "auto", "fp8", "kv-fp8"),
+        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up"),
     ]
     bounded = run(
         "kv_bound_preempting", tuning={"bounds": {"maxNumSeqs": {"min": 200, "max": 256}}}
     )
-    assert changes(bounded) == [("maxNumSeqs", "256", "200", "max-num-seqs-down")]
+    assert changes(bounded)[0] == ("maxNumSeqs", "256", "200", "max-num-seqs-down")
 
 
 def test_cap_binds_with_kv_room_raises_the_cap_within_bounds() -> None:
@@ -99,14 +103,15 @@ def test_cap_binds_with_kv_room_raises_the_cap_within_bounds() -> None:
 
 
 def test_block_size_halves_on_waste_when_kv_bound() -> None:
-    assert changes(run("varied_contexts_waste", {"blockSize": 32})) == [
+    assert changes(run("varied_contexts_waste", {"blockSize": 32}, held=UTIL)) == [
         ("blockSize", "32", "16", "block-size-down")
     ]
     # vLLM pods cannot run 8-token blocks, and a bound can exclude them too.
-    assert run("varied_contexts_waste", {"blockSize": 16}, runtime="vllm") == []
-    limited = run("varied_contexts_waste", {"blockSize": 16}, {"bounds": {"blockSizes": [16, 32]}})
+    assert run("varied_contexts_waste", {"blockSize": 16}, runtime="vllm", held=UTIL) == []
+    sizes = {"bounds": {"blockSizes": [16, 32]}}
+    limited = run("varied_contexts_waste", {"blockSize": 16}, sizes, held=UTIL)
     assert limited == []
-    assert changes(run("varied_contexts_waste", {"blockSize": 16})) == [
+    assert changes(run("varied_contexts_waste", {"blockSize": 16}, held=UTIL)) == [
         ("blockSize", "16", "8", "block-size-down")
     ]
 
@@ -152,7 +157,7 @@ def test_batched_tokens_follow_the_objective() -> None:
 
 
 def test_utilization_rises_into_measured_slack_never_past_the_bound() -> None:
-    # slack (126 - 100) / 140 = 0.186, margin 0.02: 0.9 + 0.166 -> the default ceiling 0.95
+    # 40 of 140 GiB never reserved: to the default ceiling 0.95 (1 - a 2% margin is above it)
     assert changes(run("utilization_slack")) == [
         ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up")
     ]
@@ -161,7 +166,8 @@ def test_utilization_rises_into_measured_slack_never_past_the_bound() -> None:
     )
     assert changes(bounded) == [("gpuMemoryUtilization", "0.9", "0.92", "utilization-up")]
     low = run("utilization_slack", {"gpuMemoryUtilization": 0.7})
-    assert changes(low) == [("gpuMemoryUtilization", "0.7", "0.86", "utilization-up")]
+    assert changes(low) == [("gpuMemoryUtilization", "0.7", "0.95", "utilization-up")]
+    assert dict(low[0].evidence)["idleFraction"] == 0.285714
 
 
 def test_no_utilization_rise_after_an_oom_or_under_a_step_down() -> None:
