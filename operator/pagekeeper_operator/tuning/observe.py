@@ -158,9 +158,18 @@ def observe_server(
     return build_window(query, Scope(namespace, server), seconds, max_num_seqs, extra=extra)
 
 
+def sample_step(seconds: int) -> int:
+    return max(MIN_SAMPLE_STEP_SECONDS, seconds // SAMPLES_PER_WINDOW)
+
+
+def num_samples(seconds: int) -> int:
+    """How many samples a pod that served the whole window has."""
+    return seconds // sample_step(seconds)
+
+
 def throughput_query(scope: Scope, seconds: int) -> str:
     """Per-pod output tokens/s, SAMPLES_PER_WINDOW samples over the window."""
-    step = f"{max(MIN_SAMPLE_STEP_SECONDS, seconds // SAMPLES_PER_WINDOW)}s"
+    step = f"{sample_step(seconds)}s"
     rate = f"rate(vllm:generation_tokens_total{scope.selector}[{step}])"
     return f"(sum by (pod) ({rate}))[{seconds}s:{step}]"
 

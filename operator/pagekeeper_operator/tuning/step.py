@@ -22,6 +22,7 @@ from pagekeeper_operator.tuning.fields import read_field
 from pagekeeper_operator.tuning.observe import (
     Scope,
     canary_p99,
+    num_samples,
     observe_server,
     pod_samples,
     records_since,
@@ -31,6 +32,7 @@ from pagekeeper_operator.tuning.tuner import Observation
 NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
 # The canary's own clock never promotes a trial; `decide` ends it within twice the window.
 TRIAL_ANALYSIS_SECONDS = 7 * 24 * 3600
+FULL_COVERAGE = 0.75  # of a window's samples, for each canary pod
 
 
 def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence | None:
@@ -51,7 +53,13 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     # Canary pods are <name>-canary-<hash>-<id>; the others <name>-<hash>-<id>.
     canary_scope = Scope(namespace, name, f"{name}{CANARY_SUFFIX}-.*")
     baseline_scope = Scope(namespace, name, f"{name}-[a-z0-9]+-[a-z0-9]+")
-    canary_samples = [v for s in pod_samples(url, canary_scope, seconds).values() for v in s]
+    by_pod = pod_samples(url, canary_scope, seconds)
+    # A canary pod that started serving within the window would be judged on its start:
+    # wait until every canary pod has (nearly) the whole window (`decide` waits up to twice it).
+    full = FULL_COVERAGE * num_samples(seconds)
+    if not by_pod or min(len(s) for s in by_pod.values()) < full:
+        return TrialEvidence(None)
+    canary_samples = [v for s in by_pod.values() for v in s]
     baseline_samples = [v for s in pod_samples(url, baseline_scope, seconds).values() for v in s]
     bound, p99 = None, None
     if spec.objective == "ThroughputUnderTTFT":
