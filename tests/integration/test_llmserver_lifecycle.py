@@ -97,6 +97,7 @@ def test_create_update_scale_delete(
         "RUNTIME",
         "GPU-UTIL",
         "LAST-SCALE",
+        "RECOMMENDATION",
         "LAST-REMEDIATION",
         "AGE",
     ]
