@@ -1,4 +1,5 @@
-"""One reconcile of one LLMServer: render, plan, apply what the plan says, compute status.
+"""One reconcile of one LLMServer: tune (`tuning.step`: observe, recommend, decide a trial),
+render, plan, apply what the plan says, compute status.
 
 The handlers (and the remediation code, after it steps a policy down) call `reconcile`; it
 writes children only when the plan says so, and returns the status patch for the caller to
