@@ -8,7 +8,7 @@ only `decide`'s measured win does (`trial_canary_spec`, `promote_canary`).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
@@ -28,11 +28,13 @@ from pagekeeper_operator.tuning.observe import (
     records_since,
 )
 from pagekeeper_operator.tuning.tuner import Observation
+from pagekeeper_operator.tuning.window import MetricWindow
 
 NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
 # The canary's own clock never promotes a trial; `decide` ends it within twice the window.
 TRIAL_ANALYSIS_SECONDS = 7 * 24 * 3600
 FULL_COVERAGE = 0.75  # of a window's samples, for each canary pod
+MIN_REFRESH_SECONDS = 5
 
 
 def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence | None:
@@ -71,7 +73,34 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     return TrialEvidence(compare(canary_samples, baseline_samples, canary_p99=p99, p99_bound=bound))
 
 
-def observe(server: LLMServer, url: str | None, now: datetime) -> Observation:
+class WindowCache:
+    """Each server's last window, so Prometheus is asked for it at most every eighth of the
+    window (at least MIN_REFRESH_SECONDS) however often the server is reconciled; a change of
+    what the window is made from (the window's length, the cap it measures, an alert, an OOM,
+    a step-down) asks again at once."""
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[str, str], tuple[datetime, str, MetricWindow]] = {}
+
+    def get(
+        self, key: tuple[str, str], inputs: str, seconds: int, now: datetime
+    ) -> MetricWindow | None:
+        entry = self._windows.get(key)
+        if entry is None or entry[1] != inputs:
+            return None
+        refresh = max(MIN_REFRESH_SECONDS, seconds // 8)
+        return entry[2] if now < entry[0] + timedelta(seconds=refresh) else None
+
+    def put(self, key: tuple[str, str], inputs: str, now: datetime, window: MetricWindow) -> None:
+        self._windows[key] = (now, inputs, window)
+
+
+WINDOWS = WindowCache()
+
+
+def observe(
+    server: LLMServer, url: str | None, now: datetime, cache: WindowCache = WINDOWS
+) -> Observation:
     """The server's window and its trial's evidence; never raises for Prometheus."""
     spec, status = server.spec.tuning, server.status
     is_trial = status.tuning is not None and status.tuning.trial is not None
@@ -87,11 +116,15 @@ def observe(server: LLMServer, url: str | None, now: datetime) -> Observation:
         "is_stepped_down": effective.step_down is not None,
     }
     meta = server.metadata
+    key, max_num_seqs = (meta.namespace, meta.name), effective.policy.max_num_seqs
+    inputs = repr((spec.window_seconds, max_num_seqs, sorted(extra.items())))
     try:
-        window = observe_server(
-            url, meta.namespace, meta.name, spec.window_seconds, effective.policy.max_num_seqs,
-            extra,
-        )  # fmt: skip
+        window = cache.get(key, inputs, spec.window_seconds, now)
+        if window is None:
+            window = observe_server(
+                url, meta.namespace, meta.name, spec.window_seconds, max_num_seqs, extra
+            )
+            cache.put(key, inputs, now, window)
         trial = _trial_evidence(server, url, now)
     except PrometheusError as exc:
         return Observation(None, error=f"no metric window: {exc}"[:1024])

@@ -3,7 +3,7 @@ trial and the canary's candidate."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -11,6 +11,7 @@ from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.effective import compose
 from pagekeeper_operator.tuning.step import (
     TRIAL_ANALYSIS_SECONDS,
+    WindowCache,
     candidate,
     promote_canary,
     trial_canary_spec,
@@ -118,3 +119,14 @@ def test_a_won_trial_promotes_the_canary_record() -> None:
     assert promoted is not None
     assert (promoted.phase, promoted.finished_at) == ("Promoted", "2026-11-29T01:10:00Z")
     assert promote_canary(None, "x") is None
+
+
+def test_a_window_is_asked_for_again_after_an_eighth_of_it_or_when_its_inputs_change() -> None:
+    cache = WindowCache()
+    key, seen = ("ml", "qwen"), window("chat_steady")
+    cache.put(key, "inputs", T0, seen)
+    assert cache.get(key, "inputs", 900, T0 + timedelta(seconds=111)) is seen
+    assert cache.get(key, "inputs", 900, T0 + timedelta(seconds=112)) is None  # 900 // 8
+    assert cache.get(key, "an alert fired", 900, T0) is None
+    assert cache.get(("ml", "other"), "inputs", 900, T0) is None
+    assert cache.get(key, "inputs", 60, T0 + timedelta(seconds=7)) is None
