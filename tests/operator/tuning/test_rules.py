@@ -10,6 +10,7 @@ import pytest
 
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
+from pagekeeper_operator.tuning.fields import with_change, within_bounds
 from pagekeeper_operator.tuning.rules import Proposal, recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
@@ -181,3 +182,25 @@ def test_every_proposal_carries_numbers_and_an_effect() -> None:
         for proposal in run(name):
             assert proposal.evidence and proposal.expected_effect
             assert 0.0 < proposal.confidence <= 1.0
+
+
+@pytest.mark.parametrize(
+    "path", sorted(FIXTURES.rglob("*.json")), ids=lambda p: str(p.relative_to(FIXTURES))
+)
+def test_every_window_gives_valid_proposals_within_bounds(path: Path) -> None:
+    """Over every fixture, the GPU-recorded ones under fixtures/gpu/ (`benchmarks/tune.py
+    --fixtures`) included: one proposal per field, each a valid policy inside tight bounds,
+    never a held field, and only what vLLM honours under runtime vllm."""
+    recorded = MetricWindow.from_json(path.read_text())
+    tight = TuningSpec.model_validate(
+        {"bounds": {"gpuMemoryUtilization": {"min": 0.85, "max": 0.92},
+                    "maxNumSeqs": {"min": 128, "max": 256}, "blockSizes": [16]}}
+    )  # fmt: skip
+    for runtime in ("pagekeeper", "vllm"):
+        proposals = recommend(recorded, MemoryPolicy(), tight, runtime, ("kvCacheDtype",))
+        assert len({p.field for p in proposals}) == len(proposals)
+        for p in proposals:
+            changed = with_change(MemoryPolicy(), p.field, p.proposed)
+            assert within_bounds(p.field, p.proposed, tight.bounds, runtime), p
+            assert changed != MemoryPolicy() and p.field != "kvCacheDtype"
+            assert 0.0 < p.confidence <= 1.0 and p.evidence
