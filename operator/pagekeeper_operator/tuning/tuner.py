@@ -8,6 +8,7 @@ Apply-mode decision, and the Events to post.
   fields. A recommendation whose field and proposed value are unchanged keeps its `since` and
   the evidence of the window that first made it, so a steady state writes no status and posts
   no Event; a new or changed one posts a `TuningRecommendation` Event.
+- Without a window (Prometheus away) the previous recommendations stay as they were.
 - In Apply mode `decide` starts, judges and ends trials.
 """
 
@@ -132,6 +133,14 @@ def tune(server: LLMServer, observation: Observation, now: datetime) -> TuneResu
         held = held_fields(status, now)
         proposals = recommend(observation.window, policy, spec, server.spec.runtime, held)
     recommendations = [_recommendation(p, previous, now) for p in proposals]
+    if observation.window is None and spec.mode != "Off":
+        # No window this time (Prometheus away): keep what the last one showed, so a blip
+        # neither clears the recommendations nor posts their Events again when it is back.
+        held = held_fields(status, now)
+        recommendations = [
+            r for r in previous
+            if r.field not in held and r.current == read_field(policy, r.field)
+        ]  # fmt: skip
     seen = {(r.field, r.proposed) for r in previous}
     events += [
         TuningEvent("Normal", "TuningRecommendation", describe(r))

@@ -67,6 +67,15 @@ def test_no_window_says_why() -> None:
     assert steady.tuning is not None and steady.tuning.message == NO_CHANGE_MESSAGE
 
 
+def test_recommendations_outlast_a_missing_window() -> None:
+    server = make_server()
+    first = tune(server, NO_REUSE, T0)
+    blip = tune(after(server, first), Observation(None, error="no metric window: down"), T0)
+    assert blip.recommendations == first.recommendations
+    assert blip.events == []
+    assert blip.tuning is not None and blip.tuning.message == "no metric window: down"
+
+
 def test_off_mode_observes_nothing() -> None:
     result = tune(make_server({"tuning": {"mode": "Off"}}), NO_REUSE, T0)
     assert (result.recommendations, result.tuning, result.events) == ([], None, [])
