@@ -253,13 +253,19 @@ def run_online(
     url: str, level: wl.Level, requests: wl.LevelRequests, args: argparse.Namespace
 ) -> list[wl.RequestRecord]:
     """One level through the server from `--client-processes` spawned processes."""
-    ctx = mp.get_context("spawn")
-    next_index, go, messages = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
     plans = wl.client_plans(
         level, requests, args.seed, url=url, model=args.model_name,
         timeout_s=args.request_timeout, num_processes=args.client_processes,
         as_text=args.prompt_format == "text", cpus=parse_cpus(args.client_cpus),
     )  # fmt: skip
+    return run_plans(plans)
+
+
+def run_plans(plans: list[wl.ClientPlan]) -> list[wl.RequestRecord]:
+    """Each plan in its own spawned client process, all started together after their warm-ups;
+    the plans index one shared request counter (closed loop) or their own arrivals."""
+    ctx = mp.get_context("spawn")
+    next_index, go, messages = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
     procs = [
         ctx.Process(target=client_process, args=(w, plan, next_index, go, messages))
         for w, plan in enumerate(plans)

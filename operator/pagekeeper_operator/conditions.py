@@ -22,7 +22,8 @@ from typing import Any
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
-from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.api.tuning import TuningStatus
+from pagekeeper_operator.effective import compose, effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
@@ -46,6 +47,8 @@ OWNED_FIELDS = (
     "triggers",
     "canary",
     "memoryPlan",
+    "recommendations",
+    "tuning",
 )
 
 
@@ -270,7 +273,11 @@ def compute_status(
     memory = memory_condition(server, now)
     canary = canary_condition(server, now)
     dep_status = (deployment or {}).get("status", {})
-    policy = effective_memory_policy(server)
+    effective = compose(server)
+    policy = effective.policy
+    tuning = old.tuning
+    if tuning is not None or effective.step_down is not None:
+        tuning = (tuning or TuningStatus()).model_copy(update={"step_down": effective.step_down})
     return old.model_copy(
         update={
             "observed_generation": generation,
@@ -291,6 +298,7 @@ def compute_status(
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),
             "policy_hash": memory_policy_hash(policy),
+            "tuning": tuning,
             "triggers": trigger_status(
                 server.spec.runtime,
                 server.spec.remediation,

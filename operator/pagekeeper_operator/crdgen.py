@@ -225,6 +225,12 @@ def _printer_columns() -> list[dict[str, Any]]:
             "description": "Why the autoscaler last changed the count (spec.autoscaling).",
         },
         {
+            "name": "Recommendation",
+            "type": "string",
+            "jsonPath": ".status.recommendations[0].field",
+            "description": "The tuner's top recommendation (status.recommendations).",
+        },
+        {
             "name": "Last-Remediation",
             "type": "date",
             "jsonPath": ".status.lastRemediation",

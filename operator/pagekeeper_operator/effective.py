@@ -1,19 +1,34 @@
-"""The memory policy pods actually run with, and its hash.
+"""The memory policy pods actually run with: the spec and the layers over it, and its hash.
 
-`spec.memoryPolicy` is what the user asked for; `status.effectiveMemoryPolicy` is what the pods
-run with. The adaptive logic may step the effective policy down after out-of-memory crashes
-(writing status only, so GitOps tools see no drift). `status.specMemoryPolicyHash` records
-which spec the effective policy was derived from: when the user edits the policy, the stepped-down
-values are dropped and the new spec applies as written.
+`spec.memoryPolicy` is what a person (or Git) declared; the operator never writes it. `compose`
+is the one function that builds what pods run (ARCHITECTURE.md, "The policy's layers"):
+
+1. the spec;
+2. the tuning layer (`status.tuning.changes`): recommendations accepted by annotation or
+   promoted by a canary. A change holds while spec's value of its field is still the one it was
+   made over (`specValue`) and its value is inside `spec.tuning.bounds`; it lapses once spec's
+   value changes, for instance when it is carried into Git;
+3. the adaptive step-down layer (`status.tuning.stepDown`): caps on gpuMemoryUtilization and
+   maxNumBatchedTokens after run-time GPU OOMs, made under one spec (its hash) and dropped when
+   the spec changes.
+
+Remediation steps down by writing `status.effectiveMemoryPolicy` (the composed policy, lowered)
+without `status.policyHash`; a stored policy whose hash differs from `policyHash` is therefore a
+step-down not yet folded into the caps, and its lower values become caps. Without a tuning
+layer, any stored value below the spec's is a step-down. The renderer, the
+canary, the tuner and status all read `compose`'s result, never re-derive it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
+from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange
+from pagekeeper_operator.tuning.fields import read_field, with_change, within_bounds
 
 HASH_LENGTH = 16
 
@@ -26,7 +41,7 @@ _HASHED_WHEN_SET = ("kvCacheMemory", "weights")
 def memory_policy_hash(policy: MemoryPolicy) -> str:
     """A short, stable hash of a policy's values (key order and defaults do not matter; an
     unset gpuMemoryUtilization hashes as the 0.9 it means)."""
-    values = resolve_budget(policy).model_dump(by_alias=True, mode="json")
+    values = policy.with_budget_resolved().model_dump(by_alias=True, mode="json")
     for name in _HASHED_WHEN_SET:
         if values.get(name) is None:
             values.pop(name, None)
@@ -34,24 +49,96 @@ def memory_policy_hash(policy: MemoryPolicy) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:HASH_LENGTH]
 
 
-def resolve_budget(policy: MemoryPolicy) -> MemoryPolicy:
-    """The policy with its budget spelled out: gpuMemoryUtilization 0.9 where neither it nor
-    kvCacheMemory is set, so status, the step-down and `kubectl get` read the value in force."""
-    utilization = policy.effective_utilization
-    if utilization == policy.gpu_memory_utilization:
+@dataclass(frozen=True)
+class EffectivePolicy:
+    """The composed policy and the layers that made it, each as it still holds."""
+
+    policy: MemoryPolicy
+    changes: tuple[TunedChange, ...]  # the tuning layer's changes in force
+    step_down: StepDownCaps | None  # the step-down layer's caps in force
+
+
+def _tuning_layer(server: LLMServer) -> tuple[MemoryPolicy, tuple[TunedChange, ...]]:
+    spec, tuning = server.spec, server.status.tuning
+    policy = spec.memory_policy.with_budget_resolved()
+    kept: list[TunedChange] = []
+    for change in tuning.changes if tuning is not None else ():
+        if read_field(spec.memory_policy, change.field) != change.spec_value:
+            continue  # spec moved on: the spec's new value wins
+        if not within_bounds(change.field, change.value, spec.tuning.bounds, spec.runtime):
+            continue
+        try:
+            policy = with_change(policy, change.field, change.value)
+        except ValueError:
+            continue
+        kept.append(change)
+    return policy, tuple(kept)
+
+
+def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps | None:
+    status = server.status
+    recorded = status.tuning.step_down if status.tuning is not None else None
+    if recorded is not None and recorded.spec_memory_policy_hash != spec_hash:
+        recorded = None
+    stored = status.effective_memory_policy
+    if stored is None or status.spec_memory_policy_hash != spec_hash:
+        return recorded
+    # Without a tuning layer the base is the spec, so a stored value below it can only be a
+    # step-down (also one recorded before the layers existed); with one, only a stored policy
+    # remediation wrote since status last recorded the composition (no policyHash) is new.
+    has_layer = status.tuning is not None and bool(status.tuning.changes)
+    is_new_step = not has_layer or memory_policy_hash(stored) != status.policy_hash
+    if not is_new_step:
+        return recorded
+    capped = _apply_caps(base, recorded)
+    utilization = recorded.gpu_memory_utilization if recorded else None
+    tokens = recorded.max_num_batched_tokens if recorded else None
+    stored_utilization = stored.with_budget_resolved().gpu_memory_utilization
+    if (
+        stored_utilization is not None
+        and capped.gpu_memory_utilization is not None
+        and stored_utilization < capped.gpu_memory_utilization
+    ):
+        utilization = stored_utilization
+    if stored.max_num_batched_tokens < capped.max_num_batched_tokens:
+        tokens = stored.max_num_batched_tokens
+    if utilization is None and tokens is None:
+        return None
+    return StepDownCaps(
+        gpu_memory_utilization=utilization,
+        max_num_batched_tokens=tokens,
+        spec_memory_policy_hash=spec_hash,
+    )
+
+
+def _apply_caps(policy: MemoryPolicy, caps: StepDownCaps | None) -> MemoryPolicy:
+    if caps is None:
         return policy
-    return policy.model_copy(update={"gpu_memory_utilization": utilization})
+    update: dict[str, float | int] = {}
+    # Under kvCacheMemory there is no utilization to cap (the step-down lowers tokens then).
+    if caps.gpu_memory_utilization is not None and policy.gpu_memory_utilization is not None:
+        update["gpu_memory_utilization"] = min(
+            policy.gpu_memory_utilization, caps.gpu_memory_utilization
+        )
+    if caps.max_num_batched_tokens is not None:
+        tokens = min(policy.max_num_batched_tokens, caps.max_num_batched_tokens)
+        update["max_num_batched_tokens"] = tokens
+        # maxNumSeqs <= maxNumBatchedTokens (the CRD's rule): the cap wins over a tuned count.
+        update["max_num_seqs"] = min(policy.max_num_seqs, tokens)
+    return policy.model_copy(update=update)
+
+
+def compose(server: LLMServer) -> EffectivePolicy:
+    """spec -> tuning layer -> step-down caps (see the module docstring)."""
+    spec_hash = memory_policy_hash(server.spec.memory_policy)
+    base, changes = _tuning_layer(server)
+    caps = _caps(server, base, spec_hash)
+    return EffectivePolicy(_apply_caps(base, caps), changes, caps)
 
 
 def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
-    """The policy to render: the stepped-down status copy while it still matches the spec."""
-    status = server.status
-    if (
-        status.effective_memory_policy is not None
-        and status.spec_memory_policy_hash == memory_policy_hash(server.spec.memory_policy)
-    ):
-        return resolve_budget(status.effective_memory_policy)
-    return resolve_budget(server.spec.memory_policy)
+    """The policy to render: `compose(server).policy`."""
+    return compose(server).policy
 
 
 def allocator_conf(allocator: AllocatorPolicy) -> str:

@@ -3,13 +3,17 @@
 `pagekeeper_remediations_total{namespace, llmserver, alert, action, outcome}` counts every record
 appended to an LLMServer's `status.remediationHistory` (evictions, skips, dry runs, step-downs):
 the history keeps the details of the last few, the counter keeps the rate of all of them.
+`pagekeeper_tuning_recommendation{namespace, llmserver, field, proposed, rule}` (the rule's
+confidence) mirrors status.recommendations; `pagekeeper_tuning_decisions_total{namespace,
+llmserver, reason}` counts the tuner's Events.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.tuning.tuner import TuneResult
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -19,6 +23,35 @@ REMEDIATIONS = Counter(
     ["namespace", "llmserver", "alert", "action", "outcome"],
     registry=REGISTRY,
 )
+
+TUNING_RECOMMENDATIONS = Gauge(
+    "pagekeeper_tuning_recommendation",
+    "The tuner's current recommendations (status.recommendations): the rule's confidence, by "
+    "field, proposed value and rule; absent when there is none.",
+    ["namespace", "llmserver", "field", "proposed", "rule"],
+    registry=REGISTRY,
+)
+TUNING_DECISIONS = Counter(
+    "pagekeeper_tuning_decisions",
+    "Apply-mode decisions, by event reason (TuningTrialStarted, TuningPromoted, "
+    "TuningRolledBack, RecommendationAccepted, TuningRecommendation).",
+    ["namespace", "llmserver", "reason"],
+    registry=REGISTRY,
+)
+# The label sets each server exported last, so a recommendation that went away is removed.
+_EXPORTED: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+
+
+def count_tuning(namespace: str, llmserver: str, result: TuneResult) -> None:
+    """Export a tuning step: the current recommendations and the decisions it made."""
+    current = {(r.field, r.proposed, r.rule): r.confidence for r in result.recommendations}
+    for gone in _EXPORTED.get((namespace, llmserver), set()) - current.keys():
+        TUNING_RECOMMENDATIONS.remove(namespace, llmserver, *gone)
+    for labels, confidence in current.items():
+        TUNING_RECOMMENDATIONS.labels(namespace, llmserver, *labels).set(confidence)
+    _EXPORTED[(namespace, llmserver)] = set(current)
+    for event in result.events:
+        TUNING_DECISIONS.labels(namespace, llmserver, event.reason).inc()
 
 
 def count_remediation(namespace: str, llmserver: str, record: RemediationRecord) -> None:

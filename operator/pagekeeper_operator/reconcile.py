@@ -1,4 +1,5 @@
-"""One reconcile of one LLMServer: render, plan, apply what the plan says, compute status.
+"""One reconcile of one LLMServer: tune (`tuning.step`: observe, recommend, decide a trial),
+render, plan, apply what the plan says, compute status.
 
 The handlers (and the remediation code, after it steps a policy down) call `reconcile`; it
 writes children only when the plan says so, and returns the status patch for the caller to
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,11 +34,15 @@ from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
 from pagekeeper_operator.kube import Kube
+from pagekeeper_operator.metrics import count_tuning
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
 from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.tuning.decide import TuningEvent
+from pagekeeper_operator.tuning.step import candidate, observe, promote_canary, trial_canary_spec
+from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +85,11 @@ def reconcile(
     namespace = server.metadata.namespace
     features = replace(kube.features(), prometheus_url=prometheus_url)
     now = now or utc_now()
-    desired = render_all(server, default_images, features)
     stored = server  # the status patch is the difference from what the API server holds
-    fit = _plan_fit(kube, server)
+    server, tuning_events = _with_tuning(server, prometheus_url, now)
+    rendered = candidate(server)  # the effective policy, with a change under trial if any
+    desired = render_all(rendered, default_images, features)
+    fit = _plan_fit(kube, rendered)
     if fit.holds_rollout:
         running = kube.get("apps/v1", "Deployment", namespace, server.metadata.name)
         desired = hold_rollout(desired, running)
@@ -121,6 +128,9 @@ def reconcile(
     fit_event = _fit_event(server, fit)
     if fit_event is not None:
         _post_event(kube, server, fit_event)
+    if result.error is None:
+        for tuning_event in tuning_events:
+            _post_event(kube, server, CanaryEvent(*astuple(tuning_event)))
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
     status = compute_status(server, deployment, now, error_text, autoscaling, fit)
@@ -214,7 +224,7 @@ def _with_canary(
         selector = f"{SERVER_LABEL}={name},{CANARY_LABEL}=true"
         pods = [canary_pod(p) for p in kube.list("v1", "Pod", namespace, selector)]
     plan = decide_canary(
-        spec.rollout.canary,
+        trial_canary_spec(server),
         replicas=replicas,
         max_surge=spec.rollout.max_surge,
         candidate=template_identity(rendered["spec"]["template"]),
@@ -229,6 +239,27 @@ def _with_canary(
     server = server.model_copy(update={"status": status})
     shaped = shape_deployments(desired, plan, stable_template, owns_replicas=not spec.is_autoscaled)
     return shaped, server, plan.event
+
+
+def _with_tuning(
+    server: LLMServer, prometheus_url: str | None, now: str
+) -> tuple[LLMServer, list[TuningEvent]]:
+    """The server with its new recommendations and tuning status (`tuning.tuner`), and the
+    Events to post; a won trial marks its canary Promoted so every replica takes it."""
+    when = parse_time(now) or datetime.now(UTC)
+    result = tune(server, observe(server, prometheus_url, when), when)
+    count_tuning(server.metadata.namespace, server.metadata.name, result)
+    canary = server.status.canary
+    if result.promoted is not None:
+        canary = promote_canary(canary, now)
+    status = server.status.model_copy(
+        update={
+            "recommendations": result.recommendations,
+            "tuning": result.tuning,
+            "canary": canary,
+        }
+    )
+    return server.model_copy(update={"status": status}), result.events
 
 
 def _post_event(kube: Kube, server: LLMServer, canary_event: CanaryEvent) -> None:

@@ -672,8 +672,8 @@ def test_webhook_variants(
 
 
 def test_dashboard_reads_only_the_metric_contract() -> None:
-    """Every series the dashboard queries is one the engine exports (metric_names.py) or the
-    operator's remediation counter; every panel the issue asks for is there."""
+    """Every series the dashboard queries is one the engine exports (metric_names.py) or one of
+    the operator's (remediations, tuning); every panel the issue asks for is there."""
     board = json.loads((CHART / "dashboards" / "pagekeeper.json").read_text())
     titles = [panel["title"] for panel in board["panels"]]
     assert titles == [
@@ -682,6 +682,8 @@ def test_dashboard_reads_only_the_metric_contract() -> None:
         "Allocator fragmentation",
         "OOM events",
         "Remediations",
+        "Tuning recommendations",
+        "Tuning decisions",
     ]
     exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
     used = {name for expr in exprs for name in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", expr)}
@@ -693,8 +695,14 @@ def test_dashboard_reads_only_the_metric_contract() -> None:
         "pagekeeper_allocator_allocated_bytes",
         "pagekeeper_oom_events_total",
         "pagekeeper_remediations_total",
+        "pagekeeper_tuning_recommendation",
+        "pagekeeper_tuning_decisions_total",
     }
-    assert used - set(METRICS) == {"pagekeeper_remediations_total"}
+    assert used - set(METRICS) == {
+        "pagekeeper_remediations_total",
+        "pagekeeper_tuning_recommendation",
+        "pagekeeper_tuning_decisions_total",
+    }
     # Both runtimes export every engine series it reads (vLLM pods through pagekeeper's plugin).
     for runtime in RUNTIMES:
         assert all(exports(runtime, name) for name in used & set(METRICS)), runtime

@@ -102,6 +102,7 @@ def test_create_update_scale_delete(
         "GPU-UTIL",
         "FITS",
         "LAST-SCALE",
+        "RECOMMENDATION",
         "LAST-REMEDIATION",
         "AGE",
     ]

@@ -26,6 +26,7 @@ from pagekeeper_operator.api.policy import (
     SPLIT_SIZE_RULE,
 )
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     get_server,
@@ -129,6 +130,24 @@ CEL_CASES = [
         "spec.memoryPolicy.weights.cpuOffloadGiB",
         OFFLOAD_MEMORY_RULE,
     ),
+    ({"tuning": {"objective": "ThroughputUnderTTFT"}}, "spec.tuning.ttftP99Seconds", TTFT_RULE),
+    ({"tuning": {"objective": "ThroughputUnderITL"}}, "spec.tuning.itlP99Seconds", ITL_RULE),
+    (
+        {"tuning": {"bounds": {"maxNumSeqs": {"min": 64, "max": 32}}}},
+        "spec.tuning.bounds.maxNumSeqs.min",
+        BOUNDS_RULES[1],
+    ),
+    (
+        {"tuning": {"bounds": {"gpuMemoryUtilization": {"min": 0.5, "max": 0.8}}}},
+        "spec.tuning.bounds.gpuMemoryUtilization",
+        BOUNDS_RULES[3],
+    ),
+    (
+        {"tuning": {"bounds": {"blockSizes": [8, 32]}}},
+        "spec.tuning.bounds.blockSizes",
+        BOUNDS_RULES[6],
+    ),
+    ({"replicas": 2, "tuning": {"mode": "Apply"}}, "spec.tuning.mode", APPLY_RULE),
 ]
 SCHEMA_CASES = [
     ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),
@@ -151,6 +170,7 @@ SCHEMA_CASES = [
         {"memoryPolicy": {"weights": {"cpuOffloadGiB": -1}}},
         "spec.memoryPolicy.weights.cpuOffloadGiB",
     ),
+    ({"tuning": {"windowSeconds": -5}}, "spec.tuning.windowSeconds"),
 ]
 
 
@@ -212,6 +232,9 @@ def test_valid_specs_are_stored_with_defaults(
     assert spec["resources"]["requests"]["cpu"] == 4
     assert spec["remediation"]["maxUnavailable"] == 1
     assert "enabled" not in spec["remediation"]["triggers"]["fragmentation"]
+    assert spec["tuning"]["mode"] == "Recommend"
+    explain = cluster.kubectl("explain", "llmserver.spec.tuning.mode")
+    assert "Recommend (the default): status.recommendations" in " ".join(explain.stdout.split())
     explain = cluster.kubectl("explain", "llmserver.spec.memoryPolicy.gpuMemoryUtilization")
     assert "the fraction of the GPU's total memory this instance may use" in " ".join(
         explain.stdout.split()

@@ -25,6 +25,7 @@ from pagekeeper_operator.api.llmserver import (
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from tests.operator.servers import make_server, server_body
 
 
@@ -126,6 +127,25 @@ def _error_messages(spec: dict[str, Any]) -> str:
             },
             AUTOSCALING_CANARY_RULE["message"],
         ),
+        ({"tuning": {"objective": "ThroughputUnderTTFT"}}, TTFT_RULE["message"]),
+        ({"tuning": {"objective": "ThroughputUnderITL"}}, ITL_RULE["message"]),
+        (
+            {"tuning": {"bounds": {"maxNumSeqs": {"min": 64, "max": 32}}}},
+            BOUNDS_RULES[1]["message"],
+        ),
+        (
+            {"tuning": {"bounds": {"gpuMemoryUtilization": {"min": 0.5, "max": 0.8}}}},
+            BOUNDS_RULES[3]["message"],
+        ),
+        (
+            {
+                "memoryPolicy": {"maxNumBatchedTokens": 4096},
+                "tuning": {"bounds": {"maxNumBatchedTokens": {"min": 8192, "max": 16384}}},
+            },
+            BOUNDS_RULES[5]["message"],
+        ),
+        ({"tuning": {"bounds": {"blockSizes": [8, 32]}}}, BOUNDS_RULES[6]["message"]),
+        ({"replicas": 2, "tuning": {"mode": "Apply"}}, APPLY_RULE["message"]),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
@@ -160,6 +180,8 @@ def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], mes
             {"autoscaling": {"maxReplicas": 2, "targets": {"kvCacheUsage": 1.5}}},
             "spec.autoscaling.targets.kvCacheUsage",
         ),
+        ({"tuning": {"windowSeconds": -5}}, "spec.tuning.windowSeconds"),
+        ({"tuning": {"mode": "Auto"}}, "spec.tuning.mode"),
     ],
 )
 def test_single_field_bounds_name_the_field(spec: dict[str, Any], field: str) -> None:

@@ -30,6 +30,7 @@ from pagekeeper_operator.api.policy import (
     NUM_SEQS_RULE,
     SPLIT_SIZE_RULE,
 )
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 
 
 def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -110,6 +111,7 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
         "GPU-Util": ("number", ".status.effectiveMemoryPolicy.gpuMemoryUtilization"),
         "Fits": ("string", ".status.memoryPlan.state"),
         "Last-Scale": ("string", ".status.autoscaling.lastScaleReason"),
+        "Recommendation": ("string", ".status.recommendations[0].field"),
         "Last-Remediation": ("date", ".status.lastRemediation"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
@@ -211,7 +213,10 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         AUTOSCALING_CANARY_RULE,
         PYTHONPATH_RULE,
         *TRIGGER_RULES,
+        *BOUNDS_RULES,
+        APPLY_RULE,
     ]
+    assert spec["properties"]["tuning"]["x-kubernetes-validations"] == [TTFT_RULE, ITL_RULE]
     assert policy["x-kubernetes-validations"] == [
         BATCHED_TOKENS_RULE,
         NUM_SEQS_RULE,
@@ -229,7 +234,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 18 + len(TRIGGER_RULES)
+    assert len(rules) == 21 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

@@ -1,4 +1,5 @@
-"""The operator's remediation counter follows the records it appends to status."""
+"""The operator's series: the remediation counter follows the records it appends to status,
+the tuning series follow status.recommendations and the tuner's decisions."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekeeper_operator.metrics import REGISTRY, serve_metrics
+from pagekeeper_operator.api.tuning import Recommendation
+from pagekeeper_operator.metrics import REGISTRY, count_tuning, serve_metrics
 from pagekeeper_operator.remediation.payload import WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator
+from pagekeeper_operator.tuning.decide import TuningEvent
+from pagekeeper_operator.tuning.tuner import TuneResult
 from tests.operator.remediation_fakes import Clock, FakeCluster, alert_json, message_json
 from tests.support.processes import free_port
 
@@ -50,3 +54,20 @@ def test_metrics_endpoint_serves_the_counter() -> None:
         text = response.read().decode()
     names = {family.name for family in text_string_to_metric_families(text)}
     assert "pagekeeper_remediations" in names
+
+
+def test_tuning_series_follow_the_recommendations_and_count_decisions() -> None:
+    server = {"namespace": "prod", "llmserver": "tuned"}
+    rec = Recommendation(
+        field="maxNumSeqs", current="16", proposed="32", rule="max-num-seqs-up",
+        expected_effect="x", confidence=0.75, since="2026-11-29T01:00:00Z",
+    )  # fmt: skip
+    labels = {**server, "field": "maxNumSeqs", "proposed": "32", "rule": "max-num-seqs-up"}
+    started = TuningEvent("Normal", "TuningTrialStarted", "m")
+    reason = {**server, "reason": "TuningTrialStarted"}
+    before = REGISTRY.get_sample_value("pagekeeper_tuning_decisions_total", reason) or 0.0
+    count_tuning("prod", "tuned", TuneResult([rec], None, [started]))
+    assert REGISTRY.get_sample_value("pagekeeper_tuning_recommendation", labels) == 0.75
+    assert REGISTRY.get_sample_value("pagekeeper_tuning_decisions_total", reason) == before + 1
+    count_tuning("prod", "tuned", TuneResult([], None))  # the recommendation went away
+    assert REGISTRY.get_sample_value("pagekeeper_tuning_recommendation", labels) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from pagekeeper_engine.core.block_pool import BlockPool
@@ -38,6 +39,12 @@ class KVCacheManager:
 
     Counters are in tokens: `num_prefix_queries` (tokens looked up at admission) and
     `num_prefix_hits` (of those, tokens found cached).
+
+    With prefix caching off, `num_prefix_shadow_hits` counts the tokens a cache would have
+    found: at a prompt's first admission, its longest prefix of full blocks whose chained hashes
+    an earlier prompt had, against a record of the most recent hashes no longer than the pool
+    (what a cache could have held). The cost is what caching on pays at admission (one hash a
+    full block); the step loop itself is untouched. It is the evidence for turning caching on.
     """
 
     def __init__(
@@ -56,6 +63,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, max_evictable_blocks=max_evictable)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_shadow_hits = 0
+        self._max_shadow_hashes = usable
+        self._shadow_hashes: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -97,6 +107,23 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += seq.num_computed_tokens
+        elif not seq.block_hashes:  # hashed once: a preempted sequence's return is no repeat
+            self._count_shadow_hits(seq)
+
+    def _count_shadow_hits(self, seq: Sequence) -> None:
+        num_full = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, num_full)
+        seen, is_prefix = self._shadow_hashes, True
+        for block_hash in seq.block_hashes[:num_full]:
+            if block_hash in seen:
+                seen.move_to_end(block_hash)
+                if is_prefix:
+                    self.num_prefix_shadow_hits += self.block_size
+            else:
+                is_prefix = False
+                seen[block_hash] = None
+        while len(seen) > self._max_shadow_hashes:
+            seen.popitem(last=False)
 
     def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
         total = num_blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)

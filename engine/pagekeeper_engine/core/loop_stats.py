@@ -50,6 +50,7 @@ def snapshot(
         num_swap_blocks_used=cpu_pool.num_used_blocks if cpu_pool is not None else 0,
         prefix_cache_queries=kv.num_prefix_queries,
         prefix_cache_hits=kv.num_prefix_hits,
+        prefix_cache_shadow_hits=kv.num_prefix_shadow_hits,
         num_prefix_cache_evictions=pool.num_evictions,
         num_preemptions=sched.num_preemptions,
         num_swap_preemptions=sched.num_swap_preemptions,

@@ -50,6 +50,8 @@ class EngineStats:
     # Seconds the loop spent collecting launched steps' tokens (asynchronous scheduling; 0
     # without it): under load, the host's idle share; near 0, the host sets the pace.
     device_wait_seconds: float = 0.0
+    # Prompt tokens a prefix cache would have found while caching is off (`KVCacheManager`).
+    prefix_cache_shadow_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

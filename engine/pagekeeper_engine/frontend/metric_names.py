@@ -34,6 +34,8 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     # What no other engine exports.
     "pagekeeper_kv_blocks": ("gauge", ("state",)),  # state: free | used | cached
     "pagekeeper_kv_internal_fragmentation_ratio": ("gauge", ()),
+    # prompt tokens a prefix cache would have found while it is off (the tuner's evidence)
+    "pagekeeper_prefix_cache_shadow_hits_total": ("counter", ()),
     "pagekeeper_swap_blocks_used": ("gauge", ()),
     "pagekeeper_drain_state": ("gauge", ()),  # 0 serving, 1 draining
     "pagekeeper_requests_rejected_total": ("counter", ("reason",)),

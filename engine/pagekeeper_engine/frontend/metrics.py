@@ -124,6 +124,9 @@ class EngineCollector(Collector):
         yield self._gauge("vllm:kv_cache_usage_perc", stats.kv_cache_usage)
         yield self._counter("vllm:prefix_cache_queries_total", stats.prefix_cache_queries)
         yield self._counter("vllm:prefix_cache_hits_total", stats.prefix_cache_hits)
+        yield self._counter(
+            "pagekeeper_prefix_cache_shadow_hits_total", stats.prefix_cache_shadow_hits
+        )
         yield self._counter("vllm:num_preemptions_total", stats.num_preemptions)
         yield self._counter("vllm:prompt_tokens_total", stats.num_prompt_tokens)
         yield self._counter("vllm:generation_tokens_total", stats.num_generation_tokens)

@@ -26,6 +26,7 @@ from pagekeeper_operator.api.runtime import (
     vllm_loads_plugin,
 )
 from pagekeeper_operator.api.status import LLMServerStatus
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, TuningSpec, bounds_violation
 from pagekeeper_operator.api.types import (
     ApiModel,
     cel,
@@ -152,6 +153,8 @@ class LLMServerSpec(ApiModel):
             AUTOSCALING_CANARY_RULE,
             PYTHONPATH_RULE,
             *TRIGGER_RULES,
+            *BOUNDS_RULES,
+            APPLY_RULE,
         )
     )
 
@@ -214,6 +217,13 @@ class LLMServerSpec(ApiModel):
     gateway: GatewaySpec = Field(
         default_factory=GatewaySpec,
         description="Inference gateway integration (Gateway API Inference Extension).",
+    )
+    tuning: TuningSpec = Field(
+        default_factory=TuningSpec,
+        description=(
+            "Self-tuning of the memory policy: recommend (the default) or try on a canary and "
+            "keep better values, within bounds; never written to spec (docs/memory-policy.md)."
+        ),
     )
     shutdown_grace_period_seconds: int = Field(
         default=30,
@@ -302,6 +312,11 @@ class LLMServerSpec(ApiModel):
             ):
                 reason = unfed_message(self.runtime, trigger)
                 raise ValueError(_trigger_rule(self.runtime, trigger.key, reason)["message"])
+        if self.tuning.mode == "Apply" and not canary.enabled:
+            raise ValueError(APPLY_RULE["message"])
+        violation = bounds_violation(self.tuning.bounds, policy)
+        if violation is not None:
+            raise ValueError(violation)
         return self
 
 

@@ -230,6 +230,15 @@ class MemoryPolicy(ApiModel):
             return self.gpu_memory_utilization
         return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
 
+    def with_budget_resolved(self) -> MemoryPolicy:
+        """This policy with its budget spelled out: gpuMemoryUtilization 0.9 where neither it
+        nor kvCacheMemory is set, so status, the step-down, the tuner and `kubectl get` read the
+        value in force."""
+        utilization = self.effective_utilization
+        if utilization == self.gpu_memory_utilization:
+            return self
+        return self.model_copy(update={"gpu_memory_utilization": utilization})
+
     @property
     def kv_cache_memory_bytes(self) -> int | None:
         if self.kv_cache_memory is None:

@@ -11,6 +11,7 @@ from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
+from pagekeeper_operator.api.tuning import MAX_RECOMMENDATIONS, Recommendation, TuningStatus
 from pagekeeper_operator.api.types import ApiModel
 
 ConditionType = Literal[
@@ -152,6 +153,26 @@ class LLMServerStatus(ApiModel):
         description=(
             "The autoscaler under spec.autoscaling: what it last asked for, when and why, or "
             "why it cannot scale."
+        ),
+    )
+    recommendations: list[Recommendation] = Field(
+        default_factory=list,
+        max_length=MAX_RECOMMENDATIONS,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["field"],
+        },
+        description=(
+            "The tuner's current recommendations under spec.tuning, best first, one per field, "
+            "each with its evidence from the window; never written to spec. Accept one with "
+            "the annotation pagekeeper.dev/accept-recommendation=<field>."
+        ),
+    )
+    tuning: TuningStatus | None = Field(
+        default=None,
+        description=(
+            "The tuner's layers of the effective policy (accepted and promoted changes, the "
+            "step-down caps) and, in Apply mode, the trial under way, outcomes and hold-offs."
         ),
     )
     last_remediation: str | None = Field(

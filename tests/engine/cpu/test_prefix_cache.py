@@ -157,3 +157,40 @@ def test_internal_fragmentation_counts_unused_slots_of_last_blocks() -> None:
     assert c.block_ids[0] == a.block_ids[0]
     assert kv.internal_fragmentation([a, c]) == (3 + 3) / (4 * BS)
     assert make_kv().internal_fragmentation([]) == 0.0
+
+
+def test_with_caching_off_repeated_prefixes_are_counted_not_cached() -> None:
+    kv = make_kv(num_blocks=5, enabled=False)  # 4 usable blocks: at most 4 hashes remembered
+    a = seq("a", list(range(10)))  # full blocks [0..3] [4..7]
+    run_prefill(kv, a)
+    assert kv.num_prefix_shadow_hits == 0
+    assert kv.pool.num_cached_blocks == 0
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (0, 0)
+    kv.free(a)
+    b = seq("b", [*range(8), 99, 98, 97])  # repeats both of a's full blocks
+    run_prefill(kv, b)
+    assert kv.num_prefix_shadow_hits == 8
+    assert (b.block_ids, kv.pool.num_cached_blocks) == ([4, 3, 2], 0)  # three new blocks
+    kv.free(b)
+    c = seq("c", [0, 1, 2, 3, 50, 5, 6, 7, 8])  # only its first block repeats
+    run_prefill(kv, c)
+    assert kv.num_prefix_shadow_hits == 12
+
+
+def test_a_preempted_sequence_coming_back_is_no_repeat() -> None:
+    kv = make_kv(enabled=False)
+    a = seq("a", list(range(10)))
+    run_prefill(kv, a)
+    kv.free(a)  # preempted by recompute: admitted again with the same tokens
+    run_prefill(kv, a)
+    assert kv.num_prefix_shadow_hits == 0
+
+
+def test_the_shadow_record_is_no_longer_than_the_pool() -> None:
+    kv = make_kv(num_blocks=4, enabled=False)  # 3 usable blocks: 3 hashes remembered
+    run_prefill(kv, a := seq("a", list(range(9))))  # hashes h1, h2
+    kv.free(a)
+    run_prefill(kv, b := seq("b", list(range(100, 109))))  # h3, h4 push h1 out
+    kv.free(b)
+    run_prefill(kv, seq("c", list(range(9))))
+    assert kv.num_prefix_shadow_hits == 0

@@ -69,7 +69,7 @@ def test_collector_exports_engine_stats_exactly() -> None:
         prefix_cache_hits=40, num_preemptions=2, num_prompt_tokens=500,
         num_generation_tokens=800, num_requests_success={"stop": 5, "length": 6, "abort": 1},
         num_oom_events={"step": 3, "swap": 1, "startup": 0}, step_token_budget=2048,
-        device_wait_seconds=1.5,
+        device_wait_seconds=1.5, prefix_cache_shadow_hits=64,
     )  # fmt: skip
     collector = EngineCollector("m", lambda: stats, lambda: True)
     types, samples = parse(ServerMetrics("m", collector).render().decode())
@@ -80,6 +80,7 @@ def test_collector_exports_engine_stats_exactly() -> None:
         ("vllm:kv_cache_usage_perc", label("m")): 0.25,
         ("vllm:prefix_cache_queries_total", label("m")): 90.0,
         ("vllm:prefix_cache_hits_total", label("m")): 40.0,
+        ("pagekeeper_prefix_cache_shadow_hits_total", label("m")): 64.0,
         ("vllm:num_preemptions_total", label("m")): 2.0,
         ("vllm:prompt_tokens_total", label("m")): 500.0,
         ("vllm:generation_tokens_total", label("m")): 800.0,

@@ -1,0 +1,306 @@
+"""W-tune (BENCHMARKS.md): does the memory policy tune itself? For each workload class, from a
+deliberately poor policy, serve a round over HTTP, read the engine's /metrics into a metric
+window, run the operator's recommender on it, restart the engine with the top recommendation,
+and repeat (up to `--rounds`); beside it, in the same run, a coarse grid over the same knobs.
+
+Reports per round the policy, output tok/s, TTFT and ITL p99, preemptions, OOMs and reserved -
+allocated, the grid's best under the objective, and the rounds it took to reach 90% of it; with
+`--fixtures DIR` each round's window is saved as a JSON fixture for the rule tests
+(tests/operator/tuning/fixtures/). The server, the clients and /metrics are W-chat's
+(`serving.py`); the window and the rules are the operator's own (`pagekeeper_operator.tuning`).
+
+    PYTHONPATH=operator:engine:memplan:. python benchmarks/tune.py --quick --json tune.json \\
+        --fixtures tests/operator/tuning/fixtures/gpu
+    PYTHONPATH=operator:engine:memplan:. python benchmarks/tune.py --device cpu --model-dir CKPT \\
+        --classes chat --rounds 2 --scale 0.05 --num-requests 16 --no-grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import serving
+from benchmarks import serving_workload as wl
+from benchmarks import tune_workload as tw
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.tuning import TuningSpec
+from pagekeeper_operator.effective import allocator_conf
+from pagekeeper_operator.render.engine import ALLOC_CONF_ENV, policy_flags
+from pagekeeper_operator.tuning.fields import with_change
+from pagekeeper_operator.tuning.rules import recommend
+from pagekeeper_operator.tuning.window import MetricWindow
+
+TARGET_SHARE = 0.9  # of the grid's best
+
+
+def settings_of(policy: MemoryPolicy, args: argparse.Namespace) -> wl.EngineSettings:
+    utilization = policy.effective_utilization
+    assert utilization is not None, "W-tune's policies budget by utilization, not kvCacheMemory"
+    return wl.EngineSettings(
+        args.device, "bfloat16" if args.device == "cuda" else "float32", args.max_model_len,
+        policy.max_num_seqs, policy.block_size, policy.max_num_batched_tokens,
+        utilization, policy.enable_prefix_caching, args.enforce_eager,
+    )  # fmt: skip
+
+
+class Sampler:
+    """Reads /metrics every `interval` seconds from a thread until stopped."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        self.url, self.interval = url, interval
+        self.scrapes: list[tw.Scrape] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            status, text = serving.http_get(f"{self.url}/metrics")
+            if status == 200:
+                self.scrapes.append(tw.Scrape.parse(text))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def open_loop_plans(
+    url: str, cls: tw.WorkloadClass, args: argparse.Namespace
+) -> list[wl.ClientPlan]:
+    num = max(1, args.client_processes)
+    arrivals = list(enumerate(cls.arrivals))
+    return [
+        wl.ClientPlan(
+            url=url,
+            model=serving.MODEL_NAME,
+            prompts=cls.work.prompts,
+            output_lens=cls.work.output_lens,
+            warmup=[],
+            num_streams=0,
+            arrivals=arrivals[w::num],
+            timeout_s=args.request_timeout,
+        )
+        for w in range(num)
+    ]
+
+
+def serve_round(
+    model_dir: Path,
+    cls: tw.WorkloadClass,
+    policy: MemoryPolicy,
+    args: argparse.Namespace,
+    log: Path,
+) -> dict[str, Any]:
+    """One round: the engine at `policy`, the class's requests, the window and the summary."""
+    run_args = argparse.Namespace(**vars(args))
+    run_args.engine_arg = [*args.engine_arg, *policy_flags(policy, is_pagekeeper=True)]
+    for name in ALLOC_CONF_ENV:  # the operator puts the allocator options in the pod's env
+        os.environ[name] = allocator_conf(policy.allocator)
+    try:
+        server = serving.start_server(model_dir, settings_of(policy, args), run_args, log)
+    except RuntimeError as exc:  # a policy that cannot start (a start-up OOM) is a result too
+        return {"policy": policy.to_api(), "error": str(exc)[-2000:]}
+    try:
+        before = tw.Scrape.parse(serving.http_get(f"{server.url}/metrics")[1])
+        started = time.monotonic()
+        with Sampler(server.url, args.sample_interval) as sampler:
+            if cls.concurrency is not None:
+                # No warm-up: the engine warmed up at start, and the window counts every request.
+                warm = wl.ChatWorkload([], [])
+                level = wl.Level(concurrency=cls.concurrency)
+                records = serving.run_online(server.url, level, (cls.work, warm), run_args)
+            else:
+                records = serving.run_plans(open_loop_plans(server.url, cls, args))
+        seconds = time.monotonic() - started
+        after = tw.Scrape.parse(serving.http_get(f"{server.url}/metrics")[1])
+    finally:
+        code = server.stop()
+    window = tw.window_of(before, after, sampler.scrapes, records, seconds, policy.max_num_seqs)
+    summary = wl.summarize(records)
+    return {
+        "policy": policy.to_api(),
+        "window": window,
+        "output_tok_s": summary["output_tok_s"],
+        "ttft_p99_ms": summary["ttft_ms"]["p99"],
+        "itl_p99_ms": summary["itl_ms"]["p99"],
+        "preemptions": window.num_preemptions,
+        "ooms": window.num_ooms,
+        "reserved_minus_allocated_peak_mib": (
+            None
+            if window.fragmentation_peak_bytes is None
+            else window.fragmentation_peak_bytes / 2**20
+        ),
+        "failures": summary["failures"],
+        "exit_code": code,
+    }
+
+
+def score(result: dict[str, Any], spec: TuningSpec) -> float:
+    """Throughput under the objective: 0 for a round that failed to start, lost requests, had an
+    OOM or broke its latency bound."""
+    if "error" in result or result["failures"] or result["ooms"]:
+        return 0.0
+    if (
+        spec.ttft_p99_seconds is not None
+        and (result["ttft_p99_ms"] or 0) > spec.ttft_p99_seconds * 1e3
+    ):
+        return 0.0
+    if (
+        spec.itl_p99_seconds is not None
+        and (result["itl_p99_ms"] or 0) > spec.itl_p99_seconds * 1e3
+    ):
+        return 0.0
+    return float(result["output_tok_s"])
+
+
+def run_class(
+    model_dir: Path, cls: tw.WorkloadClass, spec: TuningSpec, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    policy, rounds = cls.start, []
+    for index in range(args.rounds):
+        result = serve_round(model_dir, cls, policy, args, tmp / f"{cls.name}-{index}.log")
+        window = result.pop("window", None)
+        proposals = [] if window is None else recommend(window, policy, spec, "pagekeeper")
+        result["recommendation"] = (
+            None if not proposals
+            else {k: getattr(proposals[0], k) for k in ("field", "current", "proposed", "rule")}
+        )  # fmt: skip
+        rounds.append(result)
+        print(format_row(f"{cls.name} round {index}", result, spec))
+        if window is not None and args.fixtures is not None:
+            save_fixture(Path(args.fixtures), f"{cls.name}_round{index}", window, cls, result)
+        if not proposals:
+            break
+        policy = with_change(policy, proposals[0].field, proposals[0].proposed)
+    grid = []
+    for point in [] if args.no_grid else cls.grid:
+        done = next((r for r in rounds if r["policy"] == point.to_api()), None)
+        result = done or serve_round(model_dir, cls, point, args, tmp / f"{cls.name}-grid.log")
+        result.pop("window", None)
+        grid.append(result)
+        print(format_row(f"{cls.name} grid", result, spec))
+    scores = [score(r, spec) for r in rounds]
+    best = max((score(r, spec) for r in grid), default=0.0)
+    reached = next((i for i, s in enumerate(scores) if best and s >= TARGET_SHARE * best), None)
+    drops = [i for i in range(1, len(scores)) if scores[i] < 0.95 * scores[i - 1]]
+    return {
+        "class": cls.name, "start_policy_why": cls.why, "rounds": rounds, "grid": grid,
+        "grid_best_tok_s": best, "round_reaching_90pct": reached,
+        "rounds_more_than_5pct_worse": drops,
+    }  # fmt: skip
+
+
+def save_fixture(
+    directory: Path, name: str, window: MetricWindow, cls: tw.WorkloadClass, result: dict[str, Any]
+) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    data = json.loads(window.to_json())
+    data["note"] = f"W-tune {cls.name}, policy {json.dumps(result['policy'], sort_keys=True)}"
+    (directory / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def format_row(tag: str, r: dict[str, Any], spec: TuningSpec) -> str:
+    if "error" in r:
+        return f"{tag}: {json.dumps(r['policy'])} did not start: {r['error'][-200:]}"
+    rec = r.get("recommendation")
+    change = "none" if not rec else f"{rec['field']} {rec['current']} -> {rec['proposed']}"
+    return (
+        f"{tag}: {r['output_tok_s']:,.0f} tok/s (score {score(r, spec):,.0f}), TTFT p99 "
+        f"{r['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {r['itl_p99_ms'] or 0:.1f} ms, preemptions "
+        f"{r['preemptions']:.0f}, OOMs {r['ooms']:.0f}, reserved-allocated "
+        f"{r['reserved_minus_allocated_peak_mib'] or 0:.0f} MiB; next: {change}"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="W-tune: recommender rounds beside a grid")
+    add = parser.add_argument
+    add("--shape", choices=list(serving.SHAPES), default="qwen3-0.6b")
+    add("--model-dir", default=None)
+    add("--device", choices=["cuda", "cpu"], default="cuda")
+    add("--classes", nargs="+", choices=["chat", "rag", "burst"], default=["chat", "rag", "burst"])
+    add("--rounds", type=int, default=5)
+    add(
+        "--quick",
+        action="store_true",
+        help="256 requests a class, 30 s of bursts, 3 rounds, a smaller grid, eager engines",
+    )
+    add("--scale", type=float, default=1.0, help="shrink prompt and output lengths (smoke runs)")
+    add("--num-requests", type=int, default=None, help="cap each closed-loop class's requests")
+    add("--objective", choices=["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"],
+        default="Throughput")  # fmt: skip
+    add("--ttft-p99-seconds", type=float, default=None)
+    add("--itl-p99-seconds", type=float, default=None)
+    add("--max-model-len", type=int, default=8192)
+    add("--seed", type=int, default=0)
+    add("--client-processes", type=int, default=4)
+    add("--sample-interval", type=float, default=0.5)
+    add("--enforce-eager", action="store_true")
+    add("--no-grid", action="store_true")
+    add("--engine-arg", action="append", default=[])
+    add("--start-timeout", type=float, default=600.0)
+    add("--request-timeout", type=float, default=600.0)
+    add("--fixtures", default=None, help="save each round's window here as a JSON fixture")
+    add("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:  # about 14 engine starts: eager ones start fastest
+        args.rounds = min(args.rounds, 3)
+        args.enforce_eager = True
+    # what serving.start_server and run_online read
+    args.api_server_count, args.server_cpus, args.client_cpus = None, None, None
+    args.model_name, args.prompt_format = serving.MODEL_NAME, "ids"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    spec = TuningSpec(
+        objective=args.objective, ttft_p99_seconds=args.ttft_p99_seconds,
+        itl_p99_seconds=args.itl_p99_seconds,
+    )  # fmt: skip
+    report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        model_dir = serving.prepare_model_dir(args, tmp)
+        vocab = serving.model_config(args)["vocab_size"]
+        classes = tw.classes(
+            args.seed, vocab, args.max_model_len, quick=args.quick, scale=args.scale
+        )
+        results = []
+        for chosen in classes:
+            if chosen.name not in args.classes:
+                continue
+            cls = chosen
+            if args.num_requests is not None and cls.concurrency is not None:
+                n = args.num_requests
+                work = wl.ChatWorkload(cls.work.prompts[:n], cls.work.output_lens[:n])
+                cls = dataclasses.replace(cls, work=work)
+            print(f"# {cls.name}: from {json.dumps(cls.start.to_api())} ({cls.why})")
+            results.append(run_class(model_dir, cls, spec, args, tmp))
+    report["classes"] = results
+    for r in results:
+        print(
+            f"# {r['class']}: grid best {r['grid_best_tok_s']:,.0f} tok/s; 90% reached in round "
+            f"{r['round_reaching_90pct']}; rounds >5% worse than the one before: "
+            f"{r['rounds_more_than_5pct_worse']}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Apply mode's decision (pure, `now` passed in): start a trial, wait, promote or roll back.
+
+One trial at a time, on the existing canary (`canary.py`): the canary pods run the effective
+policy plus the top recommendation, the other pods the effective policy. Each reconcile:
+
+- a new UTC day resets `changesToday`; hold-offs whose time has passed are dropped;
+- a trial whose mode is no longer Apply, or whose canary failed (a `failOn` signal, as
+  `status.canary` records it), is rolled back;
+- a trial `windowSeconds` old is compared (`compare`): a win is promoted into the tuning layer
+  of the effective policy, a loss or a tie is rolled back. No verdict yet (too few samples)
+  waits, up to twice the window, then rolls back;
+- with no trial, under the daily cap, the top recommendation starts one.
+
+Every decided trial puts its field on hold for `holdOffSeconds`, whatever the outcome: a rolled
+back value is not tried again, and a promoted one is not undone by the next window's noise (no
+A -> B -> A). The rules never propose a held field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pagekeeper_operator.api.tuning import (
+    MAX_HOLD_OFFS,
+    MAX_OUTCOMES,
+    Evidence,
+    HoldOff,
+    Recommendation,
+    TrialOutcome,
+    TrialRecord,
+    TunedChange,
+    TuningSpec,
+    TuningStatus,
+    TuningTrial,
+)
+from pagekeeper_operator.tuning.compare import Comparison
+
+EventType = Literal["Normal", "Warning"]
+
+
+def format_time(when: datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text) if text else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class TuningEvent:
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class TrialEvidence:
+    """What a reconcile observed of the trial under way."""
+
+    comparison: Comparison | None  # None: too few samples yet
+    canary_failure: str | None = None  # the failOn signal's message, if the canary failed
+
+
+@dataclass
+class Decision:
+    status: TuningStatus
+    events: list[TuningEvent] = field(default_factory=list)
+    promoted: TunedChange | None = None  # the change that just entered the tuning layer
+
+
+def held_fields(status: TuningStatus | None, now: datetime) -> set[str]:
+    """Fields the rules must not propose now: on hold, or under trial."""
+    if status is None:
+        return set()
+    held = {h.field for h in status.hold_offs if (parse_time(h.until) or now) > now}
+    if status.trial is not None:
+        held.add(status.trial.field)
+    return held
+
+
+def _hold(
+    status: TuningStatus, spec: TuningSpec, trial: TuningTrial, now: datetime
+) -> list[HoldOff]:
+    until = format_time(now + timedelta(seconds=spec.hold_off_seconds))
+    kept = [h for h in status.hold_offs if h.field != trial.field]
+    return [*kept, HoldOff(field=trial.field, value=trial.current, until=until)][-MAX_HOLD_OFFS:]
+
+
+def _finish(
+    status: TuningStatus,
+    spec: TuningSpec,
+    trial: TuningTrial,
+    outcome: TrialOutcome,
+    message: str,
+    evidence: dict[str, float],
+    now: datetime,
+) -> TuningStatus:
+    record = TrialRecord(
+        field=trial.field,
+        current=trial.current,
+        proposed=trial.proposed,
+        outcome=outcome,
+        time=format_time(now),
+        evidence=[Evidence(name=k, value=v) for k, v in evidence.items()],
+        message=message[:1024],
+    )
+    return status.model_copy(
+        update={
+            "trial": None,
+            "history": [*status.history, record][-MAX_OUTCOMES:],
+            "hold_offs": _hold(status, spec, trial, now),
+        }
+    )
+
+
+def _judge(
+    status: TuningStatus,
+    spec: TuningSpec,
+    trial: TuningTrial,
+    evidence: TrialEvidence | None,
+    spec_value: str,
+    now: datetime,
+) -> Decision:
+    change = f"{trial.field} {trial.current} -> {trial.proposed}"
+    if evidence is not None and evidence.canary_failure is not None:
+        message = f"{change} rolled back: the canary failed ({evidence.canary_failure})"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    started = parse_time(trial.started_at) or now
+    age = (now - started).total_seconds()
+    comparison = evidence.comparison if evidence is not None else None
+    if age < spec.window_seconds or (comparison is None and age < 2 * spec.window_seconds):
+        return Decision(status)
+    if comparison is None:
+        message = f"{change} rolled back: too few samples after {int(age)}s to tell"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    numbers = comparison.evidence()
+    if not comparison.is_win:
+        message = f"{change} rolled back: {comparison.reason}"
+        rolled = _finish(status, spec, trial, "RolledBack", message, numbers, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    message = f"{change} promoted: {comparison.reason}"
+    promoted = TunedChange(
+        field=trial.field,
+        value=trial.proposed,
+        spec_value=spec_value,
+        source="Promoted",
+        rule=trial.rule,
+        time=format_time(now),
+    )
+    done = _finish(status, spec, trial, "Promoted", message, numbers, now)
+    changes = [c for c in done.changes if c.field != trial.field] + [promoted]
+    done = done.model_copy(update={"changes": changes})
+    return Decision(done, [TuningEvent("Normal", "TuningPromoted", message)], promoted)
+
+
+def decide(
+    spec: TuningSpec,
+    status: TuningStatus,
+    recommendations: Sequence[Recommendation],
+    evidence: TrialEvidence | None,
+    spec_value_of: dict[str, str],
+    now: datetime,
+) -> Decision:
+    """The next tuning status (see the module docstring). `recommendations` are the current
+    ones, best first, held fields already left out; `spec_value_of`: field -> spec's value."""
+    today = now.strftime("%Y-%m-%d")
+    if status.day != today:
+        status = status.model_copy(update={"day": today, "changes_today": 0})
+    live = [h for h in status.hold_offs if (parse_time(h.until) or now) > now]
+    status = status.model_copy(update={"hold_offs": live})
+    trial = status.trial
+    if trial is not None and spec.mode != "Apply":
+        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    if trial is not None:
+        return _judge(status, spec, trial, evidence, spec_value_of.get(trial.field, ""), now)
+    if spec.mode != "Apply" or not recommendations:
+        return Decision(status)
+    if status.changes_today >= spec.max_changes_per_day:
+        return Decision(status)
+    top = recommendations[0]
+    trial = TuningTrial(
+        field=top.field,
+        current=top.current,
+        proposed=top.proposed,
+        rule=top.rule,
+        started_at=format_time(now),
+    )
+    started = status.model_copy(update={"trial": trial, "changes_today": status.changes_today + 1})
+    message = (
+        f"{top.field} {top.current} -> {top.proposed} ({top.rule}) runs on the canary for "
+        f"{spec.window_seconds}s against the other pods"
+    )
+    return Decision(started, [TuningEvent("Normal", "TuningTrialStarted", message)])

@@ -1,0 +1,180 @@
+"""The tuner's step inside a reconcile: observe (Prometheus), tune (pure), and what the
+reconcile must then render: the canary's candidate policy during a trial.
+
+The canary Deployment runs the effective policy plus the change under trial; the canary's own
+analysis keeps failing it on its `failOn` signals, but it never promotes a trial by the clock:
+only `decide`'s measured win does (`trial_canary_spec`, `promote_canary`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
+from pagekeeper_operator.api.tuning import TunedChange
+from pagekeeper_operator.canary import CANARY_SUFFIX
+from pagekeeper_operator.effective import compose
+from pagekeeper_operator.prometheus import PrometheusError
+from pagekeeper_operator.tuning.compare import compare
+from pagekeeper_operator.tuning.decide import TrialEvidence, parse_time
+from pagekeeper_operator.tuning.fields import read_field
+from pagekeeper_operator.tuning.observe import (
+    Scope,
+    canary_p99,
+    num_samples,
+    observe_server,
+    pod_samples,
+    records_since,
+)
+from pagekeeper_operator.tuning.tuner import Observation
+from pagekeeper_operator.tuning.window import MetricWindow
+
+NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
+# The canary's own clock never promotes a trial; `decide` ends it within twice the window.
+TRIAL_ANALYSIS_SECONDS = 7 * 24 * 3600
+FULL_COVERAGE = 0.75  # of a window's samples, for each canary pod
+MIN_REFRESH_SECONDS = 5
+
+
+def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence | None:
+    status, spec = server.status, server.spec.tuning
+    trial = status.tuning.trial if status.tuning is not None else None
+    if trial is None:
+        return None
+    started = parse_time(trial.started_at) or now
+    canary = status.canary
+    if canary is not None and canary.phase == "Failed":
+        canary_start = parse_time(canary.started_at)
+        if canary_start is not None and canary_start >= started:
+            return TrialEvidence(None, canary_failure=canary.message)
+    seconds = int(min(spec.window_seconds, (now - started).total_seconds()))
+    if seconds < spec.window_seconds:
+        return TrialEvidence(None)  # `decide` waits for the whole window
+    name, namespace = server.metadata.name, server.metadata.namespace
+    # Canary pods are <name>-canary-<hash>-<id>; the others <name>-<hash>-<id>.
+    canary_scope = Scope(namespace, name, f"{name}{CANARY_SUFFIX}-.*")
+    baseline_scope = Scope(namespace, name, f"{name}-[a-z0-9]+-[a-z0-9]+")
+    by_pod = pod_samples(url, canary_scope, seconds)
+    # A canary pod that started serving within the window would be judged on its start:
+    # wait until every canary pod has (nearly) the whole window (`decide` waits up to twice it).
+    full = FULL_COVERAGE * num_samples(seconds)
+    if not by_pod or min(len(s) for s in by_pod.values()) < full:
+        return TrialEvidence(None)
+    canary_samples = [v for s in by_pod.values() for v in s]
+    baseline_samples = [v for s in pod_samples(url, baseline_scope, seconds).values() for v in s]
+    bound, p99 = None, None
+    if spec.objective == "ThroughputUnderTTFT":
+        bound = spec.ttft_p99_seconds
+        p99 = canary_p99(url, canary_scope, seconds, "vllm:time_to_first_token_seconds")
+    elif spec.objective == "ThroughputUnderITL":
+        bound = spec.itl_p99_seconds
+        p99 = canary_p99(url, canary_scope, seconds, "vllm:inter_token_latency_seconds")
+    return TrialEvidence(compare(canary_samples, baseline_samples, canary_p99=p99, p99_bound=bound))
+
+
+class WindowCache:
+    """Each server's last window, so Prometheus is asked for it at most every eighth of the
+    window (at least MIN_REFRESH_SECONDS) however often the server is reconciled; a change of
+    what the window is made from (the window's length, the cap it measures, an alert, an OOM,
+    a step-down) asks again at once."""
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[str, str], tuple[datetime, str, MetricWindow]] = {}
+
+    def get(
+        self, key: tuple[str, str], inputs: str, seconds: int, now: datetime
+    ) -> MetricWindow | None:
+        entry = self._windows.get(key)
+        if entry is None or entry[1] != inputs:
+            return None
+        refresh = max(MIN_REFRESH_SECONDS, seconds // 8)
+        return entry[2] if now < entry[0] + timedelta(seconds=refresh) else None
+
+    def put(self, key: tuple[str, str], inputs: str, now: datetime, window: MetricWindow) -> None:
+        self._windows[key] = (now, inputs, window)
+
+
+WINDOWS = WindowCache()
+
+
+def observe(
+    server: LLMServer, url: str | None, now: datetime, cache: WindowCache = WINDOWS
+) -> Observation:
+    """The server's window and its trial's evidence; never raises for Prometheus."""
+    spec, status = server.spec.tuning, server.status
+    is_trial = status.tuning is not None and status.tuning.trial is not None
+    if spec.mode == "Off" and not is_trial:
+        return Observation(None)
+    if url is None:
+        return Observation(None, error=NO_PROMETHEUS)
+    effective = compose(server)
+    alerts, ooms = records_since(status.remediation_history, now, spec.window_seconds)
+    extra = {
+        "num_fragmentation_alerts": alerts,
+        "num_oom_terminations": ooms,
+        "is_stepped_down": effective.step_down is not None,
+    }
+    meta = server.metadata
+    key, max_num_seqs = (meta.namespace, meta.name), effective.policy.max_num_seqs
+    inputs = repr((spec.window_seconds, max_num_seqs, sorted(extra.items())))
+    try:
+        window = cache.get(key, inputs, spec.window_seconds, now)
+        if window is None:
+            window = observe_server(
+                url, meta.namespace, meta.name, spec.window_seconds, max_num_seqs, extra
+            )
+            cache.put(key, inputs, now, window)
+        trial = _trial_evidence(server, url, now)
+    except PrometheusError as exc:
+        return Observation(None, error=f"no metric window: {exc}"[:1024])
+    return Observation(window, trial)
+
+
+def candidate(server: LLMServer) -> LLMServer:
+    """The server whose rendering is the trial's candidate: the tuning layer plus the change
+    under trial (in memory only; status records the trial, not this layer)."""
+    tuning = server.status.tuning
+    if tuning is None or tuning.trial is None:
+        return server
+    trial = tuning.trial
+    from_spec = next((c.spec_value for c in tuning.changes if c.field == trial.field), None)
+    if from_spec is None:
+        from_spec = read_field(server.spec.memory_policy, trial.field)
+    change = TunedChange(
+        field=trial.field,
+        value=trial.proposed,
+        spec_value=from_spec
+        if from_spec is not None
+        else read_field(server.spec.memory_policy, trial.field),
+        source="Promoted",
+        rule=trial.rule,
+        time=trial.started_at,
+    )
+    changes = [c for c in tuning.changes if c.field != trial.field] + [change]
+    status = server.status.model_copy(
+        update={"tuning": tuning.model_copy(update={"changes": changes})}
+    )
+    return server.model_copy(update={"status": status})
+
+
+def trial_canary_spec(server: LLMServer) -> CanarySpec:
+    """spec.rollout.canary, without its clock while a trial runs (see the module docstring)."""
+    canary = server.spec.rollout.canary
+    tuning = server.status.tuning
+    if tuning is None or tuning.trial is None:
+        return canary
+    return canary.model_copy(update={"analysis_seconds": TRIAL_ANALYSIS_SECONDS})
+
+
+def promote_canary(canary: CanaryStatus | None, now: str) -> CanaryStatus | None:
+    """The canary record once a trial won: Promoted, so the Deployment takes its template."""
+    if canary is None or canary.phase != "Analyzing":
+        return canary
+    return canary.model_copy(
+        update={
+            "phase": "Promoted",
+            "finished_at": now,
+            "message": "the tuning trial measured a win: the new template rolls to every replica",
+        }
+    )

@@ -1,0 +1,157 @@
+"""One tuning step of one server (pure): accepted recommendations, new recommendations, the
+Apply-mode decision, and the Events to post.
+
+- An accepted recommendation (annotation `pagekeeper.dev/accept-recommendation: <field>[,...]`
+  naming a field of `status.recommendations`) enters the tuning layer as source Accepted: the
+  pods run it, spec is untouched, and the annotation may stay (accepting again is a no-op).
+- Recommendations come from `rules.recommend` on the composed effective policy, without held
+  fields. A recommendation whose field and proposed value are unchanged keeps its `since` and
+  the evidence of the window that first made it, so a steady state writes no status and posts
+  no Event; a new or changed one posts a `TuningRecommendation` Event.
+- Without a window (Prometheus away) the previous recommendations stay as they were.
+- In Apply mode `decide` starts, judges and ends trials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.tuning import Evidence, Recommendation, TunedChange, TuningStatus
+from pagekeeper_operator.effective import compose
+from pagekeeper_operator.tuning.decide import (
+    TrialEvidence,
+    TuningEvent,
+    decide,
+    format_time,
+    held_fields,
+)
+from pagekeeper_operator.tuning.fields import TUNABLE, read_field, within_bounds
+from pagekeeper_operator.tuning.rules import Proposal, recommend
+from pagekeeper_operator.tuning.window import MetricWindow
+
+ACCEPT_ANNOTATION = "pagekeeper.dev/accept-recommendation"
+NO_CHANGE_MESSAGE = "the window supports no change"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the edge observed: the server's window, the trial's evidence, or why neither."""
+
+    window: MetricWindow | None
+    trial: TrialEvidence | None = None
+    error: str | None = None
+
+
+@dataclass
+class TuneResult:
+    recommendations: list[Recommendation]
+    tuning: TuningStatus | None
+    events: list[TuningEvent] = field(default_factory=list)
+    promoted: TunedChange | None = None  # a trial won: its canary template rolls everywhere
+
+
+def accepted_fields(server: LLMServer) -> list[str]:
+    text = server.metadata.annotations.get(ACCEPT_ANNOTATION, "")
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _accept(
+    server: LLMServer, status: TuningStatus, now: datetime
+) -> tuple[TuningStatus, list[TuningEvent]]:
+    spec = server.spec
+    changes, events = list(status.changes), []
+    for rec in server.status.recommendations:
+        if rec.field not in accepted_fields(server) or rec.field not in TUNABLE:
+            continue
+        if any(c.field == rec.field and c.value == rec.proposed for c in changes):
+            continue
+        if not within_bounds(rec.field, rec.proposed, spec.tuning.bounds, spec.runtime):
+            continue
+        change = TunedChange(
+            field=rec.field,
+            value=rec.proposed,
+            spec_value=read_field(spec.memory_policy, rec.field),
+            source="Accepted",
+            rule=rec.rule,
+            time=format_time(now),
+        )
+        changes = [c for c in changes if c.field != rec.field] + [change]
+        message = (
+            f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}) accepted by annotation "
+            f"{ACCEPT_ANNOTATION}: the pods run it; spec is unchanged"
+        )
+        events.append(TuningEvent("Normal", "RecommendationAccepted", message))
+    return status.model_copy(update={"changes": changes}), events
+
+
+def _recommendation(
+    proposal: Proposal, previous: list[Recommendation], now: datetime
+) -> Recommendation:
+    for rec in previous:
+        if (rec.field, rec.proposed, rec.current) == (
+            proposal.field,
+            proposal.proposed,
+            proposal.current,
+        ):
+            return rec
+    return Recommendation(
+        field=proposal.field,
+        current=proposal.current,
+        proposed=proposal.proposed,
+        rule=proposal.rule,
+        evidence=[Evidence(name=k, value=v) for k, v in proposal.evidence],
+        expected_effect=proposal.expected_effect,
+        confidence=proposal.confidence,
+        since=format_time(now),
+    )
+
+
+def describe(rec: Recommendation) -> str:
+    numbers = ", ".join(f"{e.name}={e.value:g}" for e in rec.evidence)
+    return (
+        f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}, confidence "
+        f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]"
+    )
+
+
+def tune(server: LLMServer, observation: Observation, now: datetime) -> TuneResult:
+    """The server's next recommendations and tuning status (see the module docstring)."""
+    spec = server.spec.tuning
+    previous = server.status.recommendations
+    status = server.status.tuning or TuningStatus()
+    if spec.mode == "Off" and status.trial is None:
+        return TuneResult([], server.status.tuning)
+    status, events = _accept(server, status, now)
+    layered = server.model_copy(
+        update={"status": server.status.model_copy(update={"tuning": status})}
+    )
+    policy = compose(layered).policy
+    proposals: list[Proposal] = []
+    if observation.window is not None and spec.mode != "Off":
+        held = held_fields(status, now)
+        proposals = recommend(observation.window, policy, spec, server.spec.runtime, held)
+    recommendations = [_recommendation(p, previous, now) for p in proposals]
+    if observation.window is None and spec.mode != "Off":
+        # No window this time (Prometheus away): keep what the last one showed, so a blip
+        # neither clears the recommendations nor posts their Events again when it is back.
+        held = held_fields(status, now)
+        recommendations = [
+            r for r in previous
+            if r.field not in held and r.current == read_field(policy, r.field)
+        ]  # fmt: skip
+    seen = {(r.field, r.proposed) for r in previous}
+    events += [
+        TuningEvent("Normal", "TuningRecommendation", describe(r))
+        for r in recommendations
+        if (r.field, r.proposed) not in seen
+    ]
+    spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
+    decision = decide(spec, status, recommendations, observation.trial, spec_values, now)
+    status = decision.status
+    if decision.promoted is not None:
+        recommendations = [r for r in recommendations if r.field != decision.promoted.field]
+    message = observation.error or ("" if recommendations else NO_CHANGE_MESSAGE)
+    status = status.model_copy(update={"message": message[:1024]})
+    return TuneResult(recommendations, status, events + decision.events, decision.promoted)

@@ -1,0 +1,109 @@
+"""Apply mode through the canary, reconcile by reconcile (without a cluster): a trial runs the
+candidate on the canary only, a win rolls it to every replica, a tie takes the canary back and
+the field is not tried again within the hold-off."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.canary import CanaryPlan, decide_canary, template_identity
+from pagekeeper_operator.effective import compose
+from pagekeeper_operator.render import ClusterFeatures, render_all
+from pagekeeper_operator.tuning.compare import compare
+from pagekeeper_operator.tuning.decide import TrialEvidence
+from pagekeeper_operator.tuning.step import candidate, promote_canary, trial_canary_spec
+from pagekeeper_operator.tuning.tuner import Observation, tune
+from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.operator.tuning.test_rules import window
+
+T0 = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
+BASELINE = [1000.0, 1010.0, 990.0, 1005.0, 995.0, 1002.0, 998.0, 1001.0]
+SPEC: dict[str, Any] = {
+    "replicas": 3,
+    "rollout": {"canary": {"enabled": True, "analysisSeconds": 60}},
+    "tuning": {"mode": "Apply", "windowSeconds": 600, "holdOffSeconds": 3600},
+}
+
+
+def identity(server: LLMServer) -> str:
+    objects = render_all(server, DEFAULT_IMAGES, ClusterFeatures())
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    return template_identity(deployment["spec"]["template"])
+
+
+def reconcile(
+    server: LLMServer, observation: Observation, now: datetime, stable: str
+) -> tuple[LLMServer, CanaryPlan]:
+    """What `reconcile` does with the tuner and the canary, status kept in memory."""
+    result = tune(server, observation, now)
+    canary = server.status.canary
+    if result.promoted is not None:
+        canary = promote_canary(canary, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    status = server.status.model_copy(
+        update={"recommendations": result.recommendations, "tuning": result.tuning,
+                "canary": canary}
+    )  # fmt: skip
+    server = server.model_copy(update={"status": status})
+    plan = decide_canary(
+        trial_canary_spec(server), replicas=3, max_surge=0,
+        candidate=identity(candidate(server)), stable=stable, previous=server.status.canary,
+        pods=[], history=[], server_name="qwen", now=now,
+    )  # fmt: skip
+    status = server.status.model_copy(update={"canary": plan.status})
+    return server.model_copy(update={"status": status}), plan
+
+
+def start_trial() -> tuple[LLMServer, str]:
+    server = make_server(SPEC)
+    stable = identity(server)
+    server, plan = reconcile(server, Observation(window("no_prefix_reuse")), T0, stable)
+    assert server.status.tuning is not None and server.status.tuning.trial is not None
+    assert (plan.main_runs_candidate, plan.main_replicas, plan.canary_replicas) == (False, 2, 1)
+    assert server.status.canary is not None and server.status.canary.phase == "Analyzing"
+    return server, stable
+
+
+def test_the_canary_clock_never_promotes_a_trial() -> None:
+    server, stable = start_trial()
+    later = T0 + timedelta(seconds=120)  # past analysisSeconds, before the tuning window
+    server, plan = reconcile(server, Observation(window("chat_steady"), TrialEvidence(None)),
+                             later, stable)  # fmt: skip
+    assert server.status.canary is not None and server.status.canary.phase == "Analyzing"
+    assert (plan.main_runs_candidate, plan.canary_replicas) == (False, 1)
+    assert compose(server).policy.enable_prefix_caching is True
+
+
+def test_a_win_rolls_the_candidate_to_every_replica() -> None:
+    server, stable = start_trial()
+    won = TrialEvidence(compare([v * 1.1 for v in BASELINE], BASELINE))
+    now = T0 + timedelta(seconds=600)
+    server, plan = reconcile(server, Observation(window("chat_steady"), won), now, stable)
+    assert (plan.main_runs_candidate, plan.canary_replicas) == (True, 0)
+    assert server.status.canary is not None and server.status.canary.phase == "Promoted"
+    assert compose(server).policy.enable_prefix_caching is False
+    assert server.spec.memory_policy.enable_prefix_caching is True
+
+
+def test_a_tie_takes_the_canary_back_and_holds_the_field() -> None:
+    server, stable = start_trial()
+    tie = TrialEvidence(compare(BASELINE, BASELINE))
+    now = T0 + timedelta(seconds=600)
+    server, plan = reconcile(server, Observation(window("no_prefix_reuse"), tie), now, stable)
+    assert (plan.main_runs_candidate, plan.canary_replicas, plan.status) == (True, 0, None)
+    assert identity(candidate(server)) == stable  # the pods keep what they ran
+    tuning = server.status.tuning
+    assert tuning is not None and tuning.trial is None
+    assert tuning.history[-1].outcome == "RolledBack"
+    # The same window within the hold-off: no recommendation for the field, no new trial.
+    later = now + timedelta(seconds=1800)
+    server, plan = reconcile(server, Observation(window("no_prefix_reuse")), later, stable)
+    assert server.status.recommendations == []
+    assert server.status.tuning is not None and server.status.tuning.trial is None
+    assert plan.canary_replicas == 0
+    # After it, the recommendation may come back and start a new trial (under the daily cap).
+    after = now + timedelta(seconds=3600)
+    server, plan = reconcile(server, Observation(window("no_prefix_reuse")), after, stable)
+    assert [r.field for r in server.status.recommendations] == ["enablePrefixCaching"]
+    assert plan.canary_replicas == 1

@@ -1,0 +1,114 @@
+"""Apply mode's decision: start within the daily cap, promote a win, roll back a loss or a tie,
+hold the field off either way, never retry within the hold-off."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from pagekeeper_operator.api.tuning import Recommendation, TuningSpec, TuningStatus
+from pagekeeper_operator.tuning.compare import compare
+from pagekeeper_operator.tuning.decide import TrialEvidence, decide, held_fields
+
+T0 = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
+SPEC = TuningSpec(mode="Apply", window_seconds=600, hold_off_seconds=3600, max_changes_per_day=2)
+BASE = [1000.0, 1010.0, 990.0, 1005.0, 995.0, 1002.0, 998.0, 1001.0]
+PREFIX_OFF = Recommendation(
+    field="enablePrefixCaching", current="true", proposed="false", rule="prefix-caching-off",
+    expected_effect="x", confidence=0.9, since="2026-11-29T00:00:00Z",
+)  # fmt: skip
+SPEC_VALUES = {"enablePrefixCaching": "true"}
+
+
+def win() -> TrialEvidence:
+    return TrialEvidence(compare([v * 1.1 for v in BASE], BASE))
+
+
+def tie() -> TrialEvidence:
+    return TrialEvidence(compare(BASE, BASE))
+
+
+def started() -> TuningStatus:
+    decision = decide(SPEC, TuningStatus(), [PREFIX_OFF], None, SPEC_VALUES, T0)
+    assert decision.status.trial is not None
+    return decision.status
+
+
+def test_the_top_recommendation_starts_a_trial() -> None:
+    decision = decide(SPEC, TuningStatus(), [PREFIX_OFF], None, SPEC_VALUES, T0)
+    trial = decision.status.trial
+    assert trial is not None
+    assert (trial.field, trial.current, trial.proposed, trial.started_at) == (
+        "enablePrefixCaching", "true", "false", "2026-11-29T01:00:00Z",
+    )  # fmt: skip
+    assert (decision.status.day, decision.status.changes_today) == ("2026-11-29", 1)
+    assert [e.reason for e in decision.events] == ["TuningTrialStarted"]
+    assert held_fields(decision.status, T0) == {"enablePrefixCaching"}
+
+
+def test_recommend_mode_and_the_daily_cap_start_nothing() -> None:
+    recommend = SPEC.model_copy(update={"mode": "Recommend"})
+    assert decide(recommend, TuningStatus(), [PREFIX_OFF], None, SPEC_VALUES, T0).events == []
+    capped = TuningStatus(day="2026-11-29", changes_today=2)
+    assert decide(SPEC, capped, [PREFIX_OFF], None, SPEC_VALUES, T0).status.trial is None
+    # A new UTC day resets the count.
+    next_day = decide(SPEC, capped, [PREFIX_OFF], None, SPEC_VALUES, T0 + timedelta(days=1))
+    assert next_day.status.trial is not None and next_day.status.changes_today == 1
+
+
+def test_a_trial_waits_for_its_window() -> None:
+    status = started()
+    decision = decide(SPEC, status, [], win(), SPEC_VALUES, T0 + timedelta(seconds=599))
+    assert decision.status == status.model_copy(update={"hold_offs": []})
+    assert decision.events == []
+
+
+def test_a_win_is_promoted_into_the_tuning_layer_and_held() -> None:
+    now = T0 + timedelta(seconds=600)
+    decision = decide(SPEC, started(), [], win(), SPEC_VALUES, now)
+    status = decision.status
+    assert status.trial is None
+    assert decision.promoted is not None
+    assert [(c.field, c.value, c.spec_value, c.source) for c in status.changes] == [
+        ("enablePrefixCaching", "false", "true", "Promoted")
+    ]
+    [record] = status.history
+    assert record.outcome == "Promoted"
+    numbers = {e.name: e.value for e in record.evidence}
+    assert numbers["improvement"] == 0.1 and numbers["pValue"] < 0.001
+    assert [(h.field, h.until) for h in status.hold_offs] == [
+        ("enablePrefixCaching", "2026-11-29T02:10:00Z")
+    ]
+    assert [e.reason for e in decision.events] == ["TuningPromoted"]
+
+
+def test_a_tie_is_rolled_back_and_not_retried_within_the_hold_off() -> None:
+    now = T0 + timedelta(seconds=600)
+    decision = decide(SPEC, started(), [], tie(), SPEC_VALUES, now)
+    status = decision.status
+    assert (status.trial, status.changes) == (None, [])
+    assert status.history[0].outcome == "RolledBack"
+    assert status.history[0].message.startswith(
+        "enablePrefixCaching true -> false rolled back: improvement +0.0%"
+    )
+    assert [e.type for e in decision.events] == ["Warning"]
+    # Within the hold-off the field is held, so the rules leave it out of the recommendations.
+    assert held_fields(status, now + timedelta(seconds=3599)) == {"enablePrefixCaching"}
+    assert held_fields(status, now + timedelta(seconds=3600)) == set()
+    later = decide(SPEC, status, [], None, SPEC_VALUES, now + timedelta(seconds=3600))
+    assert later.status.hold_offs == []
+
+
+def test_a_failed_canary_rolls_back_at_once() -> None:
+    evidence = TrialEvidence(None, canary_failure="oomEvents: 1 out-of-memory termination(s)")
+    decision = decide(SPEC, started(), [], evidence, SPEC_VALUES, T0 + timedelta(seconds=30))
+    assert decision.status.history[0].outcome == "RolledBack"
+    assert "the canary failed (oomEvents" in decision.events[0].message
+
+
+def test_without_enough_samples_a_trial_ends_after_twice_its_window() -> None:
+    waiting = TrialEvidence(None)
+    status = started()
+    assert decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1199)).events == []
+    ended = decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1200))
+    assert ended.status.history[0].outcome == "RolledBack"
+    assert ended.status.history[0].message.endswith("too few samples after 1200s to tell")

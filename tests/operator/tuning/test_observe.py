@@ -1,0 +1,93 @@
+"""The window's PromQL: every series it reads is one the engine exports, and answers map onto
+the window's numbers (absent series None, absent counts 0)."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from pagekeeper_engine.frontend.metric_names import METRICS
+from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.tuning.observe import (
+    Scope,
+    build_window,
+    p99_query,
+    records_since,
+    throughput_query,
+    window_queries,
+)
+
+SCOPE = Scope("ml", "qwen")
+SERIES = re.compile(r"([a-z_:]+)\{")
+
+
+def series_read(promql: str) -> set[str]:
+    names = set(SERIES.findall(promql))
+    # A histogram is read through its buckets.
+    return {n.removesuffix("_bucket") if n.endswith("_bucket") else n for n in names}
+
+
+def test_every_series_read_is_exported_by_the_engine() -> None:
+    queries = [
+        *window_queries(SCOPE, 900, 256).values(),
+        throughput_query(SCOPE, 600),
+        p99_query(SCOPE, 600, "vllm:time_to_first_token_seconds"),
+    ]
+    read = set().union(*(series_read(q) for q in queries))
+    assert read <= set(METRICS), read - set(METRICS)
+    assert "pagekeeper_prefix_cache_shadow_hits_total" in read
+
+
+def test_queries_select_the_server_and_aggregate_by_what_they_name() -> None:
+    queries = window_queries(SCOPE, 900, 16)
+    assert queries["prefix_hits"] == (
+        'sum by (llmserver) (increase(vllm:prefix_cache_hits_total{namespace="ml",'
+        'llmserver="qwen"}[900s]))'
+    )
+    assert queries["seq_cap_fraction"] == (
+        "avg by (llmserver) (avg_over_time((vllm:num_requests_running"
+        '{namespace="ml",llmserver="qwen"} >= bool 16)[900s:]))'
+    )
+    canary = Scope("ml", "qwen", "qwen-canary-.*")
+    assert throughput_query(canary, 600) == (
+        '(sum by (pod) (rate(vllm:generation_tokens_total{namespace="ml",llmserver="qwen",'
+        'pod=~"qwen-canary-.*"}[37s])))[600s:37s]'
+    )
+    assert throughput_query(canary, 60).endswith("[5s])))[60s:5s]")
+
+
+def test_answers_become_the_window() -> None:
+    answers = {"vllm:kv_cache_usage_perc": 0.5, "vllm:request_success_total": 300.0}
+
+    def query(promql: str, label: str) -> dict[str, float]:
+        assert label in ("llmserver", "kind")
+        if label == "kind":
+            return {"step": 2.0}
+        for name, value in answers.items():
+            if name in promql and ("avg_over_time" in promql or "increase" in promql):
+                return {"qwen": value, "other": 9.0}
+        return {}
+
+    window = build_window(query, SCOPE, 900, 256, extra={"num_fragmentation_alerts": 3})
+    assert (window.kv_usage_avg, window.num_requests, window.seconds) == (0.5, 300.0, 900.0)
+    assert (window.prefix_queries, window.prefix_shadow_hits, window.ttft_p99) == (0.0, None, None)
+    assert (window.num_oom_step, window.num_oom_swap, window.num_fragmentation_alerts) == (
+        2.0,
+        0.0,
+        3,
+    )
+
+
+def test_alerts_and_oom_terminations_in_the_window_come_from_status() -> None:
+    def record(time: str, alert: str, action: str) -> RemediationRecord:
+        return RemediationRecord(
+            time=time, pod="p", alert=alert, action=action, outcome="applied", message=""
+        )
+
+    history = [
+        record("2026-11-29T00:00:00Z", "PagekeeperFragmentationHigh", "evict"),
+        record("2026-11-29T00:50:00Z", "PagekeeperFragmentationHigh", "evict"),
+        record("2026-11-29T00:55:00Z", "gpu-runtime", "step-down"),
+    ]
+    now = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
+    assert records_since(history, now, 900) == (1, 1)

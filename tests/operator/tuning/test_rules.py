@@ -1,0 +1,206 @@
+"""Each recommender rule on fixture windows, including the windows where no change is right."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.tuning import TuningSpec
+from pagekeeper_operator.tuning.fields import with_change, within_bounds
+from pagekeeper_operator.tuning.rules import Proposal, recommend
+from pagekeeper_operator.tuning.window import MetricWindow
+
+FIXTURES = Path(__file__).parent / "fixtures"
+UTIL = ("gpuMemoryUtilization",)  # held, to look at one rule at a time
+
+
+def window(name: str) -> MetricWindow:
+    return MetricWindow.from_json((FIXTURES / f"{name}.json").read_text())
+
+
+def run(
+    name: str,
+    policy: dict[str, Any] | None = None,
+    tuning: dict[str, Any] | None = None,
+    runtime: str = "pagekeeper",
+    held: tuple[str, ...] = (),
+) -> list[Proposal]:
+    return recommend(
+        window(name),
+        MemoryPolicy.model_validate(policy or {}),
+        TuningSpec.model_validate(tuning or {}),
+        "vllm" if runtime == "vllm" else "pagekeeper",
+        held,
+    )
+
+
+def changes(proposals: list[Proposal]) -> list[tuple[str, str, str, str]]:
+    return [(p.field, p.current, p.proposed, p.rule) for p in proposals]
+
+
+def test_every_fixture_round_trips() -> None:
+    for path in sorted(FIXTURES.glob("*.json")):
+        loaded = MetricWindow.from_json(path.read_text())
+        assert MetricWindow.from_json(loaded.to_json()) == loaded, path.name
+
+
+@pytest.mark.parametrize("name", ["chat_steady", "thin_evidence"])
+def test_no_change_is_the_answer(name: str) -> None:
+    assert run(name, tuning={"bounds": {"allowFp8Kv": True}}) == []
+
+
+def test_prefix_caching_off_when_prompts_never_repeat() -> None:
+    [proposal] = run("no_prefix_reuse")
+    assert (proposal.field, proposal.current, proposal.proposed) == (
+        "enablePrefixCaching",
+        "true",
+        "false",
+    )
+    assert proposal.rule == "prefix-caching-off"
+    assert dict(proposal.evidence) == {"prefixHitRate": 0.029167, "prefixQueryTokens": 720000.0}
+    # 720k tokens is 14.4x the minimum (confidence 1 from samples) x margin (0.3-0.029)/0.3
+    assert proposal.confidence == 0.903
+
+
+def test_prefix_caching_on_from_the_engines_shadow_count() -> None:
+    off = {"enablePrefixCaching": False}
+    assert changes(run("rag_caching_off", off)) == [
+        ("enablePrefixCaching", "false", "true", "prefix-caching-on")
+    ]
+    # Without the shadow series (vLLM exports none) there is no evidence either way.
+    assert run("no_prefix_reuse", off) == []
+    assert run("rag_caching_off", off, {"bounds": {"allowPrefixCachingChange": False}}) == []
+
+
+def test_kv_bound_preemption_lowers_the_cap_and_offers_fp8_only_when_allowed() -> None:
+    # 16 of 140 GiB never reserved, KV-bound, no OOM: the utilization ceiling too.
+    assert changes(run("kv_bound_preempting")) == [
+        ("maxNumSeqs", "256", "153", "max-num-seqs-down"),
+        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up"),
+    ]
+    fp8 = run("kv_bound_preempting", tuning={"bounds": {"allowFp8Kv": True}})
+    assert changes(fp8) == [
+        ("maxNumSeqs", "256", "153", "max-num-seqs-down"),
+        ("kvCacheDtype", "auto", "fp8", "kv-fp8"),
+        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up"),
+    ]
+    bounded = run(
+        "kv_bound_preempting", tuning={"bounds": {"maxNumSeqs": {"min": 200, "max": 256}}}
+    )
+    assert changes(bounded)[0] == ("maxNumSeqs", "256", "200", "max-num-seqs-down")
+
+
+def test_cap_binds_with_kv_room_raises_the_cap_within_bounds() -> None:
+    policy = {"maxNumSeqs": 16}
+    # min(4 x 16, 16 x 0.9 / 0.3 = 48, demand 15.5 running + 30 waiting) = 45
+    assert changes(run("cap_binds", policy)) == [("maxNumSeqs", "16", "45", "max-num-seqs-up")]
+    bounded = run("cap_binds", policy, {"bounds": {"maxNumSeqs": {"min": 8, "max": 24}}})
+    assert changes(bounded) == [("maxNumSeqs", "16", "24", "max-num-seqs-up")]
+    assert run("cap_binds", policy, held=("maxNumSeqs",)) == []
+
+
+def test_block_size_halves_on_waste_when_kv_bound() -> None:
+    assert changes(run("varied_contexts_waste", {"blockSize": 32}, held=UTIL)) == [
+        ("blockSize", "32", "16", "block-size-down")
+    ]
+    # vLLM pods cannot run 8-token blocks, and a bound can exclude them too.
+    assert run("varied_contexts_waste", {"blockSize": 16}, runtime="vllm", held=UTIL) == []
+    sizes = {"bounds": {"blockSizes": [16, 32]}}
+    limited = run("varied_contexts_waste", {"blockSize": 16}, sizes, held=UTIL)
+    assert limited == []
+    assert changes(run("varied_contexts_waste", {"blockSize": 16}, held=UTIL)) == [
+        ("blockSize", "16", "8", "block-size-down")
+    ]
+
+
+def test_block_size_doubles_when_waste_is_negligible() -> None:
+    tiny = replace(window("chat_steady"), kv_waste_avg=0.01)
+    [proposal] = recommend(tiny, MemoryPolicy(), TuningSpec(), "pagekeeper")
+    assert (proposal.field, proposal.proposed, proposal.rule) == (
+        "blockSize",
+        "32",
+        "block-size-up",
+    )
+
+
+def test_fragmentation_alerts_turn_expandable_segments_on_and_size_the_buffer() -> None:
+    policy = {"allocator": {"expandableSegments": False, "maxSplitSizeMb": 512}}
+    assert changes(run("fragmentation_alerts", policy)) == [
+        ("allocator.expandableSegments", "false", "true", "allocator-expandable"),
+        ("fragmentationBuffer", "auto", "2250Mi", "fragmentation-buffer"),
+    ]
+    # Under vLLM there is no --fragmentation-buffer.
+    assert changes(run("fragmentation_alerts", policy, runtime="vllm")) == [
+        ("allocator.expandableSegments", "false", "true", "allocator-expandable")
+    ]
+    assert changes(run("fragmentation_alerts")) == [
+        ("allocator.garbageCollectionThreshold", "", "0.8", "allocator-expandable"),
+        ("fragmentationBuffer", "auto", "2250Mi", "fragmentation-buffer"),
+    ]
+
+
+def test_batched_tokens_follow_the_objective() -> None:
+    ttft = {"objective": "ThroughputUnderTTFT", "ttftP99Seconds": 2.0}
+    assert changes(run("ttft_over_bound", tuning=ttft)) == [
+        ("maxNumBatchedTokens", "8192", "16384", "batched-tokens")
+    ]
+    assert run("ttft_over_bound") == []  # plain throughput: TTFT is no objective
+    itl = {"objective": "ThroughputUnderITL", "itlP99Seconds": 0.02}
+    assert changes(run("chat_steady", tuning=itl)) == [
+        ("maxNumBatchedTokens", "8192", "4096", "batched-tokens")
+    ]
+    floor = {**itl, "bounds": {"maxNumBatchedTokens": {"min": 8192, "max": 8192}}}
+    assert run("chat_steady", tuning=floor) == []
+
+
+def test_utilization_rises_into_measured_slack_never_past_the_bound() -> None:
+    # 40 of 140 GiB never reserved: to the default ceiling 0.95 (1 - a 2% margin is above it)
+    assert changes(run("utilization_slack")) == [
+        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up")
+    ]
+    bounded = run(
+        "utilization_slack", tuning={"bounds": {"gpuMemoryUtilization": {"min": 0.8, "max": 0.92}}}
+    )
+    assert changes(bounded) == [("gpuMemoryUtilization", "0.9", "0.92", "utilization-up")]
+    low = run("utilization_slack", {"gpuMemoryUtilization": 0.7})
+    assert changes(low) == [("gpuMemoryUtilization", "0.7", "0.95", "utilization-up")]
+    assert dict(low[0].evidence)["idleFraction"] == 0.285714
+
+
+def test_no_utilization_rise_after_an_oom_or_under_a_step_down() -> None:
+    assert run("oom_in_window") == []
+    stepped = replace(window("utilization_slack"), is_stepped_down=True)
+    assert recommend(stepped, MemoryPolicy(), TuningSpec(), "pagekeeper") == []
+
+
+def test_every_proposal_carries_numbers_and_an_effect() -> None:
+    for name in ("no_prefix_reuse", "kv_bound_preempting", "fragmentation_alerts"):
+        for proposal in run(name):
+            assert proposal.evidence and proposal.expected_effect
+            assert 0.0 < proposal.confidence <= 1.0
+
+
+@pytest.mark.parametrize(
+    "path", sorted(FIXTURES.rglob("*.json")), ids=lambda p: str(p.relative_to(FIXTURES))
+)
+def test_every_window_gives_valid_proposals_within_bounds(path: Path) -> None:
+    """Over every fixture, the GPU-recorded ones under fixtures/gpu/ (`benchmarks/tune.py
+    --fixtures`) included: one proposal per field, each a valid policy inside tight bounds,
+    never a held field, and only what vLLM honours under runtime vllm."""
+    recorded = MetricWindow.from_json(path.read_text())
+    tight = TuningSpec.model_validate(
+        {"bounds": {"gpuMemoryUtilization": {"min": 0.85, "max": 0.92},
+                    "maxNumSeqs": {"min": 128, "max": 256}, "blockSizes": [16]}}
+    )  # fmt: skip
+    for runtime in ("pagekeeper", "vllm"):
+        proposals = recommend(recorded, MemoryPolicy(), tight, runtime, ("kvCacheDtype",))
+        assert len({p.field for p in proposals}) == len(proposals)
+        for p in proposals:
+            changed = with_change(MemoryPolicy(), p.field, p.proposed)
+            assert within_bounds(p.field, p.proposed, tight.bounds, runtime), p
+            assert changed != MemoryPolicy() and p.field != "kvCacheDtype"
+            assert 0.0 < p.confidence <= 1.0 and p.evidence
