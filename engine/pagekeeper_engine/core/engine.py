@@ -316,7 +316,15 @@ class LLMEngine:
             else:
                 self.scheduler.cache_known_blocks(seq)
             logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
-            outputs.append(engine_output(seq, [seq.last_known_token_id], logprobs))
+            top = seq.top_logprobs.pop(num_known_outputs - 1, None)
+            outputs.append(
+                engine_output(
+                    seq,
+                    [seq.last_known_token_id],
+                    logprobs,
+                    top_logprobs=[top or []] if top else [],
+                )
+            )
         return outputs
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -332,6 +340,7 @@ def engine_output(
     new_token_ids: list[int],
     logprobs: list[float | None],
     error: str | None = None,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
 ) -> EngineOutput:
     """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
     finish_reason = seq.finish_reason
@@ -344,5 +353,6 @@ def engine_output(
         num_output_tokens=seq.num_known_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
         logprobs=logprobs,
+        top_logprobs=top_logprobs or [],
         error=error,
     )
