@@ -86,6 +86,7 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
         logprobs=[p for o in outputs for p in o.logprobs],
+        top_logprobs=[t for o in outputs for t in o.top_logprobs],
     )
 
 
@@ -352,6 +353,7 @@ class CoreClient:
                 num_output_tokens=out.num_output_tokens,
                 num_cached_tokens=out.num_cached_tokens,
                 logprobs=out.logprobs,
+                top_logprobs=out.top_logprobs,
             )
             request.put(output, is_last=finished)
         if stopped:
