@@ -91,6 +91,15 @@ class SamplingRequest(StrictModel):
             raise ValueError(f"max_tokens must be at most max_model_len ({limit}), got {value}")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: object) -> object:
@@ -228,14 +237,14 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _no_best_of(cls, value: int | None) -> int | None:
         if value is not None and value > 1:
-            raise ValueError("best_of > 1 is not supported")
+            raise ValueError(f"best_of > 1 is not supported; got {value!r}")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"suffix (insertion) is not supported; got {value!r}")
         return value
 
     @property

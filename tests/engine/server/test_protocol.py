@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.frontend import responses as r
-from pagekeeper_engine.frontend.errors import APIError, from_validation_error
 from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
+from pagekeeper_engine.frontend.errors import APIError, from_validation_error
 from pagekeeper_engine.frontend.protocol import MAX_N, CompletionRequest
 from pagekeeper_engine.frontend.responses import ChoiceState
 from pagekeeper_engine.frontend.serving import check_prompt, resolve_max_tokens
