@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default bound)
@@ -48,9 +49,11 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    @property
+    @functools.cached_property
     def uses_processors(self) -> bool:
-        """Anything beyond the plain pick: a bias, a penalty, min-p or top alternatives."""
+        """Anything beyond the plain pick: a bias, a penalty, min-p or top alternatives.
+        Cached (outside the fields, so neither equality nor the messages see it): every step
+        asks it of every sampled row."""
         return (
             bool(self.logit_bias)
             or self.min_p > 0.0

@@ -313,8 +313,10 @@ class Scheduler:
                 continue
             assert token_id is not None, f"no token sampled for {item.request_id}"
             seq.fill_placeholder(token_id, logprob)
-            if tops is not None and (top := tops[i]) is not None:
-                seq.top_logprobs[seq.num_known_output_tokens - 1] = top
+            num_top = seq.sampling.top_logprobs
+            if num_top and tops is not None and (top := tops[i]) is not None:
+                # the step computed the batch's largest count; this request keeps its own
+                seq.top_logprobs[seq.num_known_output_tokens - 1] = top[:num_top]
             sampled.append(seq)
         return sampled
 
