@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -86,13 +87,17 @@ def add_logit_bias(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
         scores.index_put_(index, _on(device, biases, torch.float32), accumulate=True)
 
 
-def _known_tokens(seq: TokenHistory) -> tuple[list[int], list[int]]:
-    """The prompt's tokens and the outputs before the newest token, all known on the host."""
-    tokens = seq.all_token_ids
-    known = tokens[:-1]
-    assert PLACEHOLDER_TOKEN_ID not in known, "only a sequence's newest token may be pending"
-    num_prompt = seq.num_prompt_tokens
-    return known[:num_prompt], known[num_prompt:]
+def _row_tokens(
+    rows: list[int], tokens: list[np.ndarray], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token id) index pairs on the device for `rows[i]`'s `tokens[i]`, in one copy."""
+    if not tokens or not sum(len(t) for t in tokens):
+        return None
+    pairs = np.stack(
+        (np.repeat(np.asarray(rows, np.int64), [len(t) for t in tokens]), np.concatenate(tokens))
+    )  # (2, M)
+    on_device = torch.from_numpy(pairs).to(device, non_blocking=True)
+    return on_device[0], on_device[1]
 
 
 def apply_penalties(
@@ -102,31 +107,31 @@ def apply_penalties(
     counts: torch.Tensor,  # (>= N, V) fp32 plane, overwritten
     work: torch.Tensor,  # (>= N, V) fp32 plane, overwritten
 ) -> None:
-    num_rows, vocab_size = scores.shape
+    num_rows = scores.shape[0]
     device = scores.device
     counts, work = counts[:num_rows], work[:num_rows]
     penalized = [row for row, p in enumerate(params) if p.has_penalties]
     last_ids = history.last_token_ids()  # (N,) on the device
-    mark_rows: list[int] = []
-    mark_ids: list[int] = []
-    count_rows: list[int] = []
-    count_ids: list[int] = []
+    marked: list[np.ndarray] = []  # the repetition penalty's rows: prompt and outputs
+    outputs: list[np.ndarray] = []  # every penalized row's outputs before the newest token
     last_is_output: list[int] = []  # rows whose newest token is an output
     for row in penalized:
         seq = history.seqs[row]
-        prompt, outputs = _known_tokens(seq)
+        tokens = seq.all_token_ids
+        known = np.array(tokens[:-1], dtype=np.int64)  # the newest is read on the device
+        assert not (known == PLACEHOLDER_TOKEN_ID).any(), "only the newest token may be pending"
         if params[row].repetition_penalty != 1.0:
-            mark_rows += [row] * (len(prompt) + len(outputs))
-            mark_ids += prompt + outputs
-        count_rows += [row] * len(outputs)
-        count_ids += outputs
-        if len(seq.all_token_ids) > seq.num_prompt_tokens:
+            marked.append(known)
+        outputs.append(known[seq.num_prompt_tokens :])
+        if len(tokens) > seq.num_prompt_tokens:
             last_is_output.append(row)
-    if any(params[row].repetition_penalty != 1.0 for row in penalized):
+    repeated = [row for row in penalized if params[row].repetition_penalty != 1.0]
+    if repeated:
+        mark_index = _row_tokens(repeated, marked, device)
         log_penalty = [math.log(p.repetition_penalty) for p in params]
         work.zero_()
-        if mark_rows:
-            work[_on(device, mark_rows, torch.int64), _on(device, mark_ids, torch.int64)] = 1.0
+        if mark_index is not None:
+            work[mark_index] = 1.0
         work[torch.arange(num_rows, device=device), last_ids] = 1.0  # the newest token
         work.mul_(_on(device, log_penalty, torch.float32)[:, None])  # m log p, 0 unmarked
         # s * p ** (-m sign(s)): a positive score divided by p, a negative one multiplied
@@ -134,15 +139,17 @@ def apply_penalties(
         counts.mul_(work).neg_().exp_()
         scores.mul_(counts)
     if any(params[row].presence_penalty or params[row].frequency_penalty for row in penalized):
+        count_index = _row_tokens(penalized, outputs, device)
         counts.zero_()
-        ones = torch.ones(len(count_ids) + len(last_is_output), device=device)
-        if count_ids:
-            index = (_on(device, count_rows, torch.int64), _on(device, count_ids, torch.int64))
-            counts.index_put_(index, ones[: len(count_ids)], accumulate=True)
+        one = torch.ones(1, device=device)
+        if count_index is not None:
+            counts.index_put_(count_index, one.expand(count_index[0].shape[0]), accumulate=True)
         if last_is_output:
             rows = _on(device, last_is_output, torch.int64)
             counts.index_put_(
-                (rows, last_ids.index_select(0, rows)), ones[len(count_ids) :], accumulate=True
+                (rows, last_ids.index_select(0, rows)),
+                one.expand(len(last_is_output)),
+                accumulate=True,
             )
         presence = _on(device, [p.presence_penalty for p in params], torch.float32)
         frequency = _on(device, [p.frequency_penalty for p in params], torch.float32)
@@ -150,7 +157,6 @@ def apply_penalties(
         scores.sub_(work.mul_(presence[:, None]))
         torch.mul(counts, frequency[:, None], out=work)
         scores.sub_(work)
-    assert scores.shape == (num_rows, vocab_size)
 
 
 def apply_min_p(
