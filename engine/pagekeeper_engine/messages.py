@@ -75,6 +75,7 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[float | None] = []
     error: str | None = None
     is_rejected: bool = False
+    rejected_param: str | None = None  # the field at fault in a rejected request
     # per new token where the request asked for alternatives: (token id, log-probability),
     # likeliest first
     top_logprobs: list[list[tuple[int, float]]] = []

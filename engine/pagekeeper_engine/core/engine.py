@@ -80,6 +80,7 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,  # times the waits for the device
+        check_sampling: Callable[[SamplingParams], None] | None = None,  # the runner's check
     ) -> None:
         self.config = config
         self.runner = runner
@@ -94,6 +95,7 @@ class LLMEngine:
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
         )
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._check_sampling = check_sampling
         self._launch = resolve_launch(config, runner)
         self._in_flight: _InFlight | None = None
         self._pending: list[EngineOutput] = []
@@ -112,6 +114,8 @@ class LLMEngine:
         if params.max_tokens < 1:
             raise RequestRejectedError(f"max_tokens must be at least 1, got {params.max_tokens}")
         self._oom.check_request(len(prompt_token_ids))
+        if self._check_sampling is not None:
+            self._check_sampling(params)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -12,7 +12,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's de
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    The logits processors (`logit_bias`, the penalties, `min_p`) and `top_logprobs` are off at
+    The logits processors (`json_schema`, `logit_bias`, the penalties, `min_p`) and
+    `top_logprobs` are off at
     their defaults; a batch whose rows all leave them so samples exactly as if they did not
     exist (`uses_processors`, `runner/logits_processing.py`).
     """
@@ -34,6 +35,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # divides (or multiplies) prompt and generated tokens
     top_logprobs: int = 0  # alternatives returned beside each sampled token's logprob
+    # a JSON schema (as JSON text) every output must match: `response_format`
+    json_schema: str | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -51,12 +54,13 @@ class SamplingParams:
 
     @functools.cached_property
     def uses_processors(self) -> bool:
-        """Anything beyond the plain pick: a bias, a penalty, min-p or top alternatives.
+        """Anything beyond the plain pick: a schema, a bias, a penalty, min-p or top alternatives.
         Cached (outside the fields, so neither equality nor the messages see it): every step
         asks it of every sampled row."""
         return (
             bool(self.logit_bias)
             or self.min_p > 0.0
             or self.top_logprobs > 0
-            or (self.has_penalties)
+            or self.json_schema is not None
+            or self.has_penalties
         )

@@ -319,7 +319,9 @@ class CoreClient:
             if request is None or request.is_done:
                 continue  # its consumer left, or a stop string already ended it
             if out.is_rejected:
-                request.put(RequestRejectedError(out.error), is_last=True)
+                request.put(
+                    RequestRejectedError(out.error or "rejected", out.rejected_param), is_last=True
+                )
                 continue
             if out.error is not None:
                 request.put(RequestFailedError(out.error), is_last=True)

@@ -162,6 +162,11 @@ class SamplingRequest(StrictModel):
         """Alternatives asked beside each sampled token (the endpoints spell it differently)."""
         return 0
 
+    @property
+    def json_schema(self) -> str | None:
+        """The schema every output must match (chat's `response_format`)."""
+        return None
+
     def sampling_params(
         self, max_tokens: int, *, want_logprobs: bool, index: int
     ) -> SamplingParams:
@@ -185,6 +190,7 @@ class SamplingRequest(StrictModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             top_logprobs=self.num_top_logprobs,
+            json_schema=self.json_schema,
         )
 
 

@@ -300,7 +300,7 @@ async def respond(
             await events.send(renderer.usage_chunk(usage))
         await events.send("[DONE]")
     except RequestRejectedError as exc:
-        await _fail(events, bad_request(str(exc), renderer.prompt_param))
+        await _fail(events, bad_request(str(exc), exc.param or renderer.prompt_param))
     except EngineDrainingError as exc:
         state.metrics.count_rejected("draining")
         await _fail(

@@ -1,19 +1,20 @@
 """The logits processors and top-k alternatives, over the sampler's preallocated rows.
 
-A batch in which some row asks for `logit_bias`, a penalty, `min_p` or `top_logprobs` has its
-scores (the fp32 copy of its logits in `SamplerBuffers.scores`) rewritten before the pick, in
-vLLM's order: the bias is added; the repetition penalty divides a positive score (multiplies a
-negative one) of every token in the prompt or the output; the presence penalty is subtracted
-once and the frequency penalty once per occurrence from each token of the output; and, for
-random rows, min-p drops every token whose probability under softmax(score / T) is below
-`min_p` times the likeliest one's, i.e. whose score is below max + T log(min_p). Top-k and
-top-p then cut what is left (`top_k_top_p`). The sampled token's logprob and the top-k
-alternatives are always read from the model's unmodified logits.
+A batch in which some row asks for a schema, `logit_bias`, a penalty, `min_p` or `top_logprobs`
+has its scores (the fp32 copy of its logits in `SamplerBuffers.scores`) rewritten before the
+pick, in vLLM's order: the schema's mask (`structured_output`) sets what it disallows to -inf;
+the bias is added; the repetition penalty divides a positive score (multiplies a negative one)
+of every token in the prompt or the output; the presence penalty is subtracted once and the
+frequency penalty once per occurrence from each token of the output; and, for random rows, min-p
+drops every token whose probability under softmax(score / T) is below `min_p` times the
+likeliest one's, i.e. whose score is below max + T log(min_p). Top-k and top-p then cut what is
+left (`top_k_top_p`). The sampled token's logprob and the top-k alternatives are always read
+from the model's unmodified logits.
 
 The penalties need each row's tokens so far. They come from the sequence's own token list
 (`TokenHistory`), which is whole on the host except, under asynchronous scheduling, its newest
-token: that one is this step's input at the row's sampled position, gathered on the device
-from the previous step's ids before the forward pass, so it is read from there
+token: that one is this step's input at the row's sampled position, gathered on the device from
+the previous step's ids before the forward pass, so it is read from there
 (`StepHistory.last_token_ids`). The per-row occurrence counts are built afresh each step by a
 scatter into the sampler's draw plane, and the repetition marks into its spare row plane: both
 planes exist already (docs/decisions.md, "The penalties count tokens in the sampler's planes").
@@ -32,6 +33,7 @@ import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.runner.structured_output import GrammarMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch
 
 
@@ -186,8 +188,19 @@ def process_scores(
     counts: torch.Tensor,  # (>= N, V) fp32 plane
     work: torch.Tensor,  # (>= N, V) fp32 plane
     scratch: CutScratch,
+    grammar: GrammarMasks | None = None,
 ) -> None:
     """Every processor the batch's rows ask for, in order (the module docstring)."""
+    if any(p.json_schema is not None for p in params):
+        assert grammar is not None, "a structured request reached a sampler without grammars"
+        assert history is not None, "the grammars read the rows' tokens so far"
+        grammar.apply(
+            scores,
+            params,
+            [s.all_token_ids for s in history.seqs],
+            [s.num_prompt_tokens for s in history.seqs],
+            history.last_token_ids(),
+        )
     if any(p.logit_bias for p in params):
         add_logit_bias(scores, params)
     if any(p.has_penalties for p in params):

@@ -36,6 +36,7 @@ from pagekeeper_engine.runner.logits_processing import (
     top_logprobs,
     uses_processors,
 )
+from pagekeeper_engine.runner.structured_output import GrammarMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -166,6 +167,7 @@ class Sampler:
         self.pick_keys = random.Random(seed)  # a key a step for the CUDA pick's uniform draws
         self.eos_token_ids = eos_token_ids
         self.buffers = buffers
+        self.grammar: GrammarMasks | None = None  # rank 0's, for structured requests
 
     def __call__(
         self,
@@ -204,7 +206,9 @@ class Sampler:
         scores = buffers.scores[: len(params)]
         if masked is not scores:
             scores.copy_(masked)
-        process_scores(scores, params, history, buffers.noise, buffers.rows, buffers.cut)
+        process_scores(
+            scores, params, history, buffers.noise, buffers.rows, buffers.cut, self.grammar
+        )
         token_ids, packed = self._pick(logits, scores, params, num_output_tokens, buffers)
         num_top = min(max(p.top_logprobs for p in params), logits.shape[1])
         if num_top == 0:

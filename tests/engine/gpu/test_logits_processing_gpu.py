@@ -4,6 +4,8 @@ race of a mixed batch), against the plain torch reference on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.logits_processing import StepHistory, process_scores_ref
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
+from tests.engine.cpu.test_structured_output import check_picks_continue_the_schema
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,3 +107,9 @@ def test_a_plain_batch_has_no_extra_rows_on_the_gpu() -> None:
     sampler = Sampler("cuda", 0, frozenset(), SamplerBuffers(8, VOCAB, torch.bfloat16, "cuda"))
     _, packed = sampler.sample(logits(), [SamplingParams(temperature=0.7)] * NUM_ROWS, [0] * 6)
     assert packed.shape == (2, NUM_ROWS)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_schemas_masks_on_the_gpu(tmp_path: Path, temperature: float) -> None:
+    """The bitmask copied to the device and applied there (xgrammar's CUDA path)."""
+    check_picks_continue_the_schema(tmp_path, temperature, "cuda")

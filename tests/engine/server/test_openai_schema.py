@@ -16,6 +16,7 @@ import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import pytest
 import requests
+from pydantic import BaseModel
 
 from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
 from pagekeeper_engine.frontend.protocol import CompletionRequest
@@ -76,7 +77,10 @@ HONOURED: dict[str, dict[str, tuple[Any, str]]] = {
         "store": (False, "nothing is stored"),
         "modalities": (["text"], "text is what the server writes"),
         "prompt_cache_retention": ("in_memory", "the prefix cache lives in memory"),
-        "response_format": ({"type": "text"}, "plain text is what the server writes"),
+        "response_format": (
+            {"type": "json_object"},
+            "test_structured_output.test_every_sampled_reply_matches_its_schema",
+        ),
         "tools": ([], "no tools"),
         "functions": ([], "no functions"),
     },
@@ -90,10 +94,7 @@ REFUSED: dict[str, dict[str, list[Any]]] = {
         "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
         "functions": [[{"name": "f", "parameters": {"type": "object"}}]],
         "function_call": [{"name": "f"}],
-        "response_format": [
-            {"type": "json_object"},
-            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}},
-        ],
+        "response_format": [{"type": "json_schema"}, {"type": "grammar", "grammar": "root"}],
         "audio": [{"voice": "alloy", "format": "wav"}],
         "modalities": [["text", "audio"]],
         "prediction": [{"type": "content", "content": "guess"}],
@@ -107,7 +108,7 @@ REFUSED: dict[str, dict[str, list[Any]]] = {
         "prompt_cache_options": [{"ttl": "24h"}],
     },
 }
-SCHEMAS = {
+SCHEMAS: dict[str, tuple[Any, type[BaseModel]]] = {
     COMPLETIONS: (completion_params, CompletionRequest),
     CHAT: (chat_params, ChatCompletionRequest),
 }
