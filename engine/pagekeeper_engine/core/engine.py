@@ -320,13 +320,15 @@ class LLMEngine:
             else:
                 self.scheduler.cache_known_blocks(seq)
             logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
-            top = seq.top_logprobs.pop(num_known_outputs - 1, None)
+            top = None
+            if seq.sampling.top_logprobs:  # a plain request's step does no dict work here
+                top = seq.top_logprobs.pop(num_known_outputs - 1, None)
             outputs.append(
                 engine_output(
                     seq,
                     [seq.last_known_token_id],
                     logprobs,
-                    top_logprobs=[top or []] if top else [],
+                    top_logprobs=[top] if top is not None else None,
                 )
             )
         return outputs
