@@ -225,7 +225,7 @@ def _load_and_serve(
     except Exception:
         logger.exception("could not load %s", config.model)
         return 1
-    engine = LLMEngine(config, runner, runner.eos_token_ids)
+    engine = LLMEngine(config, runner, runner.eos_token_ids, check_sampling=runner.check_sampling)
     core = EngineCore(engine, addresses, num_clients, is_parent_alive=is_parent_alive)
     on_rank_failure.attach(core)
     freeze_startup_heap("engine core")

@@ -27,7 +27,7 @@ from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 STATS_INTERVAL_S = 0.1  # the loop's stats ride on step outputs at most this often
 HEARTBEAT_INTERVAL_S = 0.5  # an idle core sends its stats this often
 
@@ -75,6 +75,10 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[float | None] = []
     error: str | None = None
     is_rejected: bool = False
+    rejected_param: str | None = None  # the field at fault in a rejected request
+    # per new token where the request asked for alternatives: (token id, log-probability),
+    # likeliest first
+    top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

@@ -80,6 +80,7 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,  # times the waits for the device
+        check_sampling: Callable[[SamplingParams], None] | None = None,  # the runner's check
     ) -> None:
         self.config = config
         self.runner = runner
@@ -94,6 +95,7 @@ class LLMEngine:
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
         )
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._check_sampling = check_sampling
         self._launch = resolve_launch(config, runner)
         self._in_flight: _InFlight | None = None
         self._pending: list[EngineOutput] = []
@@ -112,6 +114,8 @@ class LLMEngine:
         if params.max_tokens < 1:
             raise RequestRejectedError(f"max_tokens must be at least 1, got {params.max_tokens}")
         self._oom.check_request(len(prompt_token_ids))
+        if self._check_sampling is not None:
+            self._check_sampling(params)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -321,7 +325,17 @@ class LLMEngine:
             else:
                 self.scheduler.cache_known_blocks(seq)
             logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
-            outputs.append(engine_output(seq, [seq.last_known_token_id], logprobs))
+            top = None
+            if seq.sampling.top_logprobs:  # a plain request's step does no dict work here
+                top = seq.top_logprobs.pop(num_known_outputs - 1, None)
+            outputs.append(
+                engine_output(
+                    seq,
+                    [seq.last_known_token_id],
+                    logprobs,
+                    top_logprobs=[top] if top is not None else None,
+                )
+            )
         return outputs
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -337,6 +351,7 @@ def engine_output(
     new_token_ids: list[int],
     logprobs: list[float | None],
     error: str | None = None,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
 ) -> EngineOutput:
     """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
     finish_reason = seq.finish_reason
@@ -349,5 +364,6 @@ def engine_output(
         num_output_tokens=seq.num_known_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
         logprobs=logprobs,
+        top_logprobs=top_logprobs or [],
         error=error,
     )

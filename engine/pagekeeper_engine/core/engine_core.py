@@ -53,8 +53,19 @@ LINGER_MS = 2000  # how long closing sockets may take to deliver the last messag
 PARENT_CHECK_INTERVAL_S = 0.5
 
 
-def _rejected(request_id: str, reason: str) -> EngineOutput:
-    return EngineOutput(request_id, [], True, "abort", 0, 0, 0, error=reason, is_rejected=True)
+def _rejected(request_id: str, reason: str, param: str | None = None) -> EngineOutput:
+    return EngineOutput(
+        request_id,
+        [],
+        True,
+        "abort",
+        0,
+        0,
+        0,
+        error=reason,
+        is_rejected=True,
+        rejected_param=param,
+    )
 
 
 class EngineCore:
@@ -186,7 +197,7 @@ class EngineCore:
                 )
             except RequestRejectedError as exc:
                 self._owners.pop(message.request_id)
-                rejected = _rejected(message.request_id, str(exc))
+                rejected = _rejected(message.request_id, str(exc), exc.param)
                 self._send(message.client_index, StepOutputs([rejected]))
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:

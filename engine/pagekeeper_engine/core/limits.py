@@ -12,7 +12,12 @@ from pagekeeper_engine.core.kv_manager import num_blocks_for
 
 
 class RequestRejectedError(ValueError):
-    """A request this engine can never serve as configured (the server answers 400)."""
+    """A request this engine can never serve as configured (the server answers 400, naming
+    `param` where the fault is in one field, else the prompt)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     needs_sample: bool  # False for a prefill chunk that does not reach the prompt's end
     sampling: SamplingParams
     num_output_tokens: int  # tokens generated so far (seeds per-request generators)
+    # The sequence's whole token list (shared, not copied: read at the step's launch only,
+    # by the penalties) and how many of its tokens are the prompt's.
+    all_token_ids: list[int] = []
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -58,3 +62,6 @@ class RunnerOutput:
 
     sampled_token_ids: list[int | None]
     logprobs: list[float | None]
+    # per entry, the sampled token's top alternatives (token id, log-probability), likeliest
+    # first, where its request asked for them; None when no request of the step did
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None

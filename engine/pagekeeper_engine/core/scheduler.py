@@ -263,6 +263,8 @@ class Scheduler:
             needs_sample=start + num_tokens == seq.num_tokens,
             sampling=seq.sampling,
             num_output_tokens=seq.num_output_tokens,
+            all_token_ids=seq.token_ids,
+            num_prompt_tokens=len(seq.prompt_token_ids),
         )
 
     def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[Sequence]:
@@ -303,13 +305,18 @@ class Scheduler:
         """
         assert len(runner_out.sampled_token_ids) == len(out.seqs), "one result per sequence"
         sampled: list[Sequence] = []
-        for item, seq, token_id, logprob in zip(
-            out.seqs, seqs, runner_out.sampled_token_ids, runner_out.logprobs, strict=True
+        tops = runner_out.top_logprobs
+        for i, (item, seq, token_id, logprob) in enumerate(
+            zip(out.seqs, seqs, runner_out.sampled_token_ids, runner_out.logprobs, strict=True)
         ):
             if not item.needs_sample or seq.status.is_finished:
                 continue
             assert token_id is not None, f"no token sampled for {item.request_id}"
             seq.fill_placeholder(token_id, logprob)
+            num_top = seq.sampling.top_logprobs
+            if num_top and tops is not None and (top := tops[i]) is not None:
+                # the step computed the batch's largest count; this request keeps its own
+                seq.top_logprobs[seq.num_known_output_tokens - 1] = top[:num_top]
             sampled.append(seq)
         return sampled
 

@@ -65,6 +65,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     token_ids: list[int] = field(init=False)
     output_logprobs: list[float | None] = field(default_factory=list)
+    # output index -> that token's top alternatives, until the step loop hands them out
+    top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # prompt tokens served from the prefix cache at the first admission (usage reporting)

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
-from pagekeeper_engine.frontend import admin
+from pagekeeper_engine.frontend import admin, token_routes
 from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
 from pagekeeper_engine.frontend.errors import (
     APIError,
     bad_request,
@@ -31,11 +32,7 @@ from pagekeeper_engine.frontend.errors import (
 )
 from pagekeeper_engine.frontend.metrics import EngineCollector, ServerMetrics
 from pagekeeper_engine.frontend.prompt_encoder import PromptEncoder
-from pagekeeper_engine.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from pagekeeper_engine.frontend.protocol import CompletionRequest, SamplingRequest
 from pagekeeper_engine.frontend.serving import Job, check_prompt, resolve_max_tokens
 from pagekeeper_engine.frontend.state import Phase, ServerState
 from pagekeeper_engine.frontend.streaming import ChatRenderer, CompletionRenderer, respond
@@ -52,7 +49,8 @@ MAX_BODY_BYTES = 16 * 2**20  # a 1M-token prompt as JSON ids is ~8 MiB
 
 def _validate(model: type[RequestT], body: dict[str, Any], state: ServerState) -> RequestT:
     try:
-        request = model.model_validate(body, context={"max_model_len": state.max_model_len})
+        context = {"max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+        request = model.model_validate(body, context=context)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
     if request.model != state.model_name:
@@ -85,12 +83,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     explicit = req.max_tokens if "max_tokens" in req.model_fields_set else None
     jobs_params = _params(req, prompt_ids, explicit, state, req.want_logprobs, default=16)
     job = Job(f"cmpl-{uuid.uuid4().hex}", prompt_ids, jobs_params, req.n)
+    # echo: each choice's text starts with its prompt's (token id prompts are decoded)
+    echoed = (
+        [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompt] if req.echo else None
+    )
     renderer = CompletionRenderer(
         job.request_id,
         int(time.time()),
         state.model_name,
         tokenizer,
         want_logprobs=req.want_logprobs,
+        num_top_logprobs=req.num_top_logprobs,
+        echoed=echoed,
+        n=req.n,
     )
     return await respond(
         request, state, engine, job, renderer, req.stream, req.include_usage, arrival_s
@@ -116,10 +121,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("the messages render to no tokens", "messages")
     check_prompt(ids, state.max_model_len, tokenizer.vocab_size, "messages")
     want_logprobs = req.logprobs
-    params = _params(req, [ids], req.max_tokens, state, want_logprobs, default=None)
+    limit, limit_param = req.token_limit
+    params = _params(req, [ids], limit, state, want_logprobs, default=None, limit_param=limit_param)
     job = Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
     renderer = ChatRenderer(
-        job.request_id, int(time.time()), state.model_name, tokenizer, want_logprobs=want_logprobs
+        job.request_id,
+        int(time.time()),
+        state.model_name,
+        tokenizer,
+        want_logprobs=want_logprobs,
+        num_top_logprobs=req.num_top_logprobs,
     )
     return await respond(
         request, state, engine, job, renderer, req.stream, req.include_usage, arrival_s
@@ -138,13 +149,16 @@ def _params(
     want_logprobs: bool,
     *,
     default: int | None,
+    limit_param: str = "max_tokens",
 ) -> list[SamplingParams]:
     params: list[SamplingParams] = []
     for ids in prompt_ids:
         if explicit_max_tokens is None and default is not None:
             max_tokens = min(default, state.max_model_len - len(ids))
         else:
-            max_tokens = resolve_max_tokens(explicit_max_tokens, len(ids), state.max_model_len)
+            max_tokens = resolve_max_tokens(
+                explicit_max_tokens, len(ids), state.max_model_len, limit_param
+            )
         params += [
             req.sampling_params(max_tokens, want_logprobs=want_logprobs, index=j)
             for j in range(req.n)
@@ -181,6 +195,14 @@ async def defragment(request: web.Request) -> web.Response:
     return await admin.defragment(request, request.app[STATE])
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    return await token_routes.tokenize(request, request.app[STATE])
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await token_routes.detokenize(request, request.app[STATE])
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -215,6 +237,9 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", token_routes.version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

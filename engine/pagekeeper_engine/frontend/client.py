@@ -34,7 +34,8 @@ class RequestOutput:
 
     `new_text` never contains a stop string, nor text that could still turn out to begin one
     (held back until it cannot). `logprobs` has one entry per new token when the request asked
-    for logprobs, else it is empty.
+    for logprobs, else it is empty; `top_logprobs` likewise, one list of (token id,
+    log-probability) alternatives per new token, when it asked for top alternatives.
     """
 
     request_id: str
@@ -46,6 +47,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class EngineClient(Protocol):

@@ -86,6 +86,7 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
         logprobs=[p for o in outputs for p in o.logprobs],
+        top_logprobs=[t for o in outputs for t in o.top_logprobs],
     )
 
 
@@ -318,7 +319,9 @@ class CoreClient:
             if request is None or request.is_done:
                 continue  # its consumer left, or a stop string already ended it
             if out.is_rejected:
-                request.put(RequestRejectedError(out.error), is_last=True)
+                request.put(
+                    RequestRejectedError(out.error or "rejected", out.rejected_param), is_last=True
+                )
                 continue
             if out.error is not None:
                 request.put(RequestFailedError(out.error), is_last=True)
@@ -352,6 +355,7 @@ class CoreClient:
                 num_output_tokens=out.num_output_tokens,
                 num_cached_tokens=out.num_cached_tokens,
                 logprobs=out.logprobs,
+                top_logprobs=out.top_logprobs,
             )
             request.put(output, is_last=finished)
         if stopped:

@@ -1,38 +1,51 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
-Types are strict (a string is not a number, a bool is not an int), unknown fields are ignored as
-OpenAI does, and limits that depend on the running engine (`max_model_len`) come in through the
-validation context: `Model.model_validate(body, context={"max_model_len": 2048})`.
-Fields whose values this engine cannot honour (penalties, `echo`, top-k alternatives) are
-accepted only at their neutral value, so a client never gets a silently different answer.
+Types are strict (a string is not a number, a bool is not an int), fields outside OpenAI's and
+vLLM's schemas are ignored as OpenAI does, and limits that depend on the running engine
+(`max_model_len`, `vocab_size`) come in through the validation context:
+`Model.model_validate(body, context={"max_model_len": 2048, "vocab_size": 32000})`.
+Every field of OpenAI's schema is honoured or, where this engine cannot honour the value sent
+(`suffix`, `best_of` > 1, tools, structured output), refused with a 400 naming it, so a client
+never gets a silently different answer. The chat request is in `chat_protocol`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt; each one is a running sequence
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_PROMPTS = 64  # prompts in one batched completions request
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias, either way
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on the biased tokens of one request
 
 # A prompt after validation: text, or token ids that are sent to the model as they are.
 Prompt = str | list[int]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Strict types; unknown fields dropped."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def _max_model_len(info: ValidationInfo) -> int | None:
+def max_model_len_of(info: ValidationInfo) -> int | None:
     context = info.context
     if isinstance(context, dict):
         value = context.get("max_model_len")
         return int(value) if value is not None else None
+    return None
+
+
+def _vocab_size(info: ValidationInfo) -> int | None:
+    context = info.context
+    if isinstance(context, dict) and context.get("vocab_size") is not None:
+        return int(context["vocab_size"])
     return None
 
 
@@ -42,11 +55,11 @@ def _is_token_ids(value: object) -> bool:
     )
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(min_length=1)
@@ -62,16 +75,29 @@ class SamplingRequest(_Strict):
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    # token id (a decimal string, as JSON object keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @field_validator("max_tokens")
     @classmethod
     def _within_model_len(cls, value: int | None, info: ValidationInfo) -> int | None:
-        limit = _max_model_len(info)
+        limit = max_model_len_of(info)
         if value is not None and limit is not None and value > limit:
             raise ValueError(f"max_tokens must be at most max_model_len ({limit}), got {value}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
         return value
 
     @field_validator("stop", mode="before")
@@ -87,28 +113,66 @@ class SamplingRequest(_Strict):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported by this engine; send 0 or omit it")
-        return value
+    def _check_logit_bias(cls, value: object, info: ValidationInfo) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must be an object of token id -> bias")
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}"
+            )
+        vocab_size = _vocab_size(info)
+        checked: dict[str, float] = {}
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if vocab_size is not None and int(key) >= vocab_size:
+                raise ValueError(
+                    f"logit_bias key {key!r} is outside this model's vocabulary of {vocab_size}"
+                )
+            is_number = isinstance(bias, int | float) and not isinstance(bias, bool)
+            if not is_number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}"
+                )
+            checked[key] = float(bias)
+        return checked
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> SamplingRequest:
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
+        limit, name = self.token_limit
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens must not exceed {name}")
         return self
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """The token limit asked for and the field it came from (for errors that name it)."""
+        return self.max_tokens, "max_tokens"
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives asked beside each sampled token (the endpoints spell it differently)."""
+        return 0
+
+    @property
+    def json_schema(self) -> str | None:
+        """The schema every output must match (chat's `response_format`)."""
+        return None
 
     def sampling_params(
         self, max_tokens: int, *, want_logprobs: bool, index: int
     ) -> SamplingParams:
         """The engine's parameters for choice `index` (n > 1 with a seed gets distinct seeds)."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        logit_bias = tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -120,6 +184,13 @@ class SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=want_logprobs,
             min_tokens=self.min_tokens,
+            logit_bias=logit_bias,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            top_logprobs=self.num_top_logprobs,
+            json_schema=self.json_schema,
         )
 
 
@@ -128,7 +199,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[Prompt]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
@@ -158,81 +229,34 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("token ids must be non-negative")
         return prompts
 
-    @field_validator("logprobs")
-    @classmethod
-    def _sampled_logprob_only(cls, value: int | None) -> int | None:
-        if value is not None and value > 0:
-            raise ValueError(
-                "only the sampled token's logprob is returned; use logprobs=0 (top alternatives "
-                "are not supported)"
-            )
-        return value
-
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
+    def _no_prompt_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs would need the prompt's logprobs, which this engine does "
+                "not compute; send echo or logprobs, not both"
+            )
         return value
 
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value: int | None) -> int | None:
         if value is not None and value > 1:
-            raise ValueError("best_of > 1 is not supported")
+            raise ValueError(f"best_of > 1 is not supported; got {value!r}")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"suffix (insertion) is not supported; got {value!r}")
         return value
 
     @property
     def want_logprobs(self) -> bool:
         return self.logprobs is not None
 
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: list[TextPart] | None = None  # a plain string arrives as one text part
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content_shape(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [{"type": "text", "text": value}]
-        if value is None or isinstance(value, list):
-            return value
-        raise ValueError("content must be a string or a list of text parts")
-
     @property
-    def text(self) -> str:
-        return "".join(part.text for part in self.content or [])
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions. Without max_tokens a reply may fill the model's context."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
-    add_generation_prompt: bool = True
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _sampled_logprob_only(cls, value: int | None) -> int | None:
-        if value is not None and value > 0:
-            raise ValueError("only the sampled token's logprob is returned; top_logprobs must be 0")
-        return value
-
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages in the plain form chat templates expect."""
-        return [{"role": m.role, "content": m.text} for m in self.messages]
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0

@@ -21,6 +21,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -42,29 +43,50 @@ def usage(choices: list[ChoiceState], num_prompts: int) -> Json:
     }
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float | None], text_offset: int) -> Json:
-    """The legacy completions logprobs object; top alternatives are not computed (None)."""
+# One token's alternatives as (token text, log-probability), likeliest first.
+TopAlternatives = list[tuple[str, float]]
+
+
+def completion_logprobs(
+    tokens: list[str],
+    logprobs: list[float | None],
+    text_offset: int,
+    top: list[TopAlternatives] | None = None,
+) -> Json:
+    """The legacy completions logprobs object. `top_logprobs` (None unless asked) maps each
+    alternative's text to its logprob, with the sampled token's always among them, as
+    OpenAI's (so up to logprobs + 1 entries)."""
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
+    top_json: list[dict[str, float | None]] | None = None
+    if top is not None:
+        top_json = []
+        for token, logprob, alternatives in zip(tokens, logprobs, top, strict=True):
+            entry: dict[str, float | None] = dict(alternatives)
+            entry.setdefault(token, logprob)
+            top_json.append(entry)
     return {
         "tokens": tokens,
         "token_logprobs": logprobs,
-        "top_logprobs": None,
+        "top_logprobs": top_json,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float | None]) -> Json:
+def _chat_token(token: str, logprob: float | None) -> Json:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(
+    tokens: list[str], logprobs: list[float | None], top: list[TopAlternatives] | None = None
+) -> Json:
+    tops = top if top is not None else [[] for _ in tokens]
     content = [
-        {
-            "token": token,
-            "logprob": logprob,
-            "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [],
-        }
-        for token, logprob in zip(tokens, logprobs, strict=True)
+        _chat_token(token, logprob)
+        | {"top_logprobs": [_chat_token(text, value) for text, value in alternatives]}
+        for token, logprob, alternatives in zip(tokens, logprobs, tops, strict=True)
     ]
     return {"content": content}
 

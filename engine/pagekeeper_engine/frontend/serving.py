@@ -48,16 +48,22 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, para
         )
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """Tokens to generate: as requested (400 if the context cannot hold them) or all that fit."""
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    param: str = "max_tokens",
+) -> int:
+    """Tokens to generate: as requested in `param` (400 if the context cannot hold them) or all
+    that fit."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return room
     if requested > room:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens; the prompt is "
-            f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more",
-            "max_tokens",
+            f"{num_prompt_tokens} tokens and {param} asks for {requested} more",
+            param,
         )
     return requested
 

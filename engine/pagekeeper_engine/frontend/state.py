@@ -55,6 +55,11 @@ class ServerState:
         return self.config.model_name
 
     @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary (None while loading): token ids a request may name."""
+        return self.tokenizer.vocab_size if self.tokenizer is not None else None
+
+    @property
     def is_draining(self) -> bool:
         return self.phase is Phase.DRAINING
 

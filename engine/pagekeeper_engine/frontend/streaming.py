@@ -56,41 +56,101 @@ class _BaseRenderer:
         tokenizer: Tokenizer,
         *,
         want_logprobs: bool,
+        num_top_logprobs: int = 0,
     ) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self.num_top_logprobs = num_top_logprobs
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
+    def alternatives(self, tops: list[list[tuple[int, float]]]) -> list[r.TopAlternatives] | None:
+        """Each token's asked-for alternatives as text (None where none were asked)."""
+        if self.num_top_logprobs == 0:
+            return None
+        return [
+            [
+                (self.tokenizer.decode([t], skip_special_tokens=False), value)
+                for t, value in alternatives[: self.num_top_logprobs]
+            ]
+            for alternatives in tops
+        ]
+
 
 class CompletionRenderer(_BaseRenderer):
+    """Completions' shapes; with `echoed` (the prompts' texts, for `echo`), each choice's text
+    starts with its prompt's: in the whole body, and in a stream's first chunk of the choice."""
+
     prompt_param = "prompt"
 
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        tokenizer: Tokenizer,
+        *,
+        want_logprobs: bool,
+        num_top_logprobs: int = 0,
+        echoed: list[str] | None = None,
+        n: int = 1,
+    ) -> None:
+        super().__init__(
+            request_id,
+            created,
+            model,
+            tokenizer,
+            want_logprobs=want_logprobs,
+            num_top_logprobs=num_top_logprobs,
+        )
+        self._echoed = echoed
+        self._n = n
+        self._unechoed = set(range(len(echoed) * n)) if echoed is not None else set()
+
+    def _echo(self, index: int) -> str:
+        return "" if self._echoed is None else self._echoed[index // self._n]
+
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[float | None], offset: int
+        self,
+        token_ids: list[int],
+        logprobs: list[float | None],
+        offset: int,
+        tops: list[list[tuple[int, float]]],
     ) -> Json | None:
         if not self.want_logprobs:
             return None
-        return r.completion_logprobs(self.token_strings(token_ids), logprobs, offset)
+        return r.completion_logprobs(
+            self.token_strings(token_ids), logprobs, offset, self.alternatives(tops)
+        )
 
     def chunks(self, choice: ChoiceState, output: RequestOutput, text_offset: int) -> list[Json]:
         has_logprobs = self.want_logprobs and bool(output.new_token_ids)
-        if not (output.new_text or output.finished or has_logprobs):
+        text = output.new_text
+        if choice.index in self._unechoed:
+            self._unechoed.discard(choice.index)
+            text = self._echo(choice.index) + text
+        if not (text or output.finished or has_logprobs):
             return []
         logprobs = self._logprobs(
-            list(output.new_token_ids), list(output.logprobs or []), text_offset
+            list(output.new_token_ids),
+            list(output.logprobs or []),
+            text_offset,
+            list(output.top_logprobs),
         )
-        body = r.completion_choice(choice.index, output.new_text, choice.finish_reason, logprobs)
+        body = r.completion_choice(choice.index, text, choice.finish_reason, logprobs)
         return [r.completion_chunk(self.request_id, self.created, self.model, [body])]
 
     def final(self, choices: list[ChoiceState], usage: Json) -> Json:
         bodies = [
             r.completion_choice(
-                c.index, c.text, c.finish_reason, self._logprobs(c.token_ids, c.logprobs, 0)
+                c.index,
+                self._echo(c.index) + c.text,
+                c.finish_reason,
+                self._logprobs(c.token_ids, c.logprobs, 0, c.top_logprobs),
             )
             for c in choices
         ]
@@ -111,14 +171,27 @@ class ChatRenderer(_BaseRenderer):
         tokenizer: Tokenizer,
         *,
         want_logprobs: bool,
+        num_top_logprobs: int = 0,
     ) -> None:
-        super().__init__(request_id, created, model, tokenizer, want_logprobs=want_logprobs)
+        super().__init__(
+            request_id,
+            created,
+            model,
+            tokenizer,
+            want_logprobs=want_logprobs,
+            num_top_logprobs=num_top_logprobs,
+        )
         self._started: set[int] = set()
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float | None]) -> Json | None:
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[float | None],
+        tops: list[list[tuple[int, float]]],
+    ) -> Json | None:
         if not self.want_logprobs:
             return None
-        return r.chat_logprobs(self.token_strings(token_ids), logprobs)
+        return r.chat_logprobs(self.token_strings(token_ids), logprobs, self.alternatives(tops))
 
     def _chunk(self, choice: Json) -> Json:
         return r.chat_chunk(self.request_id, self.created, self.model, [choice])
@@ -131,7 +204,9 @@ class ChatRenderer(_BaseRenderer):
                 self._chunk(r.chat_delta(choice.index, {"role": "assistant", "content": ""}, None))
             )
         if output.new_text or (self.want_logprobs and output.new_token_ids):
-            logprobs = self._logprobs(list(output.new_token_ids), list(output.logprobs or []))
+            logprobs = self._logprobs(
+                list(output.new_token_ids), list(output.logprobs or []), list(output.top_logprobs)
+            )
             delta: Json = {"content": output.new_text}
             out.append(self._chunk(r.chat_delta(choice.index, delta, None, logprobs)))
         if output.finished:
@@ -140,7 +215,12 @@ class ChatRenderer(_BaseRenderer):
 
     def final(self, choices: list[ChoiceState], usage: Json) -> Json:
         bodies = [
-            r.chat_choice(c.index, c.text, c.finish_reason, self._logprobs(c.token_ids, c.logprobs))
+            r.chat_choice(
+                c.index,
+                c.text,
+                c.finish_reason,
+                self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+            )
             for c in choices
         ]
         return r.chat_response(self.request_id, self.created, self.model, bodies, usage)
@@ -154,6 +234,8 @@ def _apply(choice: ChoiceState, output: RequestOutput) -> None:
     choice.token_ids += output.new_token_ids
     if output.logprobs:
         choice.logprobs += output.logprobs
+    if output.top_logprobs:
+        choice.top_logprobs += output.top_logprobs
     choice.num_prompt_tokens = output.num_prompt_tokens
     choice.num_output_tokens = output.num_output_tokens
     choice.num_cached_tokens = output.num_cached_tokens
@@ -218,7 +300,7 @@ async def respond(
             await events.send(renderer.usage_chunk(usage))
         await events.send("[DONE]")
     except RequestRejectedError as exc:
-        await _fail(events, bad_request(str(exc), renderer.prompt_param))
+        await _fail(events, bad_request(str(exc), exc.param or renderer.prompt_param))
     except EngineDrainingError as exc:
         state.metrics.count_rejected("draining")
         await _fail(

@@ -29,6 +29,7 @@ from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.faults import (
     INJECT_STEP_HANG_ENV,
@@ -71,6 +72,7 @@ from pagekeeper_engine.runner.step_faults import (
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_launch import StepLauncher
 from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.structured_output import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +199,9 @@ class ModelRunner:
             config.max_num_seqs, vocab_size if self.tp.is_first else 0, self.dtype, self.device
         )
         self.sampler = Sampler(self.device, config.seed, self.eos_token_ids, self.sampler_buffers)
+        self.sampler.grammar = GrammarMasks(
+            Path(config.model), vocab_size, self.eos_token_ids, config.max_num_seqs, self.device
+        )
         self.kv_layout = kv_layout(self.model_config, self.block_size, self.kv_cache_dtype)
         self.bytes_per_block = self.kv_layout.bytes_per_block
         self.inputs = StepInputBuilder(
@@ -289,6 +294,12 @@ class ModelRunner:
         """Overlapping the host's work with the device's pays on CUDA (on the CPU the two are
         the same cores)."""
         return self.device.type == "cuda"
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """RequestRejectedError for parameters this runner cannot honour (a schema that does not
+        compile), before the request runs."""
+        assert self.sampler.grammar is not None
+        self.sampler.grammar.check(params)
 
     @property
     def graphs(self) -> StepGraphs | None:

@@ -13,6 +13,10 @@ step). Any other batch, and any batch on the CPU, races: argmax(l / T - log E) w
 first. A request with a seed gets its own generator for its draws, seeded with `seed +
 num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
 the other rows' draws come from the engine's device generator.
+
+A batch where some row asks for a logit bias, a penalty, min-p or top alternatives first has
+its scores rewritten (`logits_processing`), and its top alternatives are appended to the packed
+results; a batch where none does takes exactly the path above, at the cost of one check.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ import torch
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
+from pagekeeper_engine.runner.logits_processing import (
+    StepHistory,
+    process_scores,
+    top_logprobs,
+    uses_processors,
+)
+from pagekeeper_engine.runner.structured_output import GrammarMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -156,16 +167,18 @@ class Sampler:
         self.pick_keys = random.Random(seed)  # a key a step for the CUDA pick's uniform draws
         self.eos_token_ids = eos_token_ids
         self.buffers = buffers
+        self.grammar: GrammarMasks | None = None  # rank 0's, for structured requests
 
     def __call__(
         self,
         logits: torch.Tensor,  # (N, V) fp32, bf16 or fp16
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        history: StepHistory | None = None,
     ) -> SamplerOutput:
         """Sample and read the results back (one device-to-host transfer, one wait)."""
-        _, packed = self.sample(logits, params, num_output_tokens)
-        token_col, logprob_col = packed.tolist()
+        _, packed = self.sample(logits, params, num_output_tokens, history)
+        token_col, logprob_col = packed[:2].tolist()
         return SamplerOutput(token_ids=[int(t) for t in token_col], logprobs=logprob_col)
 
     def _buffers_for(self, logits: torch.Tensor) -> SamplerBuffers:
@@ -179,12 +192,39 @@ class Sampler:
         logits: torch.Tensor,  # (N, V) fp32, bf16 or fp16
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        history: StepHistory | None = None,  # the rows' tokens so far, for the penalties
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], on the logits'
-        device; nothing waits for it. Ids below 2**53 are exact in float64."""
+        """Token ids (N,) int64 and (2 + 2K, N) float64 [ids; log-probabilities; K rows of the
+        top alternatives' ids; K of their log-probabilities] (K = 0 unless a row asks for
+        them), on the logits' device; nothing waits for it. Ids below 2**53 are exact in
+        float64."""
         assert len(params) == logits.shape[0] == len(num_output_tokens), "one parameter set per row"
         buffers = self._buffers_for(logits)
         masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
+        if not uses_processors(params):
+            return self._pick(logits, masked, params, num_output_tokens, buffers)
+        scores = buffers.scores[: len(params)]
+        if masked is not scores:
+            scores.copy_(masked)
+        process_scores(
+            scores, params, history, buffers.noise, buffers.rows, buffers.cut, self.grammar
+        )
+        token_ids, packed = self._pick(logits, scores, params, num_output_tokens, buffers)
+        num_top = min(max(p.top_logprobs for p in params), logits.shape[1])
+        if num_top == 0:
+            return token_ids, packed
+        # after the pick: its scores and rows are spent, so the row plane is free again
+        top_ids, top_values = top_logprobs(logits, num_top, buffers.rows)
+        return token_ids, torch.cat((packed, top_ids.T.double(), top_values.T.double()))
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        masked: torch.Tensor,  # the logits, or their rewritten copy in buffers.scores
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        buffers: SamplerBuffers,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         race = uniform_race(params)
         if race is not None and race.greedy:
             return pick_tokens(masked, logits, scratch=buffers.pick)

@@ -31,6 +31,7 @@ from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PLANES, PickScratch
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.shard import ShardPlan
+from pagekeeper_engine.runner.logits_processing import uses_processors
 from pagekeeper_engine.runner.sampler import early_stop_ids, has_cut, uniform_race
 
 _MAX, _SUM, _BEST, _RAW_AT_BEST, _INDEX = range(PLANES)
@@ -108,6 +109,7 @@ class ShardPicker:
         if (
             race is None
             or has_cut(params)
+            or uses_processors(params)
             or any(early_stop_ids(p, n, self.eos_token_ids) for p, n in rows)
         ):
             return None

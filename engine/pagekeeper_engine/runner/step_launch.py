@@ -26,6 +26,7 @@ from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs
 from pagekeeper_engine.runner.follower_step import FollowerStep
+from pagekeeper_engine.runner.logits_processing import StepHistory
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.shard_pick import ShardPicker
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
@@ -85,6 +86,7 @@ class StepLauncher:
             [s.request_id for s in picked],
             [s.sampling for s in picked],
             [s.num_output_tokens for s in picked],
+            StepHistory(picked, step.input_ids, step.sample_indices),
         )
 
     @torch.inference_mode()
@@ -107,6 +109,7 @@ class StepLauncher:
         request_ids: Sequence[str],  # the sampled rows'
         sampling: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        history: StepHistory | None = None,  # rank 0's: the sampled rows' tokens so far
     ) -> PendingStep:
         if step.placeholder_rows is not None:
             sources = step.placeholder_sources
@@ -127,7 +130,7 @@ class StepLauncher:
         if not step.sampled_seqs:
             return PendingStep(num_seqs, [], None, None)
         logits = self._logits(step, hidden)  # (N, V or the rank's shard), the model's dtype
-        token_ids, packed = self.sample_rows(logits, sampling, num_output_tokens)
+        token_ids, packed = self.sample_rows(logits, sampling, num_output_tokens, history)
         self._remember(token_ids, request_ids)
         if packed is None:  # rank > 0: rank 0 hands the results over
             return PendingStep(num_seqs, [], None, None)
@@ -138,11 +141,13 @@ class StepLauncher:
         logits: torch.Tensor,  # (N, V or the rank's shard): compute_logits' rows
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
+        history: StepHistory | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every rank's ids (N,) int64 and, on rank 0, the (2, N) float64 [ids; log-probs] for
-        the host (None on the other ranks), left on the device."""
+        """Every rank's ids (N,) int64 and, on rank 0, the (2 + 2K, N) float64 [ids;
+        log-probs; top alternatives] for the host (None on the other ranks), left on the
+        device. A batch with logits processors is always sampled whole on rank 0."""
         if self.shards is None:
-            return self.sampler.sample(logits, params, num_output_tokens)
+            return self.sampler.sample(logits, params, num_output_tokens, history)
         picked = self.shards.pick(logits, params, num_output_tokens)
         if picked is not None:
             token_ids, packed = picked
@@ -155,7 +160,7 @@ class StepLauncher:
             token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
             self.tp.broadcast_(token_ids)
             return token_ids, None
-        token_ids, packed = self.sampler.sample(whole, params, num_output_tokens)
+        token_ids, packed = self.sampler.sample(whole, params, num_output_tokens, history)
         self.tp.broadcast_(token_ids)
         return token_ids, packed
 

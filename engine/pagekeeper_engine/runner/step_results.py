@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagekeeper_engine.core.outputs import RunnerOutput
+from pagekeeper_engine.core.sampling import MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -24,24 +25,35 @@ class PendingStep:
 
     num_seqs: int
     sampled_seqs: list[int]  # index into the step's seqs of each sampled row
-    host: torch.Tensor | None  # (2, N) float64: ids, log-probabilities (None: nothing sampled)
+    # (2 + 2K, N) float64: ids, log-probabilities, then K rows of the top alternatives' ids and
+    # K of their log-probabilities (None: nothing sampled)
+    host: torch.Tensor | None
     copied: torch.cuda.Event | None  # recorded after the copy into `host` (None: on the CPU)
 
     def result(self) -> RunnerOutput:
         token_ids: list[int | None] = [None] * self.num_seqs
         logprobs: list[float | None] = [None] * self.num_seqs
+        tops: list[list[tuple[int, float]] | None] | None = None
         if self.host is not None:
             if self.copied is not None:
                 self.copied.synchronize()
-            token_col, logprob_col = self.host.tolist()
+            token_col, logprob_col, *top_rows = self.host.tolist()
             for row, i in enumerate(self.sampled_seqs):
                 token_ids[i] = int(token_col[row])
                 logprobs[i] = logprob_col[row]
-        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+            if top_rows:
+                tops = [None] * self.num_seqs
+                num_top = len(top_rows) // 2
+                for row, i in enumerate(self.sampled_seqs):
+                    tops[i] = [
+                        (int(top_rows[k][row]), top_rows[num_top + k][row]) for k in range(num_top)
+                    ]
+        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)
 
 
 class HostResultBuffers:
-    """Two pinned host buffers of `max_rows` (id, log-probability) pairs, used in turn."""
+    """Two pinned host buffers of `max_rows` rows' results (an id, its log-probability, and
+    room for `MAX_TOP_LOGPROBS` alternatives), used in turn."""
 
     def __init__(self, device: torch.device, max_rows: int) -> None:
         self.device = device
@@ -49,7 +61,10 @@ class HostResultBuffers:
         # flat, so that a step's (2, N) view of one is contiguous (a strided destination
         # would make the copy synchronous)
         self._buffers = [
-            torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=is_cuda) for _ in range(2)
+            torch.empty(
+                (2 + 2 * MAX_TOP_LOGPROBS) * max_rows, dtype=torch.float64, pin_memory=is_cuda
+            )
+            for _ in range(2)
         ]
         self._events = [
             torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -58,15 +73,15 @@ class HostResultBuffers:
         self._num_launched = 0
 
     def send(self, num_seqs: int, sampled_seqs: list[int], packed: torch.Tensor) -> PendingStep:
-        """Start copying `packed` (2, N) to the host; the step's PendingStep."""
-        num_rows = packed.shape[1]
+        """Start copying `packed` (2 + 2K, N) to the host; the step's PendingStep."""
+        num_planes, num_rows = packed.shape
         if self.device.type != "cuda":
             return PendingStep(num_seqs, sampled_seqs, packed, None)
         turn = self._num_launched % 2
         flat = self._buffers[turn]
-        if 2 * num_rows > flat.numel():  # more rows than sequences may run
+        if num_planes * num_rows > flat.numel():  # more rows than sequences may run
             return PendingStep(num_seqs, sampled_seqs, packed.cpu(), None)
-        buffer = flat[: 2 * num_rows].view(2, num_rows)
+        buffer = flat[: num_planes * num_rows].view(num_planes, num_rows)
         self._num_launched += 1
         buffer.copy_(packed, non_blocking=True)
         copied = self._events[turn]

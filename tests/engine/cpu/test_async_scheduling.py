@@ -67,7 +67,8 @@ def run(async_scheduling: bool, **engine_args: Any) -> tuple[LLMEngine, PagedFak
 
 
 def chunks(outputs: dict[str, list[EngineOutput]]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each output as (tokens, finished, reason, logprobs, output count), per request."""
+    """Each output as (tokens, finished, reason, logprobs, counts, error, alternatives), per
+    request."""
     return {
         rid: [
             (
@@ -78,6 +79,7 @@ def chunks(outputs: dict[str, list[EngineOutput]]) -> dict[str, list[tuple[Any, 
                 o.num_output_tokens,
                 o.num_prompt_tokens,
                 o.error,
+                o.top_logprobs,
             )
             for o in outs
         ]
@@ -275,6 +277,38 @@ def test_real_runner_seeded_sampling_is_unchanged_by_overlap(checkpoint: Path) -
         for i in range(3)
     }
     assert generate(checkpoint, True, seeded) == generate(checkpoint, False, seeded)
+
+
+def test_real_runner_processors_are_unchanged_by_overlap(checkpoint: Path) -> None:
+    """The penalties read each row's newest token from the device while it is still a
+    placeholder on the host: the overlapped loop gives the synchronous loop's tokens."""
+    processed = {
+        "r0": SamplingParams(
+            max_tokens=9, temperature=0.0, ignore_eos=True, repetition_penalty=1.9
+        ),
+        "r1": SamplingParams(
+            max_tokens=9,
+            temperature=0.0,
+            ignore_eos=True,
+            presence_penalty=1.2,
+            frequency_penalty=0.8,
+            logit_bias=((5, 1.5),),
+            logprobs=True,
+            top_logprobs=3,
+        ),
+        "r2": SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        "r3": SamplingParams(max_tokens=9, temperature=0.9, seed=3, min_p=0.2, ignore_eos=True),
+    }
+    sync = generate(checkpoint, False, processed)
+    assert generate(checkpoint, True, processed) == sync
+    plain = generate(
+        checkpoint,
+        False,
+        {rid: SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True) for rid in processed},
+    )
+    assert sync[0]["r0"] != plain[0]["r0"] and sync[0]["r1"] != plain[0]["r1"]
+    assert sync[0]["r2"] == plain[0]["r2"], "a plain row beside processed ones is unchanged"
+    assert all(len(o[7]) == 1 and len(o[7][0]) == 3 for o in sync[0]["r1"])
 
 
 # -- the batched detokenizer -----------------------------------------------------------------

@@ -46,6 +46,9 @@ class OutOfMemoryRunner(PagedFakeRunner):
         self.kv_cache_dtype = "torch.float32"
         self.memory_budget_bytes = [{"weights": 100, "kv_cache": 200}]
 
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Every request's parameters can be honoured (no schema to compile)."""
+
 
 def test_the_core_process_gives_up_writes_the_termination_log_and_exits_1(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -56,6 +56,19 @@ def ready(version: int = PROTOCOL_VERSION) -> Ready:
 
 TO_CORE = [
     AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=("x",), seed=7), 2),
+    AddRequest(
+        "r2",
+        [4],
+        SamplingParams(
+            logit_bias=((3, -2.5), (9, 100.0)),
+            min_p=0.1,
+            presence_penalty=0.5,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.2,
+            top_logprobs=5,
+        ),
+        0,
+    ),
     AbortRequests(["r1", "r2"], "stop"),
     AdminRequest(4, 1, 0),
     Shutdown(),
@@ -65,6 +78,7 @@ FROM_CORE = [
     StepOutputs(
         [
             EngineOutput("r1", [5], False, None, 3, 1, 0, [-0.5]),
+            EngineOutput("r3", [5], False, None, 3, 1, 0, [-0.5], top_logprobs=[[(5, -0.5)]]),
             EngineOutput("r2", [], True, "abort", 0, 0, 0, error="no", is_rejected=True),
         ],
         stats(),

@@ -23,6 +23,8 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 BOS_ID, EOS_ID = 1, 2
 CHARACTERS = string.ascii_lowercase + string.digits + " .,!?'[]:\n"
 VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+# A vocabulary that can spell JSON, for structured output
+JSON_VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS + '{}"-'))}
 MAX_POSITIONS = 96
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -31,8 +33,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(path: Path) -> None:
-    tokenizer = HFTokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+def write_tokenizer(path: Path, vocab: dict[str, int] = VOCAB) -> None:
+    tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
@@ -45,17 +47,19 @@ def write_tokenizer(path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
 
 
-def write_checkpoint(path: Path, max_positions: int = MAX_POSITIONS) -> PreTrainedModel:
+def write_checkpoint(
+    path: Path, max_positions: int = MAX_POSITIONS, vocab: dict[str, int] = VOCAB
+) -> PreTrainedModel:
     """Write model and tokenizer files into `path`; the model, for reference computations."""
     model = make_hf_model(
         "llama",
-        vocab_size=len(VOCAB),
+        vocab_size=len(vocab),
         max_position_embeddings=max_positions,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
     model.save_pretrained(path)
-    write_tokenizer(path)
+    write_tokenizer(path, vocab)
     return model
 
 

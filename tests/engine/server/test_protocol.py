@@ -9,16 +9,13 @@ from pydantic import ValidationError
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
 from pagekeeper_engine.frontend.errors import APIError, from_validation_error
-from pagekeeper_engine.frontend.protocol import (
-    MAX_N,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from pagekeeper_engine.frontend.protocol import MAX_N, CompletionRequest
 from pagekeeper_engine.frontend.responses import ChoiceState
 from pagekeeper_engine.frontend.serving import check_prompt, resolve_max_tokens
 
-CONTEXT = {"max_model_len": 64}
+CONTEXT = {"max_model_len": 64, "vocab_size": 500}
 
 
 def completion(**body: Any) -> CompletionRequest:
@@ -101,12 +98,18 @@ def test_too_many_prompts() -> None:
         ("stop", [""]),
         ("stop", 7),
         ("stream", "yes"),
-        ("logprobs", 3),
+        ("logprobs", 21),
         ("logprobs", -1),
-        ("echo", True),
         ("best_of", 2),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1.0),
+        ("suffix", "end"),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"3": 101}),
+        ("logit_bias", {"500": 1}),  # outside the vocabulary of the validation context
+        ("logit_bias", [1]),
         ("min_tokens", -1),
         ("stop_token_ids", [-4]),
         ("model", ""),
@@ -212,7 +215,7 @@ def test_chat_messages_render_as_plain_text() -> None:
             ChatCompletionRequest, {"model": "m", "messages": [{"role": "user"}], "top_logprobs": 2}
         ).param
         == "top_logprobs"
-    )
+    ), "top_logprobs needs logprobs: true"
 
 
 def test_prompt_and_max_tokens_against_context() -> None:

@@ -64,6 +64,31 @@ def test_greedy_text_equals_one_process(server: Server, tp_server: Server) -> No
         assert tp_lp == pytest.approx(single_lp, abs=1e-4), prompt
 
 
+def test_processed_sampling_equals_one_process(server: Server, tp_server: Server) -> None:
+    """A batch with penalties, a bias and top alternatives is sampled whole on rank 0."""
+
+    def reply(target: Server) -> tuple[str | None, list[list[str]]]:
+        client = OpenAI(base_url=f"{target.url}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "say it twice"}],
+            max_completion_tokens=10,
+            temperature=0,
+            frequency_penalty=0.8,
+            logit_bias={"7": 2},
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+        )
+        content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None
+        return out.choices[0].message.content, [[t.token for t in c.top_logprobs] for c in content]
+
+    text, tops = reply(tp_server)
+    assert (text, tops) == reply(server)
+    assert all(len(top) == 3 for top in tops)
+
+
 def test_metrics_carry_each_ranks_blocks(tp_server: Server) -> None:
     text = requests.get(f"{tp_server.url}/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -1,0 +1,115 @@
+"""The schema's token masks in the sampler: greedy and sampled rows always pick a token the
+schema allows next (checked by an independent matcher), a pending newest token is read from
+the step's inputs, and a schema the vocabulary cannot continue ends the reply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import xgrammar
+from transformers import PreTrainedTokenizerFast
+
+from pagekeeper_engine.core.limits import RequestRejectedError
+from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.runner.logits_processing import StepHistory
+from pagekeeper_engine.runner.sampler import Sampler
+from pagekeeper_engine.runner.structured_output import GrammarMasks
+from tests.engine.server.checkpoint import EOS_ID, JSON_VOCAB, VOCAB, write_tokenizer
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+        "required": ["ok", "level"],
+        "additionalProperties": False,
+    }
+)
+TOKENS = list(JSON_VOCAB)
+PROMPT = [1, 5, 6]
+
+
+class Seq:
+    def __init__(self, token_ids: list[int]) -> None:
+        self.all_token_ids = token_ids
+        self.num_prompt_tokens = len(PROMPT)
+
+
+def grammar_for(
+    tmp_path: Path, vocab: dict[str, int] = JSON_VOCAB, device: str = "cpu"
+) -> GrammarMasks:
+    write_tokenizer(tmp_path, vocab)
+    return GrammarMasks(tmp_path, len(vocab), frozenset({EOS_ID}), 4, torch.device(device))
+
+
+def generate(
+    sampler: Sampler, params: list[SamplingParams], seed: int, device: str = "cpu"
+) -> list[list[int]]:
+    """Each row's tokens until EOS (at most 60), the newest pending on the host each step."""
+    rows = len(params)
+    tokens = [list(PROMPT) for _ in range(rows)]
+    gen = torch.Generator().manual_seed(seed)
+    done = [False] * rows
+    for _ in range(60):
+        seqs = [Seq([*t[:-1], PLACEHOLDER_TOKEN_ID]) for t in tokens]
+        newest = torch.tensor([t[-1] for t in tokens], device=device)
+        history = StepHistory(seqs, newest, torch.arange(rows, device=device))
+        logits = (4 * torch.randn(rows, len(JSON_VOCAB), generator=gen)).to(device)
+        token_ids, _ = sampler.sample(logits, params, [len(t) - 3 for t in tokens], history)
+        for row, token_id in enumerate(token_ids.tolist()):
+            if not done[row]:
+                tokens[row].append(token_id)
+                done[row] = token_id == EOS_ID
+        if all(done):
+            break
+    return [t[len(PROMPT) :] for t in tokens]
+
+
+def check_picks_continue_the_schema(tmp_path: Path, temperature: float, device: str) -> None:
+    grammar = grammar_for(tmp_path, device=device)
+    sampler = Sampler(device, 0, frozenset({EOS_ID}))
+    sampler.grammar = grammar
+    params = [SamplingParams(temperature=temperature, json_schema=SCHEMA) for _ in range(3)]
+    params.append(SamplingParams(temperature=temperature))  # a free row beside them
+    outputs = generate(sampler, params, int(temperature * 10), device)
+    # an independent matcher: the reference for what the schema allows
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))  # type: ignore[no-untyped-call]
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(JSON_VOCAB), stop_token_ids=[EOS_ID]
+    )
+    compiler = xgrammar.GrammarCompiler(info)
+    for output in outputs[:3]:
+        matcher = xgrammar.GrammarMatcher(
+            compiler.compile_json_schema(SCHEMA, any_whitespace=False)
+        )
+        assert all(matcher.accept_token(t) for t in output), output
+        assert output[-1] == EOS_ID and matcher.is_terminated()
+        value = json.loads("".join(TOKENS[t] for t in output[:-1]))
+        assert set(value) == {"ok", "level"} and value["level"] in ("low", "high")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_pick_continues_the_schema(tmp_path: Path, temperature: float) -> None:
+    check_picks_continue_the_schema(tmp_path, temperature, "cpu")
+
+
+def test_a_schema_that_does_not_compile_is_refused_naming_response_format(tmp_path: Path) -> None:
+    grammar = grammar_for(tmp_path)
+    grammar.check(SamplingParams(json_schema=SCHEMA))
+    grammar.check(SamplingParams())
+    with pytest.raises(RequestRejectedError) as info:
+        grammar.check(SamplingParams(json_schema='{"type": 5}'))
+    assert info.value.param == "response_format"
+    assert str(info.value).startswith("response_format: the JSON schema cannot be enforced")
+
+
+def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path) -> None:
+    grammar = grammar_for(tmp_path, VOCAB)  # no braces, no quotes
+    scores = torch.zeros(2, len(VOCAB))
+    params = [SamplingParams(json_schema=SCHEMA), SamplingParams()]
+    grammar.apply(scores, params, [PROMPT, PROMPT], [3, 3], torch.tensor([6, 6]))
+    assert torch.nonzero(scores[0].isfinite()).flatten().tolist() == [EOS_ID]
+    assert bool(scores[1].isfinite().all()), "a free row is not masked"
