@@ -199,6 +199,18 @@ def _printer_columns() -> list[dict[str, Any]]:
             "description": "Pods wanted: spec.replicas, or the autoscaler's count.",
         },
         {
+            "name": "Reconciling",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Reconciling")].status',
+            "description": "A rollout, canary analysis or drain is under way (docs/gitops.md).",
+        },
+        {
+            "name": "Stalled",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Stalled")].status',
+            "description": "No progress is possible until the spec changes (docs/gitops.md).",
+        },
+        {
             "name": "Runtime",
             "type": "string",
             "jsonPath": ".spec.runtime",

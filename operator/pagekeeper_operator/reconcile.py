@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
 
@@ -31,6 +31,7 @@ from pagekeeper_operator.canary import (
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
+from pagekeeper_operator.refusal import write_failure
 from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
@@ -59,6 +60,7 @@ class ReconcileResult:
 
 
 def _describe(action: Apply, exc: ApiException) -> str:
+    """The raw answer, for the log and an Event; status gets `refusal.write_failure`."""
     _, kind, name = key_of(action.manifest)
     return f"applying {kind}/{name} failed ({exc.status} {exc.reason}): {exc.body or ''}"[:2000]
 
@@ -90,8 +92,10 @@ def reconcile(
             observed[key] = kube.apply(action.manifest)
         except ApiException as exc:
             result.error = exc
-            error_text = _describe(action, exc)
-            logger.warning("%s/%s: %s", namespace, server.metadata.name, error_text)
+            raw = _describe(action, exc)
+            logger.warning("%s/%s: %s", namespace, server.metadata.name, raw)
+            error_text = write_failure(key[1], exc.status, exc.reason, exc.body)
+            _post_event(kube, server, "Warning", "ApplyFailed", raw[:1024])
             break
         result.applied.append(action)
         logger.info(
@@ -108,7 +112,7 @@ def reconcile(
             unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
         error_text = _prune(kube, server, unwanted, result)
     if result.error is None and canary_event is not None:
-        _post_event(kube, server, canary_event)
+        _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
     status = compute_status(server, deployment, now, error_text, autoscaling)
@@ -196,16 +200,15 @@ def _with_canary(
     return shaped, server, plan.event
 
 
-def _post_event(kube: Kube, server: LLMServer, canary_event: CanaryEvent) -> None:
+def _post_event(
+    kube: Kube, server: LLMServer, type_: Literal["Normal", "Warning"], reason: str, message: str
+) -> None:
     """An Event on the LLMServer; best effort (status holds the record)."""
     try:
         meta = server.metadata
-        kube.create_event(
-            event(meta.namespace, meta.name, meta.uid, canary_event.type, canary_event.reason,
-                  canary_event.message)
-        )  # fmt: skip
+        kube.create_event(event(meta.namespace, meta.name, meta.uid, type_, reason, message))
     except ApiException as exc:
-        logger.warning("could not post %s: %s %s", canary_event.reason, exc.status, exc.reason)
+        logger.warning("could not post %s: %s %s", reason, exc.status, exc.reason)
 
 
 def _prune(

@@ -20,6 +20,8 @@ ConditionType = Literal[
     "CanaryFailed",
     "PolicyHonored",
     "PluginLoaded",
+    "Reconciling",
+    "Stalled",
 ]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -32,8 +34,8 @@ class Condition(ApiModel):
     type: str = Field(
         max_length=64,
         description=(
-            "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored or "
-            "PluginLoaded."
+            "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored, "
+            "PluginLoaded, Reconciling or Stalled."
         ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
@@ -81,7 +83,9 @@ class LLMServerStatus(ApiModel):
             "Ready, Progressing, Degraded, MemoryHealthy; CanaryFailed while "
             "spec.rollout.canary is enabled; under runtime vllm PolicyHonored (whether the "
             "image's vLLM version honours every memoryPolicy field) and PluginLoaded (whether "
-            "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series)."
+            "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series); Reconciling "
+            "(a rollout, canary analysis or drain is under way) and Stalled (no progress is "
+            "possible until the spec changes), the conditions kstatus and Flux read."
         ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")
