@@ -157,9 +157,11 @@ def spec_schema() -> dict[str, Any]:
     )
     resolved = _structural(_inline(raw, raw.get("$defs", {})))
     properties = resolved["properties"]
-    # Status belongs to the operator; an API-server default would only hide "never reconciled".
+    # Status belongs to the operator, so its one default is observedGeneration 0: "never
+    # reconciled" in the convention kstatus (Flux) reads, which would otherwise take an
+    # LLMServer without status for Current. The API server applies it when it reads the object.
     properties["status"] = _without_rules(properties["status"])
-    del properties["status"]["default"]
+    properties["status"]["default"] = {"observedGeneration": 0}
     properties["metadata"] = {"type": "object"}
     properties["apiVersion"] = {
         "type": "string",

@@ -242,8 +242,8 @@ def refresh_status(
     down) must not report that spec as observed and Ready on the old pods.
     """
     reconciled = server.status.observed_generation
-    if reconciled is None:
-        return {}  # nothing reconciled yet: the first reconcile writes status
+    if not reconciled:
+        return {}  # nothing reconciled yet (the CRD's default is 0): the first reconcile writes
     if reconciled != server.metadata.generation:
         metadata = server.metadata.model_copy(update={"generation": reconciled})
         server = server.model_copy(update={"metadata": metadata})
