@@ -26,11 +26,16 @@ func compute(path string) (verdict, error) {
 	if err != nil {
 		return verdict{}, err
 	}
-	obj := map[string]any{}
-	if err := yaml.Unmarshal(data, &obj); err != nil {
+	// Through JSON and unstructured's own decoder, so integers stay int64 as kstatus reads them.
+	jsonData, err := yaml.YAMLToJSON(data)
+	if err != nil {
 		return verdict{}, fmt.Errorf("%s: %w", path, err)
 	}
-	result, err := status.Compute(&unstructured.Unstructured{Object: obj})
+	obj := &unstructured.Unstructured{}
+	if err := obj.UnmarshalJSON(jsonData); err != nil {
+		return verdict{}, fmt.Errorf("%s: %w", path, err)
+	}
+	result, err := status.Compute(obj)
 	if err != nil {
 		return verdict{}, fmt.Errorf("%s: %w", path, err)
 	}

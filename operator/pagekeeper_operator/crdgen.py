@@ -247,6 +247,8 @@ def build_crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
+            # Argo CD syncs it in a wave before the operator and the LLMServers (docs/gitops.md).
+            "annotations": {"argocd.argoproj.io/sync-wave": "-1"},
             "labels": {
                 "app.kubernetes.io/name": "pagekeeper",
                 "app.kubernetes.io/part-of": "pagekeeper",
