@@ -95,7 +95,10 @@ def reconcile(
             raw = _describe(action, exc)
             logger.warning("%s/%s: %s", namespace, server.metadata.name, raw)
             error_text = write_failure(key[1], exc.status, exc.reason, exc.body)
-            _post_event(kube, server, "Warning", "ApplyFailed", raw[:1024])
+            # Once per failure: the resync retries a stalled server without a new Event each time.
+            degraded = stored.status.condition("Degraded")
+            if degraded is None or degraded.message != error_text:
+                _post_event(kube, server, "Warning", "ApplyFailed", raw[:1024])
             break
         result.applied.append(action)
         logger.info(

@@ -6,11 +6,14 @@ import json
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from pagekeeper_operator.conditions import compute_status
+from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.refusal import is_refusal, is_refused, write_failure
-from tests.operator.servers import make_server
+from pagekeeper_operator.render import ClusterFeatures
+from tests.operator.servers import DEFAULT_IMAGES, make_server
 
 NOW = "2025-01-02T03:04:05Z"
 CANARY = {
@@ -219,3 +222,54 @@ def test_the_models_accept_the_api_servers_own_names() -> None:
         }
     )
     assert [e.name for e in server.spec.pod_template.env] == ["my.env-name_1", "_X"]
+
+
+class RefusingKube:
+    """A `Kube` whose API server refuses every Deployment with `ENV_REFUSAL`."""
+
+    field_manager = "pagekeeper-operator"
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def features(self) -> ClusterFeatures:
+        return ClusterFeatures()
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        return None
+
+    def observe(self, namespace: str, keys: Any) -> dict[Any, Any]:
+        return {}
+
+    def apply(self, manifest: dict[str, Any], **_: Any) -> dict[str, Any]:
+        if manifest["kind"] == "Deployment":
+            exc = ApiException(status=422, reason="Unprocessable Entity")
+            exc.body = ENV_REFUSAL
+            raise exc
+        return manifest
+
+    def create_event(self, body: dict[str, Any]) -> None:
+        self.events.append(body)
+
+
+def test_a_refused_apply_writes_one_sentence_and_posts_the_raw_answer_once() -> None:
+    kube = RefusingKube()
+    server = make_server({"replicas": 2})
+    first = reconcile(kube, server, DEFAULT_IMAGES, now=NOW)  # type: ignore[arg-type]
+    assert first.is_permanent_error
+    conditions = {c["type"]: c for c in first.status_patch["conditions"]}
+    assert (conditions["Stalled"]["reason"], conditions["Stalled"]["message"]) == (
+        "ApplyFailed",
+        REFUSED,
+    )
+    assert conditions["Degraded"]["message"] == REFUSED
+    (event,) = kube.events
+    assert (event["type"], event["reason"]) == ("Warning", "ApplyFailed")
+    assert event["message"] == (
+        f"applying Deployment/qwen failed (422 Unprocessable Entity): {ENV_REFUSAL}"
+    )
+    # The resync retries the stalled server; the Event is not posted again.
+    stalled = make_server({"replicas": 2}, status=first.status_patch)
+    again = reconcile(kube, stalled, DEFAULT_IMAGES, now=NOW)  # type: ignore[arg-type]
+    assert again.status_patch == {}
+    assert len(kube.events) == 1
