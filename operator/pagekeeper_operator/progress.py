@@ -18,7 +18,8 @@ True, because kstatus checks Reconciling first and a stalled server must read Fa
 | Retrying           | a write failed for a reason a retry can pass (a conflict, a 5xx)  |
 | Creating           | the Deployment does not exist yet                                 |
 | CanaryAnalyzing    | a canary of the new pod template is being analyzed                |
-| RollingOut         | pods of an older template remain (a spec change or a step-down)   |
+| RollingOut         | pods of an older template remain (a spec change or a step-down),  |
+|                    | or the Deployment's rollout waits for new pods to become ready    |
 | Draining           | more pods exist than are desired: the surplus is terminating      |
 
 Otherwise both are False (reasons AsExpected and Idle) and Ready says whether the server serves.
@@ -83,7 +84,16 @@ def reconciling_cause(
     progressing = _find(conditions, "Progressing")
     if progressing is not None and progressing.status == "True":
         return "RollingOut", progressing.message
-    num_total = int((deployment.get("status") or {}).get("replicas") or 0)
+    # Every pod runs the new template but not all are available yet: the Deployment's rollout
+    # goes on until they are, or until its progress deadline stalls it.
+    status = deployment.get("status") or {}
+    rollout = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
+    )
+    if rollout.get("status") == "True" and rollout.get("reason") != "NewReplicaSetAvailable":
+        num_ready = int(status.get("readyReplicas") or 0)
+        return "RollingOut", f"{num_ready}/{num_desired} replicas ready; the rollout goes on"
+    num_total = int(status.get("replicas") or 0)
     if num_total > num_desired:
         return "Draining", f"{num_total - num_desired} surplus pods are terminating"
     return None

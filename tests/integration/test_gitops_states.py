@@ -69,22 +69,33 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 
 
 def wait_condition(
-    cluster: Cluster, namespace: str, name: str, type_: str, reason: str, timeout: float = 120
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    type_: str,
+    reason: str,
+    timeout: float = 120,
+    at_rest: bool = False,
 ) -> dict[str, Any]:
-    """Until the current generation's `type_` condition is True with `reason`; the object."""
+    """Until the current generation's `type_` condition is True with `reason` (and, `at_rest`,
+    Reconciling is False: nothing else under way); the object."""
+    seen: list[Any] = []
 
     def reached() -> dict[str, Any] | None:
         obj = get_server(cluster, namespace, name)
+        seen[:] = [obj.get("status", {}).get("conditions")]
         condition = _condition(obj, type_)
         is_current = (
             obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
         )
         is_there = condition.get("status") == "True" and condition.get("reason") == reason
-        return obj if is_current and is_there else None
+        is_quiet = not at_rest or _condition(obj, "Reconciling").get("status") == "False"
+        return obj if is_current and is_there and is_quiet else None
 
-    obj: dict[str, Any] = wait_for(
-        reached, timeout=timeout, what=f"{name}: {type_} True ({reason})"
-    )
+    try:
+        obj: dict[str, Any] = wait_for(reached, timeout=timeout, what=f"{name}: {type_} {reason}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; conditions: {seen}") from None
     return obj
 
 
@@ -123,10 +134,8 @@ def drive_states(
     custom = client.CustomObjectsApi(cluster.api)
     changed = {**SPEC, "memoryPolicy": {**SPEC["memoryPolicy"], "gpuMemoryUtilization": 0.85}}
     canary = {**SPEC, "rollout": {"canary": {"enabled": True, "analysisSeconds": 3600}}}
-    refused_pod = {
-        "volumes": [{"name": "data"}],  # no volume source: the Deployment's validation refuses
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }
+    # A mount of a volume the pod does not have: the CRD cannot see it, the Deployment refuses.
+    refused_pod = {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}
     start: dict[str, Callable[[], None]] = {
         "ready": lambda: apply_server(cluster, namespace, llmserver("ready", SPEC)),
         "rolling-out": lambda: apply_server(cluster, namespace, llmserver("rolling-out", SPEC)),
@@ -149,9 +158,12 @@ def drive_states(
     for begin in start.values():
         begin()
     captured = {"new": new}
-    captured["ready"] = wait_ready(cluster, namespace, "ready", 2)
+    wait_ready(cluster, namespace, "ready", 2)
+    captured["ready"] = wait_condition(
+        cluster, namespace, "ready", "Ready", "AllReplicasReady", at_rest=True
+    )
     captured["scaled-to-zero"] = wait_condition(
-        cluster, namespace, "scaled-to-zero", "Ready", "ScaledToZero"
+        cluster, namespace, "scaled-to-zero", "Ready", "ScaledToZero", at_rest=True
     )
     captured["apply-refused"] = wait_condition(
         cluster, namespace, "apply-refused", "Stalled", "ApplyFailed"
@@ -191,8 +203,9 @@ def drive_states(
     )
 
     wait_ready(cluster, namespace, "deleting", 1)
-    hold = f'[{{"op": "add", "path": "/metadata/finalizers/-", "value": "{HOLD}"}}]'
-    cluster.kubectl("patch", "-n", namespace, "llmserver/deleting", "--type=json", "-p", hold)
+    # The operator sets no finalizer (no deletion handler): the test's own holds the deletion.
+    hold = f'{{"metadata": {{"finalizers": ["{HOLD}"]}}}}'
+    cluster.kubectl("patch", "-n", namespace, "llmserver/deleting", "--type=merge", "-p", hold)
     custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "deleting")
     captured["deleting"] = wait_for(
         lambda: (

@@ -124,6 +124,26 @@ def test_reconciling_while_created_rolled_out_analyzed_or_drained() -> None:
         "RollingOut",
         "1/2 replicas run the current pod template",
     )
+    # All pods run the new template, none ready yet: the Deployment still reports progress.
+    starting = _deployment(
+        0,
+        2,
+        2,
+        conditions=[{"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"}],
+    )
+    assert _progress(compute_status(server, starting, NOW))["Reconciling"] == (
+        "True",
+        "RollingOut",
+        "0/2 replicas ready; the rollout goes on",
+    )
+    # The same after the rollout completed (pods failing later): nothing is under way.
+    done = _deployment(
+        0,
+        2,
+        2,
+        conditions=[{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}],
+    )
+    assert _progress(compute_status(server, done, NOW))["Reconciling"][:2] == ("False", "Idle")
     analyzing = make_server(
         {"replicas": 2, "rollout": {"canary": {"enabled": True}}},
         status={"canary": {**CANARY, "phase": "Analyzing", "message": "1 canary pod analyzed"}},
