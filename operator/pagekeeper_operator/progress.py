@@ -87,9 +87,8 @@ def reconciling_cause(
     # Every pod runs the new template but not all are available yet: the Deployment's rollout
     # goes on until they are, or until its progress deadline stalls it.
     status = deployment.get("status") or {}
-    rollout = next(
-        (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
-    )
+    conditions_seen: list[Mapping[str, Any]] = status.get("conditions") or []
+    rollout = next((c for c in conditions_seen if c.get("type") == "Progressing"), {})
     if rollout.get("status") == "True" and rollout.get("reason") != "NewReplicaSetAvailable":
         num_ready = int(status.get("readyReplicas") or 0)
         return "RollingOut", f"{num_ready}/{num_desired} replicas ready; the rollout goes on"
