@@ -86,6 +86,8 @@ def test_create_update_scale_delete(
         "Ready",
         "Progressing",
         "Degraded",
+        "Reconciling",
+        "Stalled",
         "MemoryHealthy",
     }
     printed = cluster.kubectl("get", "llms", "qwen", "-n", namespace).stdout.split("\n")
@@ -94,13 +96,15 @@ def test_create_update_scale_delete(
         "READY",
         "CURRENT",
         "DESIRED",
+        "RECONCILING",
+        "STALLED",
         "RUNTIME",
         "GPU-UTIL",
         "LAST-SCALE",
         "LAST-REMEDIATION",
         "AGE",
     ]
-    assert printed[1].split()[:6] == ["qwen", "1", "1", "1", "pagekeeper", "0.9"]
+    assert printed[1].split()[:8] == ["qwen", "1", "1", "1", "False", "False", "pagekeeper", "0.9"]
     first_sets = _replica_sets(cluster, namespace, "qwen")
     assert len(first_sets) == 1
 
