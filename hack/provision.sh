@@ -5,8 +5,9 @@
 # InferencePool CRD and KEDA's ScaledObject CRD from their Go modules, prometheus/promtool/
 # alertmanager from Debian's packages, the image tools (buildah, podman, mmdebstrap, runc) from
 # Debian's packages too, and one environment per tested vLLM version (vllm from PyPI, no GPU
-# needed) for the plugin and flag-contract tests. Every step is skipped when its output is
-# already there.
+# needed) for the plugin and flag-contract tests, and the GitOps health checks: kstatus
+# (hack/kstatus over sigs.k8s.io/cli-utils) and Argo CD's Lua health test binary. Every step is
+# skipped when its output is already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
