@@ -5,8 +5,9 @@
 # InferencePool CRD and KEDA's ScaledObject CRD from their Go modules, prometheus/promtool/
 # alertmanager from Debian's packages, the image tools (buildah, podman, mmdebstrap, runc) from
 # Debian's packages too, and one environment per tested vLLM version (vllm from PyPI, no GPU
-# needed) for the plugin and flag-contract tests. Every step is skipped when its output is
-# already there.
+# needed) for the plugin and flag-contract tests, and the GitOps health checks: kstatus
+# (hack/kstatus over sigs.k8s.io/cli-utils) and Argo CD's Lua health test binary. Every step is
+# skipped when its output is already there.
 set -euo pipefail
 
 CACHE="${PAGEKEEPER_CACHE:-$HOME/.cache/pagekeeper}"
@@ -22,6 +23,10 @@ INFERENCE_EXTENSION_VERSION="${INFERENCE_EXTENSION_VERSION:-v1.4.0}"
 VLLM_VERSIONS="${VLLM_VERSIONS:-0.11.0 0.33.0}"
 PROMETHEUS_ADAPTER_VERSION="${PROMETHEUS_ADAPTER_VERSION:-v0.12.0}"
 KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
+# The GitOps health checks: Argo CD's Lua health tests and kstatus (what Flux reads).
+ARGOCD_VERSION="${ARGOCD_VERSION:-v3.2.0}"
+CLI_UTILS_VERSION="${CLI_UTILS_VERSION:-v0.37.2}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOPATH="$CACHE/go/path"
@@ -144,6 +149,49 @@ keda_crds() {
   touch "$dest/.done"
 }
 
+# Argo CD reads a resource's health script from the scripts it embeds at build time, so its Lua
+# test binary (`go test -c ./util/lua/`, whose TestLuaHealthScript walks
+# ../../resource_customizations) is built in a writable copy of its module with our script added
+# under pagekeeper.dev/LLMServer. The copy keeps Argo CD's go.mod, so its pinned dependencies are
+# the ones built. A changed script rebuilds only the embedding package and the link.
+ARGOCD_LUA_TEST="$BIN/argocd-lua-health.test"
+build_argocd_lua_test() {
+  local script="$HERE/../charts/pagekeeper/argocd/health.lua"
+  local work="$CACHE/src/argo-cd-$ARGOCD_VERSION"
+  local ours="$work/resource_customizations/pagekeeper.dev/LLMServer"
+  if have argocd-lua-health.test && cmp -s "$script" "$ours/health.lua"; then
+    log "argo-cd $ARGOCD_VERSION lua test: cached"; return
+  fi
+  if [[ ! -f "$work/.copied" ]]; then
+    local dir
+    dir=$(module_dir "github.com/argoproj/argo-cd/v3@$ARGOCD_VERSION")
+    [[ -n "$dir" ]] || { echo "argo-cd $ARGOCD_VERSION: module not found" >&2; exit 1; }
+    rm -rf "$work"
+    cp -r "$dir" "$work"
+    chmod -R u+w "$work"
+    touch "$work/.copied"
+  fi
+  mkdir -p "$ours"
+  cp "$script" "$ours/health.lua"
+  log "argo-cd $ARGOCD_VERSION lua test: building (cold: ~800 MB of modules)"
+  (cd "$work" && go test -c -trimpath -ldflags "-s -w" -o "$ARGOCD_LUA_TEST.tmp" ./util/lua/)
+  mv "$ARGOCD_LUA_TEST.tmp" "$ARGOCD_LUA_TEST"
+}
+
+# hack/kstatus: a small program over sigs.k8s.io/cli-utils' kstatus, the status rules Flux applies.
+build_kstatus() {
+  local src="$HERE/kstatus"
+  local stamp="$CACHE/src/kstatus.sha256"
+  local sum
+  sum=$(cat "$src/go.mod" "$src/main.go" | sha256sum | cut -d' ' -f1)
+  if have kstatus && [[ -f "$stamp" && "$(cat "$stamp")" == "$sum" ]]; then
+    log "kstatus (cli-utils $CLI_UTILS_VERSION): cached"; return
+  fi
+  log "kstatus (cli-utils $CLI_UTILS_VERSION): building"
+  (cd "$src" && go build -trimpath -ldflags "-s -w" -o "$BIN/kstatus" .)
+  echo "$sum" >"$stamp"
+}
+
 debian_tools() {
   local need=()
   command -v prometheus >/dev/null || need+=(prometheus)
@@ -201,7 +249,10 @@ main() {
            go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
            go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-           build_prometheus_adapter; build_kubernetes; vllm_envs ;;
+           build_prometheus_adapter; build_kubernetes; vllm_envs; build_kstatus; build_argocd_lua_test ;;
+      gitops) build_kstatus; build_argocd_lua_test ;;
+      argocd) build_argocd_lua_test ;;
+      kstatus) build_kstatus ;;
       vllm) vllm_envs ;;
       debian) debian_tools ;;
       containers) container_tools ;;

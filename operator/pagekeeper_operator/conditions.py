@@ -25,6 +25,7 @@ from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServer
 from pagekeeper_operator.api.tuning import TuningStatus
 from pagekeeper_operator.effective import compose, effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
+from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
@@ -278,22 +279,31 @@ def compute_status(
     tuning = old.tuning
     if tuning is not None or effective.step_down is not None:
         tuning = (tuning or TuningStatus()).model_copy(update={"step_down": effective.step_down})
+    others = [
+        memory,
+        *canary,
+        *runtime_conditions(server, deployment, now),
+        *fit_condition(server, fit, now),
+    ]
+    # From all the others (Stalled reads Progressing and a PolicyFits), listed after Degraded.
+    num_desired = desired_replicas(server, deployment)
+    progress = [
+        _condition(old.condition(type_), type_, is_true, reason, message, generation, now)
+        for type_, is_true, reason, message in progress_conditions(
+            server, [*conditions, *others], deployment, apply_error, num_desired
+        )
+    ]
+    conditions = [*conditions, *progress, *others]
     return old.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": [
-                *conditions,
-                memory,
-                *canary,
-                *runtime_conditions(server, deployment, now),
-                *fit_condition(server, fit, now),
-            ],
+            "conditions": conditions,
             "memory_plan": old.memory_plan if fit is None else fit.status,
             "replicas": int(dep_status.get("replicas") or 0),
             "ready_replicas": int(dep_status.get("readyReplicas") or 0),
             "updated_replicas": int(dep_status.get("updatedReplicas") or 0),
             "selector": selector_string(server),
-            "desired_replicas": desired_replicas(server, deployment),
+            "desired_replicas": num_desired,
             "autoscaling": autoscaling,
             "effective_memory_policy": policy,
             "spec_memory_policy_hash": memory_policy_hash(server.spec.memory_policy),

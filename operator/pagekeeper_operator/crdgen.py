@@ -157,9 +157,11 @@ def spec_schema() -> dict[str, Any]:
     )
     resolved = _structural(_inline(raw, raw.get("$defs", {})))
     properties = resolved["properties"]
-    # Status belongs to the operator; an API-server default would only hide "never reconciled".
+    # Status belongs to the operator, so its one default is observedGeneration 0: "never
+    # reconciled" in the convention kstatus (Flux) reads, which would otherwise take an
+    # LLMServer without status for Current. The API server applies it when it reads the object.
     properties["status"] = _without_rules(properties["status"])
-    del properties["status"]["default"]
+    properties["status"]["default"] = {"observedGeneration": 0}
     properties["metadata"] = {"type": "object"}
     properties["apiVersion"] = {
         "type": "string",
@@ -197,6 +199,18 @@ def _printer_columns() -> list[dict[str, Any]]:
             "type": "integer",
             "jsonPath": ".status.desiredReplicas",
             "description": "Pods wanted: spec.replicas, or the autoscaler's count.",
+        },
+        {
+            "name": "Reconciling",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Reconciling")].status',
+            "description": "A rollout, canary analysis or drain is under way (docs/gitops.md).",
+        },
+        {
+            "name": "Stalled",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Stalled")].status',
+            "description": "No progress is possible until the spec changes (docs/gitops.md).",
         },
         {
             "name": "Runtime",
@@ -247,6 +261,8 @@ def build_crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
+            # Argo CD syncs it in a wave before the operator and the LLMServers (docs/gitops.md).
+            "annotations": {"argocd.argoproj.io/sync-wave": "-1"},
             "labels": {
                 "app.kubernetes.io/name": "pagekeeper",
                 "app.kubernetes.io/part-of": "pagekeeper",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
 
@@ -36,6 +36,7 @@ from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_ro
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_tuning
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
+from pagekeeper_operator.refusal import write_failure
 from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
@@ -67,6 +68,7 @@ class ReconcileResult:
 
 
 def _describe(action: Apply, exc: ApiException) -> str:
+    """The raw answer, for the log and an Event; status gets `refusal.write_failure`."""
     _, kind, name = key_of(action.manifest)
     return f"applying {kind}/{name} failed ({exc.status} {exc.reason}): {exc.body or ''}"[:2000]
 
@@ -106,8 +108,13 @@ def reconcile(
             observed[key] = kube.apply(action.manifest)
         except ApiException as exc:
             result.error = exc
-            error_text = _describe(action, exc)
-            logger.warning("%s/%s: %s", namespace, server.metadata.name, error_text)
+            raw = _describe(action, exc)
+            logger.warning("%s/%s: %s", namespace, server.metadata.name, raw)
+            error_text = write_failure(key[1], exc.status, exc.reason, exc.body)
+            # Once per failure: the resync retries a stalled server without a new Event each time.
+            degraded = stored.status.condition("Degraded")
+            if degraded is None or degraded.message != error_text:
+                _post_event(kube, server, "Warning", "ApplyFailed", raw[:1024])
             break
         result.applied.append(action)
         logger.info(
@@ -124,13 +131,13 @@ def reconcile(
             unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
         error_text = _prune(kube, server, unwanted, result)
     if result.error is None and canary_event is not None:
-        _post_event(kube, server, canary_event)
+        _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
     fit_event = _fit_event(server, fit)
     if fit_event is not None:
-        _post_event(kube, server, fit_event)
+        _post_event(kube, server, fit_event.type, fit_event.reason, fit_event.message)
     if result.error is None:
         for tuning_event in tuning_events:
-            _post_event(kube, server, CanaryEvent(*astuple(tuning_event)))
+            _post_event(kube, server, tuning_event.type, tuning_event.reason, tuning_event.message)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
     status = compute_status(server, deployment, now, error_text, autoscaling, fit)
@@ -262,16 +269,15 @@ def _with_tuning(
     return server.model_copy(update={"status": status}), result.events
 
 
-def _post_event(kube: Kube, server: LLMServer, canary_event: CanaryEvent) -> None:
+def _post_event(
+    kube: Kube, server: LLMServer, type_: Literal["Normal", "Warning"], reason: str, message: str
+) -> None:
     """An Event on the LLMServer; best effort (status holds the record)."""
     try:
         meta = server.metadata
-        kube.create_event(
-            event(meta.namespace, meta.name, meta.uid, canary_event.type, canary_event.reason,
-                  canary_event.message)
-        )  # fmt: skip
+        kube.create_event(event(meta.namespace, meta.name, meta.uid, type_, reason, message))
     except ApiException as exc:
-        logger.warning("could not post %s: %s %s", canary_event.reason, exc.status, exc.reason)
+        logger.warning("could not post %s: %s %s", reason, exc.status, exc.reason)
 
 
 def _prune(
@@ -305,8 +311,8 @@ def refresh_status(
     down) must not report that spec as observed and Ready on the old pods.
     """
     reconciled = server.status.observed_generation
-    if reconciled is None:
-        return {}  # nothing reconciled yet: the first reconcile writes status
+    if not reconciled:
+        return {}  # nothing reconciled yet (the CRD's default is 0): the first reconcile writes
     if reconciled != server.metadata.generation:
         metadata = server.metadata.model_copy(update={"generation": reconciled})
         server = server.model_copy(update={"metadata": metadata})

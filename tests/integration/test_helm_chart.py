@@ -197,7 +197,10 @@ def test_template_passes_a_server_side_dry_run(
         (crd,) = by_kind(docs, "CustomResourceDefinition")
         source = yaml.safe_load((CHART / "crds" / "llmservers.pagekeeper.dev.yaml").read_text())
         assert crd["spec"] == source["spec"]
-        assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert crd["metadata"]["annotations"] == {
+            "argocd.argoproj.io/sync-wave": "-1",  # the CRD's own (docs/gitops.md)
+            "helm.sh/resource-policy": "keep",
+        }
         rules, dashboard = by_kind(docs, "ConfigMap")
         assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
         board = json.loads(dashboard["data"]["pagekeeper.json"])

@@ -86,6 +86,8 @@ def test_create_update_scale_delete(
         "Ready",
         "Progressing",
         "Degraded",
+        "Reconciling",
+        "Stalled",
         "MemoryHealthy",
         "PolicyFits",
     }
@@ -98,6 +100,8 @@ def test_create_update_scale_delete(
         "READY",
         "CURRENT",
         "DESIRED",
+        "RECONCILING",
+        "STALLED",
         "RUNTIME",
         "GPU-UTIL",
         "FITS",
@@ -106,7 +110,9 @@ def test_create_update_scale_delete(
         "LAST-REMEDIATION",
         "AGE",
     ]
-    assert printed[1].split()[:7] == ["qwen", "1", "1", "1", "pagekeeper", "0.9", "Fits"]
+    assert printed[1].split()[:9] == [
+        "qwen", "1", "1", "1", "False", "False", "pagekeeper", "0.9", "Fits"
+    ]  # fmt: skip
     first_sets = _replica_sets(cluster, namespace, "qwen")
     assert len(first_sets) == 1
 

@@ -171,6 +171,18 @@ SCHEMA_CASES = [
         "spec.memoryPolicy.weights.cpuOffloadGiB",
     ),
     ({"tuning": {"windowSeconds": -5}}, "spec.tuning.windowSeconds"),
+    # What the pod template copies, under the API server's own rules for pods.
+    ({"podTemplate": {"env": [{"name": "A=B", "value": "1"}]}}, "spec.podTemplate.env[0].name"),
+    (
+        {"podTemplate": {"volumes": [{"name": "Models", "emptyDir": {}}]}},
+        "spec.podTemplate.volumes[0].name",
+    ),
+    ({"podTemplate": {"volumes": [{"emptyDir": {}}]}}, "spec.podTemplate.volumes[0].name"),
+    (
+        {"podTemplate": {"volumeMounts": [{"name": "m_1", "mountPath": "/m"}]}},
+        "spec.podTemplate.volumeMounts[0].name",
+    ),
+    ({"service": {"port": 70000}}, "spec.service.port"),
 ]
 
 

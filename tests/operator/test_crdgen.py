@@ -23,6 +23,7 @@ from pagekeeper_operator.api.llmserver import (
     SWAP_RULE,
     TRIGGER_RULES,
 )
+from pagekeeper_operator.api.pod import VOLUME_NAME_SCHEMA
 from pagekeeper_operator.api.policy import (
     BATCHED_TOKENS_RULE,
     BUDGETS_RULE,
@@ -107,6 +108,8 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
         "Ready": ("integer", ".status.readyReplicas"),
         "Current": ("integer", ".status.replicas"),
         "Desired": ("integer", ".status.desiredReplicas"),
+        "Reconciling": ("string", '.status.conditions[?(@.type=="Reconciling")].status'),
+        "Stalled": ("string", '.status.conditions[?(@.type=="Stalled")].status'),
         "Runtime": ("string", ".spec.runtime"),
         "GPU-Util": ("number", ".status.effectiveMemoryPolicy.gpuMemoryUtilization"),
         "Fits": ("string", ".status.memoryPlan.state"),
@@ -248,9 +251,20 @@ def test_free_form_objects_preserve_unknown_fields(schema: dict[str, Any]) -> No
         "nullable": True,
         "x-kubernetes-preserve-unknown-fields": True,
     }
+    # A volume stays opaque but for its name, which the pod's validation would refuse.
     assert pod["volumes"]["items"] == {
         "type": "object",
         "x-kubernetes-preserve-unknown-fields": True,
+        "required": ["name"],
+        "properties": {
+            "name": {
+                "type": "string",
+                "description": VOLUME_NAME_SCHEMA["description"],
+                "minLength": 1,
+                "maxLength": 63,
+                "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+            }
+        },
     }
     preserved = [
         path for path, node in _schemas(schema) if node.get("x-kubernetes-preserve-unknown-fields")

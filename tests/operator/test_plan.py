@@ -185,6 +185,8 @@ def test_status_ready_and_rolled_out() -> None:
         "Progressing": ("False", "RolloutComplete"),
         "Degraded": ("False", "AsExpected"),
         "MemoryHealthy": ("True", "NoMemoryEvents"),
+        "Reconciling": ("False", "Idle"),
+        "Stalled": ("False", "AsExpected"),
     }
     assert (status.replicas, status.ready_replicas, status.updated_replicas) == (2, 2, 2)
     assert status.observed_generation == 3

@@ -23,6 +23,8 @@ ConditionType = Literal[
     "PolicyHonored",
     "PluginLoaded",
     "PolicyFits",
+    "Reconciling",
+    "Stalled",
 ]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -36,7 +38,7 @@ class Condition(ApiModel):
         max_length=64,
         description=(
             "Ready, Progressing, Degraded, MemoryHealthy, CanaryFailed, PolicyHonored, "
-            "PluginLoaded or PolicyFits."
+            "PluginLoaded, PolicyFits, Reconciling or Stalled."
         ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
@@ -85,7 +87,9 @@ class LLMServerStatus(ApiModel):
             "spec.rollout.canary is enabled; under runtime vllm PolicyHonored (whether the "
             "image's vLLM version honours every memoryPolicy field) and PluginLoaded (whether "
             "VLLM_PLUGINS lets pagekeeper's plugin export the allocator series); PolicyFits "
-            "(whether the memory plan fits the GPU; a spec that does not is not rolled out)."
+            "(whether the memory plan fits the GPU; a spec that does not is not rolled out); "
+            "Reconciling (a rollout, canary analysis or drain is under way) and Stalled (no "
+            "progress is possible until the spec changes), the conditions kstatus and Flux read."
         ),
     )
     replicas: int | None = Field(default=None, description="Pods the Deployment has.")
