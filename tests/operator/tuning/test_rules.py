@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,36 @@ def test_every_window_gives_valid_proposals_within_bounds(path: Path) -> None:
             assert within_bounds(p.field, p.proposed, tight.bounds, runtime), p
             assert changed != MemoryPolicy() and p.field != "kvCacheDtype"
             assert 0.0 < p.confidence <= 1.0 and p.evidence
+
+
+GPU_FIXTURES = FIXTURES / "gpu"
+
+
+def recorded_policy(name: str) -> MemoryPolicy:
+    """The policy a GPU window was recorded under (its note ends with the policy's JSON)."""
+    note = json.loads((GPU_FIXTURES / f"{name}.json").read_text())["note"]
+    return MemoryPolicy.model_validate(json.loads(note[note.index("{") :]))
+
+
+@pytest.mark.parametrize(
+    ("name", "top"),
+    [
+        # W-tune on an H200 (docs/benchmarks.md, W-tune): 128 chat streams held to 16 running.
+        ("chat_round0", ("maxNumSeqs", "16", "90", "max-num-seqs-up")),
+        # RAG with caching off: the shadow count saw the shared 2,048-token prefixes.
+        ("rag_round0", ("enablePrefixCaching", "false", "true", "prefix-caching-on")),
+        # The grid's best RAG policy and the last burst round: no change is right.
+        ("rag_round1", None),
+        ("burst_round2", None),
+    ],
+)
+def test_windows_recorded_on_a_gpu_give_the_measured_winner_first(
+    name: str, top: tuple[str, str, str, str] | None
+) -> None:
+    proposals = recommend(
+        MetricWindow.from_json((GPU_FIXTURES / f"{name}.json").read_text()),
+        recorded_policy(name),
+        TuningSpec(),
+        "pagekeeper",
+    )
+    assert (changes(proposals)[0] if proposals else None) == top
