@@ -66,6 +66,55 @@ class OOMClassification:
     def can_step_down(self) -> bool:
         return self.device == "gpu" and self.phase == "runtime"
 
+    @property
+    def is_memory(self) -> bool:
+        return True
+
+
+# The engine's stuck line (`pagekeeper_engine/stuck.py`'s STUCK_LINE, pinned from both sides by
+# tests/operator/test_adaptive.py): the paged engine's progress watchdog and the vLLM launcher's
+# probe end a pod whose engine stopped making progress with it.
+_STUCK_RE = re.compile(
+    r"^pagekeeper-stuck last_step_age_s=(?P<age>\d+(?:\.\d+)?) running=(?P<running>\d+) "
+    r"waiting=(?P<waiting>\d+) detail=(?P<detail>.*)$"
+)
+
+
+@dataclass(frozen=True)
+class StuckClassification:
+    """An engine ended for making no progress: counted like an OOM by the canary and the
+    remediation history, never a reason to step memory down (memory was not the problem)."""
+
+    last_step_age_s: float
+    num_running: int
+    num_waiting: int
+    detail: str
+
+    label = "stuck"
+    condition_reason = "EngineStuck"
+    can_step_down = False
+    is_memory = False
+
+
+Termination = OOMClassification | StuckClassification
+
+
+def classify_failure(reason: str | None, message: str | None) -> Termination | None:
+    """An out-of-memory termination (`classify_termination`), else a stuck one, else None. Both
+    lines may stand in one message (a vLLM that printed an OOM before its probe found it
+    stuck): the OOM wins, so memory still steps down."""
+    oom = classify_termination(reason, message)
+    if oom is not None:
+        return oom
+    for line in reversed((message or "").splitlines()):
+        match = _STUCK_RE.match(line.strip())
+        if match is not None:
+            return StuckClassification(
+                float(match["age"]), int(match["running"]), int(match["waiting"]),
+                match["detail"].strip(),
+            )  # fmt: skip
+    return None
+
 
 def classify_termination(reason: str | None, message: str | None) -> OOMClassification | None:
     """Classify a container's termination; None when it was not out of memory."""

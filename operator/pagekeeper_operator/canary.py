@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from pagekeeper_operator.adaptive import classify_termination
+from pagekeeper_operator.adaptive import classify_failure
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
@@ -186,7 +186,9 @@ def _failure(
     if "oomEvents" in fail_on:
         ooms = sum(p.oom_terminations for p in pods)
         if ooms:
-            return "oomEvents", f"oomEvents: {ooms} out-of-memory termination(s) of canary pods"
+            return "oomEvents", (
+                f"oomEvents: {ooms} out-of-memory or stuck termination(s) of canary pods"
+            )
     if "restarts" in fail_on:
         restarts = sum(p.restarts for p in pods)
         if restarts:
@@ -218,7 +220,7 @@ def canary_pod(pod: Mapping[str, Any]) -> CanaryPod:
     for container in statuses:
         for state in (container.get("state"), container.get("lastState")):
             terminated = (state or {}).get("terminated") or {}
-            if classify_termination(terminated.get("reason"), terminated.get("message")):
+            if classify_failure(terminated.get("reason"), terminated.get("message")):
                 ooms.add((container.get("name"), terminated.get("finishedAt")))
     return CanaryPod(
         name=str((pod.get("metadata") or {}).get("name", "")),

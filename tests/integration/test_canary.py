@@ -136,7 +136,7 @@ def test_an_oom_on_the_canary_takes_it_back_and_a_restart_resumes_the_analysis(
     status = wait_for(failed, timeout=120, what="CanaryFailed and three stable replicas")
     assert status["canary"]["phase"] == "Failed"
     assert status["canary"]["failedSignal"] == "oomEvents"
-    assert "1 out-of-memory termination(s) of canary pods" in status["canary"]["message"]
+    assert "1 out-of-memory or stuck termination(s) of canary pods" in status["canary"]["message"]
     assert get_or_none(apps.read_namespaced_deployment, "qwen-canary", namespace) is None
     assert template_hash(apps, namespace, "qwen") == stable_hash
     assert survivors <= stable_pods(cluster, namespace, "qwen")  # never replaced

@@ -7,9 +7,13 @@ from typing import Any
 
 import pytest
 
+from pagekeeper_engine.stuck import StuckReport
 from pagekeeper_operator.adaptive import (
     TERMINATION_MESSAGE_FORMAT,
     OOMClassification,
+    StuckClassification,
+    Termination,
+    classify_failure,
     classify_termination,
     step_down,
 )
@@ -261,3 +265,47 @@ def test_oom_terminations_of_a_pod() -> None:
     ]
     assert termination_key("u", "engine", "t") != termination_key("u", "engine", "t2")
     assert len(termination_key("u", "engine", "t")) == 16
+
+
+STUCK_LINE = (
+    "pagekeeper-stuck last_step_age_s=61.5 running=3 waiting=12 detail=no step completed while "
+    "requests waited"
+)
+STUCK = StuckClassification(61.5, 3, 12, "no step completed while requests waited")
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (STUCK_LINE, STUCK),
+        (f"Traceback ...\n{STUCK_LINE}\n", STUCK),
+        # vLLM printed an OOM before its probe found it stuck: memory still steps down.
+        (
+            f"pagekeeper-oom kind=gpu phase=runtime detail=x\n{STUCK_LINE}",
+            OOMClassification("gpu", "runtime", "x"),
+        ),
+        ("pagekeeper-stuck last_step_age_s=soon running=1 waiting=0 detail=x", None),
+        ("Error: engine ended", None),
+    ],
+)
+def test_a_stuck_line_classifies_as_stuck_and_an_oom_line_wins(
+    message: str, expected: Termination | None
+) -> None:
+    assert classify_failure("Error", message) == expected
+
+
+def test_the_stuck_line_the_engine_writes_is_the_one_the_operator_reads() -> None:
+    report = StuckReport(61.5, 3, 12, "no step completed while requests waited")
+    assert classify_failure("Error", report.message()) == STUCK
+
+
+def test_a_stuck_termination_is_recorded_but_never_steps_memory_down() -> None:
+    response = respond_to_oom(server_body(), "chat-a", STUCK, "k5", "2026-03-01T11:59:00Z", NOW)
+    assert response is not None
+    assert set(response.status) == {"remediationHistory"}  # no policy, no MemoryHealthy
+    record = response.record
+    assert (record.alert, record.action, record.outcome) == ("stuck", "step-down", "not-applicable")
+    assert record.message.startswith("EngineStuck: no step completed while requests waited;")
+    assert (response.event_type, response.event_reason) == ("Warning", "EngineStuck")
+    again = server_body({"remediationHistory": response.status["remediationHistory"]})
+    assert respond_to_oom(again, "chat-a", STUCK, "k5", "x", NOW) is None

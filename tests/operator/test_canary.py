@@ -103,7 +103,7 @@ def test_a_clean_analysis_promotes_to_every_replica() -> None:
             CanaryPod("qwen-canary-7d9f-abcde", True, restarts=1, oom_terminations=1),
             (),
             "oomEvents",
-            "oomEvents: 1 out-of-memory termination(s) of canary pods",
+            "oomEvents: 1 out-of-memory or stuck termination(s) of canary pods",
         ),
         (
             CanaryPod("qwen-canary-7d9f-abcde", True, restarts=2, oom_terminations=0),
@@ -233,3 +233,27 @@ def test_a_canary_pod_is_read_from_its_status() -> None:
     }
     assert canary_pod(pod) == CanaryPod("qwen-canary-7d9f-abcde", True, 2, 1)
     assert canary_pod({"metadata": {"name": "p"}}) == CanaryPod("p", False, 0, 0)
+
+
+def test_a_stuck_canary_pod_counts_like_an_out_of_memory_one() -> None:
+    stuck = "pagekeeper-stuck last_step_age_s=60.0 running=1 waiting=4 detail=step loop stopped"
+    pod = {
+        "metadata": {"name": "qwen-canary-7d9f-abcde"},
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "restartCount": 1,
+                    "lastState": {
+                        "terminated": {
+                            "reason": "Error",
+                            "message": stuck,
+                            "finishedAt": "2026-11-23T10:01:00Z",
+                        }
+                    },
+                    "state": {"running": {}},
+                }
+            ],
+        },
+    }
+    assert canary_pod(pod) == CanaryPod("qwen-canary-7d9f-abcde", False, 1, 1)

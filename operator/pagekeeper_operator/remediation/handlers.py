@@ -21,7 +21,7 @@ import kopf
 from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator.adaptive import OOMClassification
+from pagekeeper_operator.adaptive import Termination
 from pagekeeper_operator.kube import shared_kube
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod
@@ -149,7 +149,7 @@ async def _respond(
     namespace: str,
     server: str,
     pod: str,
-    classification: OOMClassification,
+    classification: Termination,
     key: str,
     finished_at: str,
 ) -> None:

@@ -1,10 +1,13 @@
-"""The response to an out-of-memory termination (pure): status patch, history record, Event.
+"""The response to an out-of-memory or stuck termination (pure): status patch, history record,
+Event.
 
 The effective policy is stepped down in status (never spec) for run-time GPU OOMs; every OOM
 is classified into the MemoryHealthy condition (and `lastOutOfMemory`, from which the condition
 recovers: see `conditions`) and recorded once in remediationHistory, identified by (pod uid,
-container, finishedAt) so a restarted operator does not step twice. After a step-down the
-handler reconciles the server at once, so the stepped-down policy rolls the pods.
+container, finishedAt) so a restarted operator does not step twice. A stuck engine's termination
+(`adaptive.StuckClassification`) is recorded the same way, as `stuck`, but touches neither the
+policy nor MemoryHealthy: memory was not what failed. After a step-down the handler reconciles
+the server at once, so the stepped-down policy rolls the pods.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagekeeper_operator.adaptive import OOMClassification, classify_termination, step_down
+from pagekeeper_operator.adaptive import Termination, classify_failure, step_down
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
@@ -45,21 +48,19 @@ def termination_key(pod_uid: str, container: str, finished_at: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def oom_terminations(pod: Mapping[str, Any]) -> list[tuple[str, OOMClassification, str]]:
-    """(container, classification, finishedAt) of each OOM termination a pod reports.
+def oom_terminations(pod: Mapping[str, Any]) -> list[tuple[str, Termination, str]]:
+    """(container, classification, finishedAt) of each OOM or stuck termination a pod reports.
 
     A termination shows as `state.terminated` while the container is down and as
     `lastState.terminated` once it restarted; the same one is listed once.
     """
-    found: dict[tuple[str, str], OOMClassification] = {}
+    found: dict[tuple[str, str], Termination] = {}
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
         for state in (status.get("state"), status.get("lastState")):
             terminated = (state or {}).get("terminated")
             if not terminated:
                 continue
-            classification = classify_termination(
-                terminated.get("reason"), terminated.get("message")
-            )
+            classification = classify_failure(terminated.get("reason"), terminated.get("message"))
             if classification is not None:
                 finished_at = str(terminated.get("finishedAt") or "")
                 found.setdefault((str(status.get("name", "")), finished_at), classification)
@@ -89,7 +90,7 @@ def _conditions(
 def respond_to_oom(
     body: Mapping[str, Any],
     pod: str,
-    classification: OOMClassification,
+    classification: Termination,
     key: str,
     finished_at: str,
     now: datetime,
@@ -103,7 +104,10 @@ def respond_to_oom(
     remediation = server.spec.remediation
     when = format_time(now)
     patch: dict[str, Any] = {}
-    if not classification.can_step_down:
+    if not classification.is_memory:
+        outcome = "not-applicable"
+        message = "a stuck engine is restarted, never stepped down: memory was not what failed"
+    elif not classification.can_step_down:
         outcome = "not-applicable"
         message = f"{classification.label}: only run-time GPU OOMs step the policy down"
     elif not remediation.enabled or not remediation.adaptive.enabled:
@@ -139,6 +143,10 @@ def respond_to_oom(
         alertStartsAt=finished_at,
     )
     patch["remediationHistory"] = bounded_history(history, record, remediation.history_limit)
+    event_type: EventType = "Normal" if outcome == "applied" else "Warning"
+    reason = "PolicySteppedDown" if outcome == "applied" else classification.condition_reason
+    if not classification.is_memory:
+        return OOMResponse(patch, record, event_type, reason)
     patch["lastOutOfMemory"] = when
     patch["conditions"] = _conditions(
         status.get("conditions") or [],
@@ -147,6 +155,4 @@ def respond_to_oom(
         server.metadata.generation,
         when,
     )
-    event_type: EventType = "Normal" if outcome == "applied" else "Warning"
-    reason = "PolicySteppedDown" if outcome == "applied" else classification.condition_reason
     return OOMResponse(patch, record, event_type, reason)

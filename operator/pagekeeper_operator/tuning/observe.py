@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from pagekeeper_operator.adaptive import StuckClassification
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.prometheus import query_by, query_samples
 from pagekeeper_operator.tuning.window import MetricWindow
@@ -115,7 +116,8 @@ def records_since(
         if when < start:
             continue
         alerts += record.alert == FRAGMENTATION_ALERT
-        ooms += record.action == "step-down"
+        # every termination is recorded as a step-down; a stuck engine's is not memory's
+        ooms += record.action == "step-down" and record.alert != StuckClassification.label
     return alerts, ooms
 
 
