@@ -5,7 +5,8 @@ invalid field. A condition message is read in `kubectl describe`, `kubectl wait`
 Argo CD UI and a Flux Kustomization's failure, so it carries the first cause (field and reason)
 in one sentence; the raw body goes to the operator's log and an Event.
 
-A refusal (a 4xx other than a conflict or throttling) will not pass on retry: the spec must
+A refusal (`failures.is_permanent_status`: a 4xx other than a timeout, conflict, expired list or
+throttling) will not pass on retry: the spec must
 change, so it stalls the server (`progress`). Other failures are retried.
 """
 
@@ -14,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagekeeper_operator.failures import is_permanent_status
+
 REFUSED_PREFIX = "the API server refused the "
-# A 4xx the same request can pass later: a write conflict, throttling, a missing namespace.
-RETRYABLE_STATUSES = frozenset({404, 409, 429})
 MAX_MESSAGE_LENGTH = 1024
 
 
@@ -31,8 +32,9 @@ def _parse_status(body: str | bytes | None) -> dict[str, Any]:
 
 
 def is_refusal(status: int | None) -> bool:
-    """Whether a write answered with this HTTP status needs a changed request to pass."""
-    return status is not None and 400 <= status < 500 and status not in RETRYABLE_STATUSES
+    """Whether a write answered with this HTTP status needs a changed request to pass
+    (`failures.is_permanent_status`, the operator's one rule)."""
+    return is_permanent_status(status)
 
 
 def write_failure(kind: str, status: int | None, reason: str | None, body: str | None) -> str:

@@ -91,8 +91,8 @@ def test_write_failure_names_the_first_cause_in_one_sentence() -> None:
     assert write_failure("Deployment", 409, "Conflict", forbidden) == (
         "the API server could not apply the Deployment (409 Conflict): services is forbidden"
     )
-    assert [is_refusal(s) for s in (400, 403, 404, 409, 422, 429, 500, None)] == [
-        True, True, False, False, True, False, False, False,
+    assert [is_refusal(s) for s in (400, 403, 404, 409, 410, 422, 429, 500, None)] == [
+        True, True, True, False, False, True, False, False, False,
     ]  # fmt: skip
     assert is_refused(REFUSED) and not is_refused("applying Deployment/qwen failed")
 
