@@ -122,6 +122,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     shutdown_timeout: float = 30.0
     admin_token_env: str = "PAGEKEEPER_ADMIN_TOKEN"
+    api_key: str | None = None  # the bearer token /v1/* requests must carry, when given
     max_waiting_requests: int | None = None
     max_consecutive_ooms: int = 8
     stuck_timeout: float = DEFAULT_STUCK_TIMEOUT_S  # 0: no progress watchdog
@@ -248,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bounded(float, 0.0, None),
         default=30.0,
         help="seconds running requests may take to finish after SIGTERM",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help="a bearer token every /v1/* request must carry (Authorization: Bearer <key>), as "
+        "vLLM's flag; /health, /ready and /metrics stay open for probes and Prometheus",
     )
     add(
         "--admin-token-env",

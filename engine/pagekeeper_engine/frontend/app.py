@@ -15,6 +15,7 @@ import uuid
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -22,6 +23,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.frontend import admin, token_routes
 from pagekeeper_engine.frontend import responses as r
+from pagekeeper_engine.frontend.auth import api_key_middleware
 from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
 from pagekeeper_engine.frontend.errors import (
     APIError,
@@ -216,7 +218,10 @@ def create_app(
 ) -> web.Application:
     """The application, loading until `app[STATE].attach(...)`. With several front ends,
     `metrics_multiprocess_dir` is where their latency histograms and counters meet."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    middlewares: list[Middleware] = [error_middleware]
+    if config.api_key:
+        middlewares.append(api_key_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     state: ServerState | None = None
 
     def read_stats() -> LoopStats | None:
