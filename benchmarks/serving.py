@@ -130,6 +130,8 @@ def start_server(
     ]  # fmt: skip
     if args.api_server_count is not None:
         argv += ["--api-server-count", str(args.api_server_count)]
+    if getattr(args, "api_key", None):
+        argv += ["--api-key", args.api_key]
     paths = [
         str(REPO / "engine"),
         str(REPO / "memplan"),
@@ -188,7 +190,10 @@ async def run_client(
 ) -> list[wl.RequestRecord]:
     connector = aiohttp.TCPConnector(limit=0)  # the default limit (100) would cap concurrency
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=plan.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else None
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
         warm_ups = (stream_completion(session, plan, -1, p, n) for p, n in plan.warmup)
         warm = await asyncio.gather(*warm_ups)
         if failed := [r for r in warm if r.failure is not None]:
@@ -257,6 +262,7 @@ def run_online(
         level, requests, args.seed, url=url, model=args.model_name,
         timeout_s=args.request_timeout, num_processes=args.client_processes,
         as_text=args.prompt_format == "text", cpus=parse_cpus(args.client_cpus),
+        api_key=getattr(args, "api_key", None),
     )  # fmt: skip
     return run_plans(plans)
 
@@ -422,6 +428,7 @@ def parse_args() -> argparse.Namespace:
     add("--server-log", default=None)
     add("--server-cpus", default=None, help="CPUs the server may use (taskset's list: 0-9)")
     add("--client-cpus", default=None, help="CPUs the client processes may use (10-15)")
+    add("--api-key", default=None, help="the server's --api-key: clients send it as a bearer")
     add("--json", default=None)
     args = parser.parse_args()
     for part, low in (("prompt", 64), ("output", 32)):  # an unset minimum follows a lower maximum

@@ -106,6 +106,7 @@ class ClientPlan:
     stream: bool = True  # the level's
     as_text: bool = False  # prompts as text for the server to tokenize, not as token ids
     cpus: set[int] = field(default_factory=set)  # the CPUs the process may use; empty: any
+    api_key: str | None = None  # sent as Authorization: Bearer, for a server run with --api-key
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:

@@ -183,6 +183,9 @@ SCHEMA_CASES = [
         "spec.podTemplate.volumeMounts[0].name",
     ),
     ({"service": {"port": 70000}}, "spec.service.port"),
+    ({"apiKey": {"secretName": "Not_A_Secret"}}, "spec.apiKey.secretName"),
+    ({"apiKey": {"secretName": "s", "key": "a key"}}, "spec.apiKey.key"),
+    ({"apiKey": {"key": "token"}}, "spec.apiKey.secretName"),
 ]
 
 

@@ -227,3 +227,23 @@ def test_custom_all_reduce_off_reaches_either_runtime(runtime: str) -> None:
         command = _command({"runtime": runtime, "parallelism": parallelism})
         assert "--disable-custom-all-reduce" not in command
         assert not parse_args(["/m", *command[3:]]).disable_custom_all_reduce
+
+
+@pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])
+def test_the_api_key_comes_from_its_secret_into_either_runtime(runtime: str) -> None:
+    spec = {"runtime": runtime, "apiKey": {"secretName": "chat-openai", "key": "token"}}
+    deployment = render_deployment(make_server(spec), DEFAULT_IMAGES)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PAGEKEEPER_API_KEY"] == {
+        "name": "PAGEKEEPER_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "chat-openai", "key": "token"}},
+    }
+    command = _command(spec)
+    assert command[command.index("--api-key") + 1] == "$(PAGEKEEPER_API_KEY)"
+    if runtime == "pagekeeper":  # the kubelet expands it before the engine parses it
+        assert parse_args(command[2:]).api_key == "$(PAGEKEEPER_API_KEY)"
+    plain = render_deployment(make_server({"runtime": runtime}), DEFAULT_IMAGES)
+    plain_container = plain["spec"]["template"]["spec"]["containers"][0]
+    assert "--api-key" not in plain_container["command"]
+    assert "PAGEKEEPER_API_KEY" not in {e["name"] for e in plain_container["env"]}

@@ -16,6 +16,7 @@ import string
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,9 @@ def engine_argv(checkpoint: Path, port: int, shape: EngineShape) -> list[str]:
     ]  # fmt: skip
 
 
-def spawn_engine(checkpoint: Path, workdir: Path, shape: EngineShape) -> Service:
+def spawn_engine(
+    checkpoint: Path, workdir: Path, shape: EngineShape, extra_flags: Sequence[str] = ()
+) -> Service:
     """Start the engine without waiting for it (`wait_engine_ready` waits)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -111,7 +114,7 @@ def spawn_engine(checkpoint: Path, workdir: Path, shape: EngineShape) -> Service
     log = workdir / "engine.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            engine_argv(checkpoint, port, shape),
+            [*engine_argv(checkpoint, port, shape), *extra_flags],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env=env,

@@ -34,6 +34,7 @@ from pagekeeper_operator.api.types import (
     validations,
 )
 from pagekeeper_operator.api.workload import (
+    ApiKeySpec,
     DisruptionBudgetSpec,
     ModelSource,
     ParallelismSpec,
@@ -190,6 +191,15 @@ class LLMServerSpec(ApiModel):
             "(a HorizontalPodAutoscaler on prometheus-adapter's custom metrics, or a KEDA "
             "ScaledObject where KEDA is installed), and the operator never writes the "
             "Deployment's replicas. Unset (the default): spec.replicas pods."
+        ),
+    )
+    api_key: ApiKeySpec | None = Field(
+        default=None,
+        description=(
+            "Lock the OpenAI endpoints: clients must send Authorization: Bearer <key> on /v1/* "
+            "(401 otherwise), for either runtime (--api-key, read from the Secret into the "
+            "container's environment, never written into the pod spec). /health, /ready and "
+            "/metrics stay open for the probes and Prometheus. Unset: no key."
         ),
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")

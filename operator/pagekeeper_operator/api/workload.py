@@ -176,3 +176,21 @@ class DisruptionBudgetSpec(ApiModel):
             "covered by two budgets cannot be evicted at all, so keep only one."
         ),
     )
+
+
+class ApiKeySpec(ApiModel):
+    """Where the OpenAI endpoints' API key lives: a key of a Secret in the server's namespace."""
+
+    secret_name: str = Field(
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The Secret's name (in the LLMServer's namespace).",
+    )
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key in the Secret's data whose value is the API key.",
+    )

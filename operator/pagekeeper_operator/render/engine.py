@@ -16,6 +16,7 @@ from pagekeeper_operator.render.meta import HTTP_PORT
 from pagekeeper_operator.render.vllm import PYTHONPATH, python_path
 
 ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+API_KEY_ENV = "PAGEKEEPER_API_KEY"  # from spec.apiKey's Secret; --api-key reads it
 CACHE_DIR = "/cache"
 TMP_DIR = "/tmp"
 
@@ -99,6 +100,8 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
     command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
+    if spec.api_key is not None:  # the kubelet expands $(NAME) from the container's env
+        command += ["--api-key", f"$({API_KEY_ENV})"]
     return command
 
 
@@ -122,6 +125,10 @@ def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:
         ("TMPDIR", TMP_DIR),
     ):
         ours[name] = {"name": name, "value": value}
+    api_key = server.spec.api_key
+    if api_key is not None:
+        source = {"secretKeyRef": {"name": api_key.secret_name, "key": api_key.key}}
+        ours[API_KEY_ENV] = {"name": API_KEY_ENV, "valueFrom": source}
     for extra in server.spec.pod_template.env:
         ours[extra.name] = extra.to_api()
     if server.spec.runtime == "vllm":
