@@ -36,22 +36,12 @@ from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
 from pagekeeper_operator.render.meta import POLICY_HASH_ANNOTATION
+from pagekeeper_operator.timestamps import format_time, parse_or
 
 CANARY_LABEL = "pagekeeper.dev/canary"
 CANARY_SUFFIX = "-canary"
 # failOn signals read from remediation's records, by the alert each is.
 _ALERT_SIGNALS = ("fragmentation", "kvCacheSaturation", "engineStalled", "oomEvents")
-
-
-def format_time(when: datetime) -> str:
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    try:
-        return datetime.fromisoformat(text) if text else None
-    except ValueError:
-        return None
 
 
 def canary_name(server_name: str) -> str:
@@ -159,8 +149,16 @@ def decide_canary(
             }
         )
         return _hold(replicas, failed, CanaryEvent("Warning", "CanaryFailed", message))
-    started_at = parse_time(previous.started_at)
-    is_due = started_at is not None and now >= started_at + timedelta(seconds=spec.analysis_seconds)
+    started_at = parse_or(previous.started_at, None)
+    if started_at is None:  # unreadable: the analysis starts again, and says why
+        message = (
+            f"the canary's startedAt {previous.started_at!r} is not a time stamp: its analysis "
+            f"starts again now, for {spec.analysis_seconds}s"
+        )
+        restarted = previous.model_copy(update={"started_at": format_time(now), "message": message})
+        event = CanaryEvent("Warning", "CanaryRestarted", message)
+        return CanaryPlan(False, analyzing, spec.replicas, restarted, event)
+    is_due = now >= started_at + timedelta(seconds=spec.analysis_seconds)
     ready = sum(p.is_ready for p in pods)
     if is_due and ready >= spec.replicas:
         message = (
@@ -193,11 +191,11 @@ def _failure(
         restarts = sum(p.restarts for p in pods)
         if restarts:
             return "restarts", f"restarts: {restarts} container restart(s) of canary pods"
-    started_at = parse_time(status.started_at)
+    started_at = parse_or(status.started_at, None)
     prefix = f"{server_name}{CANARY_SUFFIX}-"
     alerts = {TRIGGER_BY_KEY[key].alert: key for key in _ALERT_SIGNALS if key in fail_on}
     for record in history:
-        recorded = parse_time(record.time)
+        recorded = parse_or(record.time, None)
         if (
             record.alert in alerts
             and record.pod.startswith(prefix)

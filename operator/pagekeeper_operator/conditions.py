@@ -16,7 +16,7 @@ which also sets the condition False with the classified reason):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
@@ -27,6 +27,7 @@ from pagekeeper_operator.effective import compose, effective_memory_policy, memo
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
+from pagekeeper_operator.timestamps import parse_or
 from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
 
@@ -165,15 +166,6 @@ def _condition(
     )
 
 
-def _parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text)
-    except ValueError:
-        return None
-
-
 def memory_condition(server: LLMServer, now: str) -> Condition:
     """MemoryHealthy as the rule in the module docstring says."""
     status = server.status
@@ -183,7 +175,7 @@ def memory_condition(server: LLMServer, now: str) -> Condition:
     if last_text is None and previous is not None and previous.status == "False":
         # Set by an operator that did not record lastOutOfMemory: the transition is the OOM.
         last_text = previous.last_transition_time
-    last, current = _parse_time(last_text), _parse_time(now)
+    last, current = parse_or(last_text, None), parse_or(now, None)
     if last is None or current is None:
         if previous is not None and last_text is not None:
             return previous  # an unreadable time: leave the condition as remediation set it

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
@@ -25,7 +24,6 @@ from pagekeeper_operator.canary import (
     canary_name,
     canary_pod,
     decide_canary,
-    parse_time,
     shape_deployments,
     template_identity,
 )
@@ -41,15 +39,12 @@ from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
 from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.timestamps import format_time, parse_time, utc_now
 from pagekeeper_operator.tuning.decide import TuningEvent
 from pagekeeper_operator.tuning.step import candidate, observe, promote_canary, trial_canary_spec
 from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 @dataclass
@@ -86,7 +81,7 @@ def reconcile(
     """
     namespace = server.metadata.namespace
     features = replace(kube.features(), prometheus_url=prometheus_url)
-    now = now or utc_now()
+    now = now or format_time(utc_now())
     stored = server  # the status patch is the difference from what the API server holds
     server, tuning_events = _with_tuning(server, prometheus_url, now)
     rendered = candidate(server)  # the effective policy, with a change under trial if any
@@ -240,7 +235,7 @@ def _with_canary(
         pods=pods,
         history=server.status.remediation_history,
         server_name=name,
-        now=parse_time(now) or datetime.now(UTC),
+        now=parse_time(now),
     )
     status = server.status.model_copy(update={"canary": plan.status})
     server = server.model_copy(update={"status": status})
@@ -253,7 +248,7 @@ def _with_tuning(
 ) -> tuple[LLMServer, list[TuningEvent]]:
     """The server with its new recommendations and tuning status (`tuning.tuner`), and the
     Events to post; a won trial marks its canary Promoted so every replica takes it."""
-    when = parse_time(now) or datetime.now(UTC)
+    when = parse_time(now)
     result = tune(server, observe(server, prometheus_url, when), when)
     count_tuning(server.metadata.namespace, server.metadata.name, result)
     canary = server.status.canary
@@ -326,7 +321,9 @@ def refresh_status(
     ):
         apply_error = degraded.message
     autoscaling = _refresh_autoscaling(kube, server)
-    status = compute_status(server, deployment, now or utc_now(), apply_error, autoscaling)
+    status = compute_status(
+        server, deployment, now or format_time(utc_now()), apply_error, autoscaling
+    )
     patch = status_patch(server, status)
     if patch:
         kube.patch_status(server.metadata.namespace, server.metadata.name, patch)

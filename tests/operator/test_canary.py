@@ -257,3 +257,20 @@ def test_a_stuck_canary_pod_counts_like_an_out_of_memory_one() -> None:
         },
     }
     assert canary_pod(pod) == CanaryPod("qwen-canary-7d9f-abcde", False, 1, 1)
+
+
+def test_an_unreadable_start_restarts_the_analysis_saying_why_and_then_promotes() -> None:
+    broken = ANALYZING.model_copy(update={"started_at": "yesterday"})
+    later = T0 + timedelta(hours=3)
+    plan = decide(previous=broken, now=later)
+    message = (
+        "the canary's startedAt 'yesterday' is not a time stamp: its analysis starts again "
+        "now, for 600s"
+    )
+    restarted = broken.model_copy(update={"started_at": "2026-11-23T13:00:00Z", "message": message})
+    assert plan == CanaryPlan(
+        False, 3, 1, restarted, CanaryEvent("Warning", "CanaryRestarted", message)
+    )
+    done = decide(previous=restarted, now=later + timedelta(seconds=600))
+    assert done.main_runs_candidate and done.status is not None
+    assert done.status.phase == "Promoted"

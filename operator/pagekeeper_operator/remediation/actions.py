@@ -12,7 +12,6 @@ import asyncio
 import logging
 import socket
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -23,6 +22,7 @@ from pagekeeper_operator.kube import Kube, StatusChange
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.render.meta import SERVER_LABEL, is_controlled_by
+from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)
 COMPONENT = "pagekeeper-operator"
@@ -81,7 +81,7 @@ def event(
     namespace: str, server: str, uid: str | None, type_: EventType, reason: str, message: str
 ) -> dict[str, Any]:
     """A core/v1 Event about an LLMServer."""
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = format_time(utc_now())
     involved = {"apiVersion": API_VERSION, "kind": KIND, "name": server, "namespace": namespace}
     if uid:
         involved["uid"] = uid

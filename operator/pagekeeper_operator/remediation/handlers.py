@@ -13,7 +13,6 @@ import logging
 import os
 import ssl
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import ServerReconciler, server_reconciler
 from pagekeeper_operator.settings import SettingsError, load_settings
+from pagekeeper_operator.timestamps import utc_now
 
 logger = logging.getLogger(__name__)
 # Deferred alerts (hysteresis, cooldown, maxUnavailable, a PodDisruptionBudget) are decided
@@ -156,7 +156,7 @@ async def _respond(
     written: list[OOMResponse] = []
 
     def change(body: dict[str, Any]) -> dict[str, Any] | None:
-        response = respond_to_oom(body, pod, classification, key, finished_at, datetime.now(UTC))
+        response = respond_to_oom(body, pod, classification, key, finished_at, utc_now())
         written[:] = [] if response is None else [response]
         # None: already recorded (before a restart, or by another replica).
         return None if response is None else response.status

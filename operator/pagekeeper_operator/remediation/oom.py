@@ -27,7 +27,7 @@ from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
 from pagekeeper_operator.remediation.remediator import EventType
-from pagekeeper_operator.remediation.state import format_time
+from pagekeeper_operator.timestamps import format_time
 
 CONDITION_TYPE = "MemoryHealthy"
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
@@ -29,7 +29,8 @@ from pagekeeper_operator.remediation.decide import (
     decide,
 )
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
-from pagekeeper_operator.remediation.state import RemediationStore, format_time
+from pagekeeper_operator.remediation.state import RemediationStore
+from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)
 EventType = Literal["Normal", "Warning"]
@@ -69,10 +70,6 @@ class ClusterPort(Protocol):
     async def append_history(
         self, namespace: str, server: str, record: RemediationRecord, limit: int
     ) -> None: ...
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
 
 
 class Remediator:

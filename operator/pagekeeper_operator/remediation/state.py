@@ -15,21 +15,13 @@ from datetime import datetime, timedelta
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.remediation.decide import AlertKey, Memory, ServerKey
 from pagekeeper_operator.remediation.payload import WebhookAlert
+from pagekeeper_operator.timestamps import parse_time
 
 # A deferred alert not re-delivered for this long is dropped: Alertmanager re-sends firing
 # alerts every repeat_interval and resolved ones when they resolve (see docs/runbook.md).
 PENDING_TTL = timedelta(minutes=30)
 # Records that count as an action for cooldown and deduplication.
 ACTED_OUTCOMES = frozenset({("evict", "evicted"), ("dry-run", "would-evict")})
-
-
-def parse_time(text: str) -> datetime:
-    """An RFC 3339 time as Kubernetes writes it (`2026-01-02T03:04:05Z`)."""
-    return datetime.fromisoformat(text)
-
-
-def format_time(when: datetime) -> str:
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass

@@ -36,20 +36,10 @@ from pagekeeper_operator.api.tuning import (
     TuningStatus,
     TuningTrial,
 )
+from pagekeeper_operator.timestamps import format_time, parse_or
 from pagekeeper_operator.tuning.compare import Comparison
 
 EventType = Literal["Normal", "Warning"]
-
-
-def format_time(when: datetime) -> str:
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    try:
-        return datetime.fromisoformat(text) if text else None
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -78,7 +68,7 @@ def held_fields(status: TuningStatus | None, now: datetime) -> set[str]:
     """Fields the rules must not propose now: on hold, or under trial."""
     if status is None:
         return set()
-    held = {h.field for h in status.hold_offs if (parse_time(h.until) or now) > now}
+    held = {h.field for h in status.hold_offs if parse_or(h.until, now) > now}
     if status.trial is not None:
         held.add(status.trial.field)
     return held
@@ -132,7 +122,7 @@ def _judge(
         message = f"{change} rolled back: the canary failed ({evidence.canary_failure})"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    started = parse_time(trial.started_at) or now
+    started = parse_or(trial.started_at, now)
     age = (now - started).total_seconds()
     comparison = evidence.comparison if evidence is not None else None
     if age < spec.window_seconds or (comparison is None and age < 2 * spec.window_seconds):
@@ -174,7 +164,7 @@ def decide(
     today = now.strftime("%Y-%m-%d")
     if status.day != today:
         status = status.model_copy(update={"day": today, "changes_today": 0})
-    live = [h for h in status.hold_offs if (parse_time(h.until) or now) > now]
+    live = [h for h in status.hold_offs if parse_or(h.until, now) > now]
     status = status.model_copy(update={"hold_offs": live})
     trial = status.trial
     if trial is not None and spec.mode != "Apply":

@@ -17,6 +17,7 @@ from typing import Any
 from pagekeeper_operator.adaptive import StuckClassification
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.prometheus import query_by, query_samples
+from pagekeeper_operator.timestamps import parse_or
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FRAGMENTATION_ALERT = "PagekeeperFragmentationHigh"
@@ -109,11 +110,8 @@ def records_since(
     start = now - timedelta(seconds=seconds)
     alerts = ooms = 0
     for record in history:
-        try:
-            when = datetime.fromisoformat(record.time)
-        except ValueError:
-            continue
-        if when < start:
+        when = parse_or(record.time, None)
+        if when is None or when < start:
             continue
         alerts += record.alert == FRAGMENTATION_ALERT
         # every termination is recorded as a step-down; a stuck engine's is not memory's

@@ -16,8 +16,9 @@ from pagekeeper_operator.api.tuning import TunedChange
 from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import compose
 from pagekeeper_operator.prometheus import PrometheusError
+from pagekeeper_operator.timestamps import parse_or
 from pagekeeper_operator.tuning.compare import compare
-from pagekeeper_operator.tuning.decide import TrialEvidence, parse_time
+from pagekeeper_operator.tuning.decide import TrialEvidence
 from pagekeeper_operator.tuning.fields import read_field
 from pagekeeper_operator.tuning.observe import (
     Scope,
@@ -42,10 +43,10 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     trial = status.tuning.trial if status.tuning is not None else None
     if trial is None:
         return None
-    started = parse_time(trial.started_at) or now
+    started = parse_or(trial.started_at, now)
     canary = status.canary
     if canary is not None and canary.phase == "Failed":
-        canary_start = parse_time(canary.started_at)
+        canary_start = parse_or(canary.started_at, None)
         if canary_start is not None and canary_start >= started:
             return TrialEvidence(None, canary_failure=canary.message)
     seconds = int(min(spec.window_seconds, (now - started).total_seconds()))

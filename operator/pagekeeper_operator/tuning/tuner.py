@@ -20,11 +20,11 @@ from datetime import datetime
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.tuning import Evidence, Recommendation, TunedChange, TuningStatus
 from pagekeeper_operator.effective import compose
+from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.decide import (
     TrialEvidence,
     TuningEvent,
     decide,
-    format_time,
     held_fields,
 )
 from pagekeeper_operator.tuning.fields import TUNABLE, read_field, within_bounds
