@@ -7,12 +7,13 @@ export PAGEKEEPER_CACHE := $(CACHE)
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)/memplan:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
 
-.PHONY: help venv tools lint typecheck imports crds-check test test-fast cluster cluster-down demo \
+.PHONY: help venv tools lint typecheck imports crds-check test test-fast test-hog cluster cluster-down demo \
 	demo-autoscale clean \
 	images images-push images-test
 
 help:
 	@echo "make test     lint, type-check, import contracts, CRD drift and every test suite"
+	@echo "make test-hog make test three times with one core kept busy (speed independence)"
 	@echo "make demo     local control plane + operator + CPU engine + the alert -> roll loop"
 	@echo "make demo-autoscale   the same with autoscaling: 1 -> 3 pods under load and back"
 	@echo "make tools    build/install the test tools into $(CACHE) (skips what is there)"
@@ -51,6 +52,10 @@ test-fast: venv
 test: venv tools images-test lint typecheck imports crds-check
 	$(PY) -m pytest tests -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The suite three times (RUNS=n) with one core kept busy by another process throughout.
+test-hog:
+	bash hack/test_with_hog.sh
 
 cluster: venv tools
 	@bash hack/cluster.sh up pagekeeper-dev
