@@ -15,6 +15,7 @@ no download when the model source names one of them (`known_shape`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,16 +57,26 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
 
-def _arch(raw: dict[str, Any]) -> str:
+def detect_arch(raw: dict[str, Any], archs: Sequence[str] = ARCHS) -> str | None:
+    """Which of `archs` a config.json object describes: its model_type, else (a fine-tune that
+    renamed model_type but kept the class, e.g. a Llama clone) its architectures' class name;
+    None when neither names one. The engine asks with the architectures it runs."""
     model_type = raw.get("model_type")
-    if model_type in ARCHS:
+    if model_type in archs:
         return str(model_type)
     for name in raw.get("architectures") or []:
         lowered = str(name).lower()
-        for arch in ARCHS:
+        for arch in archs:
             if lowered.startswith(arch) and lowered.endswith("forcausallm"):
                 return arch
-    raise ShapeError(f"model_type {model_type!r} is not one of {', '.join(ARCHS)}")
+    return None
+
+
+def _arch(raw: dict[str, Any]) -> str:
+    arch = detect_arch(raw)
+    if arch is None:
+        raise ShapeError(f"model_type {raw.get('model_type')!r} is not one of {', '.join(ARCHS)}")
+    return arch
 
 
 def parse_shape(raw: dict[str, Any], source: str = "config.json") -> ModelShape:

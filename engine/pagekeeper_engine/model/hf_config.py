@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagekeeper_memplan.shape import ShapeError, detect_arch, parse_shape
+
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -118,19 +120,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def _arch(raw: dict[str, Any]) -> str:
-    model_type = raw.get("model_type")
-    if model_type in SUPPORTED_ARCHS:
-        return str(model_type)
-    # Some fine-tunes keep the architecture class but rename model_type (e.g. "mistral"-style
-    # Llama clones); the class name decides then.
-    for name in raw.get("architectures") or []:
-        lowered = str(name).lower()
-        for arch in SUPPORTED_ARCHS:
-            if lowered.startswith(arch) and lowered.endswith("forcausallm"):
-                return arch
-    raise ValueError(
-        f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
-    )
+    arch = detect_arch(raw, SUPPORTED_ARCHS)
+    if arch is None:
+        raise ValueError(
+            f"model_type {raw.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    return arch
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -167,13 +163,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Validate a config.json object; `source` names the file in every error."""
+    """Validate a config.json object; `source` names the file in every error. The shape (sizes,
+    heads, the Qwen quirks) is `pagekeeper_memplan.shape`'s reading, the one the operator's
+    memory plan makes; the rest is what only the engine needs."""
     try:
         arch = _arch(raw)
-        num_heads = int(raw["num_attention_heads"])
-        hidden_size = int(raw["hidden_size"])
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        shape = parse_shape(raw, source)
         rope_theta, rope_scaling = _rope(raw)
         torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
         if torch_dtype is not None and torch_dtype not in ("bfloat16", "float16", "float32"):
@@ -182,34 +177,30 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads {num_heads} is not a multiple of "
-                f"num_key_value_heads {num_kv_heads}"
-            )
         config = ModelConfig(
             arch=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; its config does not say so.
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            has_qk_norm=arch == "qwen3",
+            max_position_embeddings=shape.max_position_embeddings,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            attention_bias=shape.attention_bias,
+            has_qk_norm=shape.has_qk_norm,
             torch_dtype=torch_dtype,
             eos_token_ids=token_id_list(raw.get("eos_token_id")),
             bos_token_id=token_id_list(raw.get("bos_token_id"))[0]
             if raw.get("bos_token_id") is not None
             else None,
         )
+    except ShapeError as exc:  # it names the source already
+        raise CheckpointError(str(exc)) from exc
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing required field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
