@@ -157,7 +157,8 @@ def deployment_changed(
     if obj is None:
         return  # the server is gone; the garbage collector takes the Deployment too
     deployment = None if type == "DELETED" else dict(body)
-    patch = refresh_status(kube, LLMServer.from_body(obj), deployment)
+    version = obj["metadata"].get("resourceVersion")
+    patch = refresh_status(kube, LLMServer.from_body(obj), deployment, resource_version=version)
     if patch:
         logger.debug("status of %s/%s updated: %s", namespace, name, sorted(patch))
 
@@ -186,7 +187,8 @@ def autoscaler_changed(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) 
     ):
         return  # only its current metrics moved: nothing status shows
     deployment = kube.get("apps/v1", "Deployment", namespace, name)
-    patch = refresh_status(kube, server, deployment)
+    version = obj["metadata"].get("resourceVersion")
+    patch = refresh_status(kube, server, deployment, resource_version=version)
     if patch:
         logger.debug("status of %s/%s updated: %s", namespace, name, sorted(patch))
 

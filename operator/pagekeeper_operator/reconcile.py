@@ -297,13 +297,22 @@ def _prune(
 
 
 def refresh_status(
-    kube: Kube, server: LLMServer, deployment: Mapping[str, Any] | None, now: str | None = None
+    kube: Kube,
+    server: LLMServer,
+    deployment: Mapping[str, Any] | None,
+    now: str | None = None,
+    *,
+    resource_version: str | None,
 ) -> dict[str, Any]:
-    """Write status from an observed Deployment (no applies); returns the patch written.
+    """Write status from an observed Deployment (no applies); returns the patch written, {}
+    when nothing changed or a newer write came first.
 
     Status keeps describing the generation last reconciled: a Deployment event that arrives
     before a newer spec's reconcile (an operator starting after a change made while it was
-    down) must not report that spec as observed and Ready on the old pods.
+    down) must not report that spec as observed and Ready on the old pods. The patch is made
+    at `resource_version`, the server as read: a reconcile that wrote status since (a new
+    PolicyFits, say) wins, and the next event or resync refreshes from it, so a refresh never
+    puts back conditions that an older read held.
     """
     reconciled = server.status.observed_generation
     if not reconciled:
@@ -325,8 +334,13 @@ def refresh_status(
         server, deployment, now or format_time(utc_now()), apply_error, autoscaling
     )
     patch = status_patch(server, status)
-    if patch:
-        kube.patch_status(server.metadata.namespace, server.metadata.name, patch)
+    if not patch:
+        return {}
+    meta = server.metadata
+    if not kube.patch_status(meta.namespace, meta.name, patch, resource_version):
+        logger.debug("%s/%s: status changed since it was read; not refreshed", meta.namespace,
+                     meta.name)  # fmt: skip
+        return {}
     return patch
 
 

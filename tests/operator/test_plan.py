@@ -354,24 +354,45 @@ def test_merge_patch() -> None:
 
 
 class _StatusWrites:
-    def __init__(self) -> None:
+    def __init__(self, conflicts: bool = False) -> None:
         self.patches: list[dict[str, Any]] = []
+        self.versions: list[str | None] = []
+        self.conflicts = conflicts
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None
+    ) -> bool:
+        self.versions.append(resource_version)
+        if self.conflicts:
+            return False
         self.patches.append(patch)
+        return True
 
 
 def test_a_deployment_event_never_reports_an_unreconciled_generation() -> None:
     server = make_server({"replicas": 2})  # generation 3, never reconciled
     kube = _StatusWrites()
-    assert refresh_status(kube, server, _deployment_status(2, 2, 2), NOW) == {}  # type: ignore[arg-type]
+    assert (
+        refresh_status(kube, server, _deployment_status(2, 2, 2), NOW, resource_version="7") == {}
+    )  # type: ignore[arg-type]
     assert kube.patches == []
     # Generation 2 was reconciled; 3 arrived while the operator was down and waits for its
     # reconcile: the event's status still describes generation 2.
     status = server.status.model_copy(update={"observed_generation": 2})
-    patch = refresh_status(
-        kube, server.model_copy(update={"status": status}), _deployment_status(2, 2, 2), NOW
-    )  # type: ignore[arg-type]
-    assert kube.patches == [patch]
+    reconciled = server.model_copy(update={"status": status})
+    patch = refresh_status(kube, reconciled, _deployment_status(2, 2, 2), NOW, resource_version="8")  # type: ignore[arg-type]
+    assert kube.patches == [patch] and kube.versions == ["8"]
     assert "observedGeneration" not in patch
     assert {c["observedGeneration"] for c in patch["conditions"]} == {2}
+
+
+def test_a_refresh_from_an_older_read_never_overwrites_a_newer_status() -> None:
+    """The patch is made at the version the server was read at: a reconcile that wrote status
+    since (a new PolicyFits, say) wins, and nothing is written from the stale read."""
+    status = make_server({"replicas": 2}).status.model_copy(update={"observed_generation": 3})
+    server = make_server({"replicas": 2}).model_copy(update={"status": status})
+    kube = _StatusWrites(conflicts=True)
+    assert (
+        refresh_status(kube, server, _deployment_status(2, 2, 2), NOW, resource_version="9") == {}
+    )  # type: ignore[arg-type]
+    assert (kube.versions, kube.patches) == (["9"], [])
