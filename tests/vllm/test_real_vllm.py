@@ -147,6 +147,11 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     policy = server.spec.memory_policy
     weights = policy.weight_policy
+    if policy.kv_cache_memory_bytes is not None:
+        # No utilization is rendered under a KV byte budget: vLLM keeps its own default (0.9 in
+        # 0.11.0, 0.92 in 0.33.0), which it does not use then.
+        assert "--gpu-memory-utilization" not in vllm_args
+        parsed.pop("gpu_memory_utilization")
     assert parsed == {
         "model_tag": server.spec.model.source,
         "served_model_name": (
@@ -156,8 +161,11 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
         "port": 8000,
         "dtype": server.spec.model.dtype,
         "load_format": server.spec.model.load_format,
-        # Under a KV byte budget no utilization is rendered and vLLM keeps its default, 0.9.
-        "gpu_memory_utilization": policy.effective_utilization or 0.9,
+        **(
+            {}
+            if policy.kv_cache_memory_bytes is not None
+            else {"gpu_memory_utilization": policy.effective_utilization}
+        ),
         "kv_cache_memory_bytes": policy.kv_cache_memory_bytes,
         "quantization": None if weights.quantization == "none" else weights.quantization,
         "cpu_offload_gb": weights.cpu_offload_gib,
