@@ -25,7 +25,10 @@ from kubernetes import client
 
 from pagekeeper_engine.frontend.metric_names import METRICS
 from pagekeeper_operator.api.runtime import RUNTIMES, exports
+from pagekeeper_operator.render import render_deployment
+from pagekeeper_operator.render.meta import HTTP_PORT, METRICS_PORT
 from tests.integration.operator_fixture import llmserver, wait_ready
+from tests.operator.servers import DEFAULT_IMAGES, make_server
 from tests.support.cluster import Cluster, wait_for
 from tests.support.tools import REPO, tool
 
@@ -166,7 +169,29 @@ FULL_KINDS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["default", "peering", "everything"])
+def check_network_policies(
+    policies: list[dict[str, Any]], namespace: str, engine_namespace: str
+) -> None:
+    """The webhook open to Alertmanager alone and the metrics to Prometheus; the engines' OpenAI
+    port to their own namespace, the clients named and Prometheus, their launcher's metrics port
+    to Prometheus; each selecting the pods the operator and the chart render."""
+    operator, engines = policies
+    assert operator["metadata"]["namespace"] == namespace
+    assert [(r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
+             r["ports"][0]["port"]) for r in operator["spec"]["ingress"]] == [
+        (["monitoring"], 8443), (["monitoring"], 9090)
+    ]  # fmt: skip
+    assert engines["metadata"]["namespace"] == engine_namespace
+    assert [(r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
+             r["ports"][0]["port"]) for r in engines["spec"]["ingress"]] == [
+        ([engine_namespace, "apps", "monitoring"], HTTP_PORT), (["monitoring"], METRICS_PORT)
+    ]  # fmt: skip
+    pod_labels = render_deployment(make_server({}), DEFAULT_IMAGES)["spec"]["template"]
+    selector = engines["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("variant", ["default", "peering", "everything", "network"])
 def test_template_passes_a_server_side_dry_run(
     cluster: Cluster,
     namespace: str,
@@ -182,6 +207,13 @@ def test_template_passes_a_server_side_dry_run(
     if variant == "everything":
         options = [*FULL_OPTIONS, "--set", f"watchNamespaces={{{namespace},{other_namespace}}}"]
         expected = FULL_KINDS
+    if variant == "network":
+        options = [
+            "--set", "networkPolicy.enabled=true", "--set", "metrics.enabled=true",
+            "--set", f"networkPolicy.engine.namespaces={{{other_namespace}}}",
+            "--set", "networkPolicy.engine.clientNamespaces={apps}",
+        ]  # fmt: skip
+        expected = ["NetworkPolicy", "NetworkPolicy", *DEFAULT_KINDS]
     docs = render(cluster, kube_version, namespace, *options)
     assert [doc["kind"] for doc in docs] == expected
     text = yaml.safe_dump_all(docs, sort_keys=False)
@@ -192,6 +224,8 @@ def test_template_passes_a_server_side_dry_run(
     assert len(lines) == len(docs)
     assert all(line.endswith("serverside-applied (server dry run)") for line in lines), lines
     assert "Warning" not in result.stderr, result.stderr
+    if variant == "network":
+        check_network_policies(by_kind(docs, "NetworkPolicy"), namespace, other_namespace)
     if variant == "everything":
         # The upgrade-time CRD is the chart's file, kept on uninstall.
         (crd,) = by_kind(docs, "CustomResourceDefinition")
