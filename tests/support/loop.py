@@ -66,6 +66,9 @@ class OperatorProcess:
         self.token_file.write_text(self.token + "\n")
         self.token_file.chmod(0o600)
         self.port = free_port()
+        self.scheme = (
+            "https" if (extra_env or {}).get("PAGEKEEPER_WEBHOOK_TLS_CERT_FILE") else "http"
+        )
         self.log = workdir / "operator.log"
         env = {
             **os.environ,
@@ -91,11 +94,12 @@ class OperatorProcess:
 
     @property
     def webhook_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/alertmanager"
+        return f"{self.scheme}://127.0.0.1:{self.port}/alertmanager"
 
     def wait_ready(self, timeout: float = 90) -> None:
-        try:
-            wait_http_ok(f"http://127.0.0.1:{self.port}/healthz", timeout=timeout, proc=self.proc)
+        url = f"{self.scheme}://127.0.0.1:{self.port}/healthz"
+        try:  # readiness only: the TLS tests check the certificate chain themselves
+            wait_http_ok(url, timeout=timeout, proc=self.proc, insecure=self.scheme == "https")
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"operator did not start: {exc}\n{self.log_tail()}") from exc
 

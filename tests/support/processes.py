@@ -98,8 +98,11 @@ def _spawn(name: str, argv: list[str], workdir: Path, port: int, ready_path: str
     return service
 
 
-def start_alertmanager(workdir: Path, webhook_url: str, bearer_token: str) -> Service:
-    """Alertmanager that posts every alert (grouped by pod, no delay) to `webhook_url`."""
+def start_alertmanager(
+    workdir: Path, webhook_url: str, bearer_token: str, ca_file: Path | None = None
+) -> Service:
+    """Alertmanager that posts every alert (grouped by pod, no delay) to `webhook_url`; with
+    `ca_file`, over HTTPS trusting that CA (its `tls_config`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port, cluster_port = free_port(), free_port()
     config = {
@@ -118,7 +121,8 @@ def start_alertmanager(workdir: Path, webhook_url: str, bearer_token: str) -> Se
                         "url": webhook_url,
                         "send_resolved": True,
                         "http_config": {
-                            "authorization": {"type": "Bearer", "credentials": bearer_token}
+                            "authorization": {"type": "Bearer", "credentials": bearer_token},
+                            **({"tls_config": {"ca_file": str(ca_file)}} if ca_file else {}),
                         },
                     }
                 ],
