@@ -10,7 +10,6 @@ undeclared they would be dropped as unknown and the answer would silently differ
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -42,9 +41,6 @@ class ChatMessage(StrictModel):
     @property
     def text(self) -> str:
         return "".join(part.text for part in self.content or [])
-
-
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object
 
 
 def _is_none(value: object) -> bool:
@@ -107,7 +103,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None  # checked by `_response_format`
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -128,42 +123,6 @@ class ChatCompletionRequest(SamplingRequest):
         if not is_neutral(value):
             raise ValueError(f"{reason}; got {value!r}")
         return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: object, info: ValidationInfo) -> object:
-        if value is None or value == {"type": "text"}:
-            return value
-        kind = value.get("type") if isinstance(value, dict) else None
-        spec = value.get("json_schema") if isinstance(value, dict) else None
-        if kind == "json_schema" and not (
-            isinstance(spec, dict)
-            and isinstance(spec.get("name"), str)
-            and isinstance(spec.get("schema", {}), dict | bool)
-        ):
-            raise ValueError(
-                f"json_schema needs a name and, where given, a schema object; got {value!r}"
-            )
-        if kind not in ("json_object", "json_schema"):
-            raise ValueError(
-                f"response_format type must be text, json_object or json_schema; got {value!r}"
-            )
-        if info.data.get("ignore_eos") or info.data.get("min_tokens"):
-            raise ValueError(
-                "a structured reply ends where its schema does: ignore_eos and min_tokens "
-                f"cannot hold beside it; got {value!r}"
-            )
-        return value
-
-    @property
-    def json_schema(self) -> str | None:
-        """The schema the reply must match, as JSON text (None: free text)."""
-        value = self.response_format
-        if not isinstance(value, dict) or value.get("type") == "text":
-            return None
-        if value["type"] == "json_object":
-            return JSON_OBJECT_SCHEMA
-        return json.dumps(value["json_schema"].get("schema", {}))
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -11,6 +11,7 @@ never gets a silently different answer. The chat request is in `chat_protocol`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -24,6 +25,7 @@ MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias, either way
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on the biased tokens of one request
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object
 # A prompt after validation: text, or token ids that are sent to the model as they are.
 Prompt = str | list[int]
 
@@ -82,6 +84,9 @@ class SamplingRequest(StrictModel):
     # token id (a decimal string, as JSON object keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # json_object or json_schema, on either endpoint: OpenAI's chat field, which vLLM's
+    # completions take too (checked by `_response_format`, enforced by the sampler)
+    response_format: Any = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -162,10 +167,41 @@ class SamplingRequest(StrictModel):
         """Alternatives asked beside each sampled token (the endpoints spell it differently)."""
         return 0
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: object, info: ValidationInfo) -> object:
+        if value is None or value == {"type": "text"}:
+            return value
+        kind = value.get("type") if isinstance(value, dict) else None
+        spec = value.get("json_schema") if isinstance(value, dict) else None
+        if kind == "json_schema" and not (
+            isinstance(spec, dict)
+            and isinstance(spec.get("name"), str)
+            and isinstance(spec.get("schema", {}), dict | bool)
+        ):
+            raise ValueError(
+                f"json_schema needs a name and, where given, a schema object; got {value!r}"
+            )
+        if kind not in ("json_object", "json_schema"):
+            raise ValueError(
+                f"response_format type must be text, json_object or json_schema; got {value!r}"
+            )
+        if info.data.get("ignore_eos") or info.data.get("min_tokens"):
+            raise ValueError(
+                "a structured reply ends where its schema does: ignore_eos and min_tokens "
+                f"cannot hold beside it; got {value!r}"
+            )
+        return value
+
     @property
     def json_schema(self) -> str | None:
-        """The schema every output must match (chat's `response_format`)."""
-        return None
+        """The schema every output must match, as JSON text (None: free text)."""
+        value = self.response_format
+        if not isinstance(value, dict) or value.get("type") == "text":
+            return None
+        if value["type"] == "json_object":
+            return JSON_OBJECT_SCHEMA
+        return json.dumps(value["json_schema"].get("schema", {}))
 
     def sampling_params(
         self, max_tokens: int, *, want_logprobs: bool, index: int

@@ -127,3 +127,23 @@ def test_a_schema_the_library_rejects_is_named(client: OpenAI) -> None:
             extra_body={"ignore_eos": True},
         )
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def test_completions_honour_response_format_as_vllm_does(client: OpenAI) -> None:
+    """Not in OpenAI's completions schema, but vLLM's completions take it: honoured, never
+    dropped (a schema reply every time, where the free model would write anything)."""
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    for seed in range(4):
+        out = client.completions.create(
+            model=MODEL_NAME, prompt="reply in json", max_tokens=120, seed=seed,
+            extra_body={"response_format": response_format},
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice
+        reply = json.loads(choice.text)
+        assert set(reply) == set(SCHEMA["required"]) and reply["level"] in ("low", "high")
+    with pytest.raises(BadRequestError) as info:
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", extra_body={"response_format": {"type": "yaml"}}
+        )
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
