@@ -212,6 +212,7 @@ def window_of(
         kv_usage_peak=max(kv) if kv else None,
         num_preemptions=_delta(before, after, "vllm:num_preemptions_total") or 0.0,
         waiting_avg=mean(waiting),
+        waiting_peak=max(waiting) if waiting else None,
         running_avg=mean(running),
         running_peak=max(running) if running else None,
         seq_cap_fraction=mean([float(r >= max_num_seqs) for r in running]),

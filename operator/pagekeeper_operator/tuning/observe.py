@@ -70,6 +70,7 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         "kv_usage_peak": f"max {by} (max_over_time(vllm:kv_cache_usage_perc{sel}{w}))",
         "num_preemptions": counter("vllm:num_preemptions_total"),
         "waiting_avg": f"avg {by} (avg_over_time(vllm:num_requests_waiting{sel}{w}))",
+        "waiting_peak": f"max {by} (max_over_time(vllm:num_requests_waiting{sel}{w}))",
         "running_avg": f"avg {by} (avg_over_time({running}{w}))",
         "running_peak": f"max {by} (max_over_time({running}{w}))",
         "seq_cap_fraction": (

@@ -14,10 +14,13 @@ The rules (derived in docs/memory-policy.md, Tuning):
 - block-size-down / block-size-up: internal waste w (allocated slots not holding tokens) is
   about (B/2)/mean tokens per sequence, so halving B halves w. Halve when w >= 0.10 and KV is
   the limit (peak usage >= 0.9 or preemptions); double when w < 0.02 and KV is not the limit.
-- max-num-seqs-up: the cap binds (running at the cap in >= half the window, requests waiting)
-  with KV peak < 0.8 and no preemption. KV use grows about linearly with running sequences, so
-  cap x 0.9 / peak keeps the peak under 0.9; no more than the demand (mean running + waiting),
-  and at most eight times the cap in one step (MAX_SEQS_GROWTH).
+- max-num-seqs-up: the cap binds (running at the cap in >= a quarter of the window, requests
+  waiting) with KV peak < 0.8 and no preemption: while it binds, the requests it holds back
+  are throughput forgone. KV use grows about linearly with running sequences, so
+  cap x 0.9 / peak keeps the peak under 0.9; no more than the demand (the most requests held
+  at once, running + waiting peaks: a mean counts the window's idle and draining samples and
+  stops short of the offered concurrency), and at most eight times the cap in one step
+  (MAX_SEQS_GROWTH).
 - max-num-seqs-down: >= 5% of requests preempted with KV peak >= 0.95: the cap admits more than
   the KV holds. New cap: 85% of the mean running count, the concurrency the KV actually held.
 - batched-tokens: under ThroughputUnderTTFT with TTFT p99 above its bound and requests waiting,
@@ -63,6 +66,7 @@ MIN_BUFFER_BYTES = 256 * MIB
 # bound keeps one wrong extrapolation from overshooting; 8x takes a cap of 16 to a demand of 128
 # in one round.
 MAX_SEQS_GROWTH = 8.0
+SEQ_CAP_BINDS = 0.25  # share of the window at the cap for max-num-seqs-up
 PRIORITY = (
     "allocator-expandable",
     "fragmentation-buffer",
@@ -216,13 +220,23 @@ def max_num_seqs(ctx: Context) -> Proposal | None:
             _sample_confidence(w.num_requests, MIN_REQUESTS),
         )  # fmt: skip
     binds = w.seq_cap_fraction or 0.0
-    if binds >= 0.5 and (w.waiting_avg or 0.0) >= 1.0 and peak < 0.8 and w.num_preemptions == 0:
-        demand = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0)
+    if (
+        binds >= SEQ_CAP_BINDS
+        and (w.waiting_avg or 0.0) >= 1.0
+        and peak < 0.8
+        and w.num_preemptions == 0
+    ):
+        if w.running_peak is not None and w.waiting_peak is not None:
+            demand = w.running_peak + w.waiting_peak
+        else:  # a window without the peaks (an older runtime's series)
+            demand = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0)
         new = _clip_int(
             int(min(cap * MAX_SEQS_GROWTH, cap * 0.9 / max(peak, 0.01), demand)), low, high
         )
+        if new <= cap:  # the demand or the bounds leave no room above the cap
+            return None
         evidence = {"seqCapFraction": binds, "kvUsagePeak": peak,
-                    "waitingAvg": w.waiting_avg or 0.0}  # fmt: skip
+                    "waitingAvg": w.waiting_avg or 0.0, "demand": demand}  # fmt: skip
         return _proposal(
             ctx, "maxNumSeqs", new, "max-num-seqs-up", evidence,
             f"the cap held requests waiting while KV peaked at {peak:.0%}: more run at once, "

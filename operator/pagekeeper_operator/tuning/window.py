@@ -24,6 +24,7 @@ class MetricWindow:
     kv_usage_peak: float | None = None
     num_preemptions: float = 0.0
     waiting_avg: float | None = None
+    waiting_peak: float | None = None
     running_avg: float | None = None
     running_peak: float | None = None
     seq_cap_fraction: float | None = None  # share of samples with running >= maxNumSeqs

@@ -104,6 +104,29 @@ def test_cap_binds_with_kv_room_raises_the_cap_within_bounds() -> None:
     assert run("cap_binds", policy, held=("maxNumSeqs",)) == []
 
 
+def test_the_cap_grows_to_the_peak_demand_not_the_windows_mean() -> None:
+    # An H200 chat window at a cap of 83 with 128 clients: the cap bound 31% of the window,
+    # and the idle and draining samples pulled the mean demand (45 running + 18 waiting) under
+    # the cap itself. The peaks (83 running + 45 waiting) are the offered concurrency.
+    bound = replace(
+        window("cap_binds"),
+        seq_cap_fraction=0.31,
+        running_avg=45.2,
+        running_peak=83.0,
+        waiting_avg=17.6,
+        waiting_peak=45.0,
+        kv_usage_peak=0.03,
+    )
+    policy, tuning = MemoryPolicy(maxNumSeqs=83), TuningSpec()
+    proposals = recommend(bound, policy, tuning, "pagekeeper", UTIL)
+    assert changes(proposals) == [("maxNumSeqs", "83", "128", "max-num-seqs-up")]
+    # Without the peaks (a runtime that exports no waiting peak) the mean says no more.
+    no_peaks = replace(bound, waiting_peak=None)
+    assert recommend(no_peaks, policy, tuning, "pagekeeper", UTIL) == []
+    # Bound for less than a quarter of the window: the cap is not what holds the server back.
+    assert recommend(replace(bound, seq_cap_fraction=0.2), policy, tuning, "pagekeeper", UTIL) == []
+
+
 def test_block_size_halves_on_waste_when_kv_bound() -> None:
     assert changes(run("varied_contexts_waste", {"blockSize": 32}, held=UTIL)) == [
         ("blockSize", "32", "16", "block-size-down")
