@@ -1,9 +1,16 @@
-"""Structured output through HTTP against a running engine: the share of sampled replies that
-parse and match their schema, and output tok/s with a schema against without, at one
-concurrency (closed loop: each of C clients sends its next request when the last one ends).
+"""Structured output through HTTP: the share of sampled replies that parse and match their
+schema, and output tok/s with a schema against without, at one concurrency (closed loop: each
+of C clients sends its next request when the last one ends).
 
     PYTHONPATH=engine:. python benchmarks/structured.py --url http://127.0.0.1:8000 \
         --model-name qwen3-0.6b --concurrency 64 --num-requests 256 --num-samples 200
+    PYTHONPATH=engine:memplan:. python benchmarks/structured.py --shape qwen3-0.6b
+
+With `--shape` the engine is started here on random weights at that shape, with the default
+flags and a character-level tokenizer padded to the shape's vocabulary (`write_json_tokenizer`:
+every printable ASCII character is one token, so the grammar can spell any JSON, and the rest
+of the vocabulary are filler words), so the grammar's masks cost what they cost at the real
+vocabulary size.
 
 Both passes send the same chat prompt at temperature 1 with `max_completion_tokens`; the
 schema's pass adds `response_format` json_schema (`SCHEMA`, whose replies are bounded, so a
@@ -16,10 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import serving
+from benchmarks import serving_workload as wl
+from benchmarks.shapes import SHAPES
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -52,6 +69,49 @@ def matches(value: Any) -> bool:
         and all(isinstance(t, str) and len(t) <= 12 for t in tags)
         and isinstance(value["active"], bool)
     )
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def write_json_tokenizer(model_dir: Path, config: dict[str, Any]) -> None:
+    """One token per printable ASCII character (and newline), the shape's BOS and EOS ids as
+    `<s>` and `</s>`, and filler words `w<i>` for the rest of its vocabulary; with a chat
+    template, so `/v1/chat/completions` serves it."""
+    size, bos, eos = config["vocab_size"], config["bos_token_id"], config["eos_token_id"]
+    specials = {bos: "<s>", eos: "</s>", size - 1: "<unk>"}
+    assert len(specials) == 3, "BOS, EOS and the last id are three tokens"
+    characters = iter([chr(c) for c in range(32, 127)] + ["\n"])
+    vocab = {specials.get(i) or next(characters, f"w{i}"): i for i in range(size)}
+    tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+
+
+def start_engine(shape: str, root: Path, max_num_seqs: int) -> serving.Server:
+    """The engine with its default flags on random weights at `shape` (the GPU, bf16)."""
+    from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
+
+    model_dir = write_checkpoint(shape, root)
+    write_json_tokenizer(model_dir, SHAPES[shape])
+    settings = wl.EngineSettings(
+        "cuda", "bfloat16", serving.MAX_MODEL_LEN, max_num_seqs, 16, None, 0.9, True, False
+    )
+    args = argparse.Namespace(start_timeout=1200.0, api_server_count=None, server_cpus=None)
+    args.engine_arg = []
+    return serving.start_server(model_dir, settings, args, root / "engine.log")
 
 
 def body(model: str, max_tokens: int, seed: int, with_schema: bool) -> dict[str, Any]:
@@ -126,12 +186,31 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.url is not None:
+        return asyncio.run(main(args))
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_engine(args.shape, Path(tmp), args.max_num_seqs)
+        try:
+            args.url, args.model_name = server.url, serving.MODEL_NAME
+            report = asyncio.run(main(args))
+        finally:
+            report_exit = server.stop()
+        return {"shape": args.shape, "server_exit_code": report_exit, **report}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="a running engine server")
-    parser.add_argument("--model-name", required=True)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running engine server")
+    where.add_argument("--shape", choices=list(SHAPES), help="start the engine here")
+    parser.add_argument("--model-name", default=None, help="the served model name, with --url")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="with --shape")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=256, help="per throughput pass")
     parser.add_argument("--num-samples", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=256)
-    print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))
+    parsed = parser.parse_args()
+    if parsed.url is not None and parsed.model_name is None:
+        parser.error("--url needs --model-name")
+    print(json.dumps(run(parsed), indent=2))
