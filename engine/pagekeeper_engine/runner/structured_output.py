@@ -8,6 +8,10 @@ it to the device, where it sets the disallowed scores to -inf before any other p
 (`logits_processing.process_scores`). Once the schema is complete only the end-of-sequence
 tokens stay allowed, so the request ends there.
 
+The step's rows are filled in one call of xgrammar's batch matcher, on up to
+`MAX_FILL_THREADS` threads of its own that release the GIL: a row's mask walks the vocabulary,
+and filled one row after another the step would wait for every row in turn.
+
 A matcher must have taken every token before it masks the next. Under asynchronous scheduling
 a request's newest token is still on the device when its next step launches: reading it
 (`StepHistory.last_token_ids`) waits for the step before, so a batch with a structured request
@@ -23,6 +27,7 @@ before it runs (`check`), naming `response_format`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -38,6 +43,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_FILL_THREADS = 8  # the rows of one step's masks are filled on up to this many threads
 
 
 @dataclass
@@ -74,6 +80,7 @@ class GrammarMasks:
         self._matchers: dict[int, _Matcher] = {}
         self._host_mask: torch.Tensor | None = None  # (max_rows, ceil(V / 32)) int32
         self._device_mask: torch.Tensor | None = None
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     def _compile(self, schema: str) -> Any:
         with self._lock:
@@ -161,6 +168,7 @@ class GrammarMasks:
         newest = newest_token_ids.tolist()  # waits for the step before (the module docstring)
         host, device = self._masks(num_rows)
         host.fill_(-1)  # every token allowed in the other rows
+        live: list[tuple[int, _Matcher]] = []
         for row in rows:
             state = self._matcher_for(params[row])
             outputs = all_token_ids[row][num_prompt_tokens[row] :]
@@ -172,12 +180,24 @@ class GrammarMasks:
             state.num_accepted = len(outputs)
             if state.matcher.is_terminated():  # it took an end token the engine did not stop on
                 state.is_stuck = True
-            if not state.is_stuck:
-                state.matcher.fill_next_token_bitmask(host, row)
-                # a schema this vocabulary cannot continue (no allowed token) ends the reply
-                state.is_stuck = not bool(host[row].any())
             if state.is_stuck:
                 self._allow_only(host[row], self.eos_token_ids)
+            else:
+                live.append((row, state))
+        if live:
+            if self._batch is None:
+                threads = max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+            live_rows = [row for row, _ in live]
+            self._batch.batch_fill_next_token_bitmask(
+                [state.matcher for _, state in live], host, live_rows
+            )
+            # a schema this vocabulary cannot continue (no allowed token) ends the reply
+            allows_any = host[live_rows].any(dim=1).tolist()
+            for (row, state), any_allowed in zip(live, allows_any, strict=True):
+                if not any_allowed:
+                    state.is_stuck = True
+                    self._allow_only(host[row], self.eos_token_ids)
         if device is not host:
             device.copy_(host, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(scores, device, vocab_size=scores.shape[1])
