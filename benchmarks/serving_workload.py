@@ -335,6 +335,7 @@ def summarize(records: Sequence[RequestRecord], first_wave: int = 0) -> dict[str
     wall_s = max(r.end_s for r in records) - min(r.send_s for r in records)
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)
+    num_events = sum(len(r.chunk_s) for r in ok)  # streamed events that carried text
     return {
         "num_requests": len(records),
         "num_ok": len(ok),
@@ -357,6 +358,7 @@ def summarize(records: Sequence[RequestRecord], first_wave: int = 0) -> dict[str
         "itl_ms": distribution_ms([g for r in ok for g in r.inter_token_gaps()]),
         "e2e_ms": distribution_ms([r.end_s - r.send_s for r in ok]),
         "num_itl_exact": sum(r.has_token_counts for r in ok),
+        "tokens_per_event": num_output / num_events if num_events else None,
         "failures": dict(failures),
         "first_errors": first_errors,
     }
@@ -437,7 +439,9 @@ def format_online(row: dict[str, Any]) -> str:
         f"{row['level']:>6} online: {s['num_ok']}/{s['num_requests']} ok in {s['wall_s']:.1f} s,"
         f" {s['output_tok_s']:,.0f} output tok/s; failures: {failures}; {s['num_short']} short;"
         f" {s['num_cached_tokens']:,} of {s['num_prompt_tokens']:,} prompt tokens cached;"
-        f" {s['num_itl_exact']} requests timed per token\n        TTFT p50/p90/p99 ms: all"
+        f" {s['num_itl_exact']} requests timed per token;"
+        f" {_num(s.get('tokens_per_event'), '.2f')} tokens per SSE event\n"
+        f"        TTFT p50/p90/p99 ms: all"
         f" {_ms(s['ttft_ms'])}, first wave of {s['first_wave']} {_ms(s['ttft_first_wave_ms'])},"
         f" after it {_ms(s['ttft_after_first_wave_ms'])}\n        allocator reserved - allocated"
         f" {_num(memory.get('reserved_minus_allocated_bytes'), ',.1f', 2**20)} MiB (fragmentation"

@@ -235,6 +235,7 @@ def test_summary_rates_latencies_and_failures() -> None:
     assert summary["itl_ms"]["p50"] == 500.0  # 3 gaps of 0.5 s, 2 of 0.5 s (1 s over 2 tokens)
     assert summary["e2e_ms"]["p50"] == 2750.0
     assert summary["num_itl_exact"] == 2
+    assert summary["tokens_per_event"] == 8 / 6  # 8 tokens in 4 + 2 events
     assert summary["failures"] == {"HTTP 429": 2, "no response": 1}
     assert summary["first_errors"] == {
         "HTTP 429": '{"error": "full"}',
@@ -245,6 +246,7 @@ def test_summary_rates_latencies_and_failures() -> None:
     assert "2/5 ok in 5.0 s" in line
     assert "failures: 2 HTTP 429, 1 no response" in line
     assert "first HTTP 429: {" in line
+    assert "1.33 tokens per SSE event" in line
     head, rule, body = format_table([row]).splitlines()
     assert head.count("|") == rule.count("|") == body.count("|") == 14
     assert body.startswith("| c2 | 2/5 | 2 | 30 | 0.40 | 1,500.0/1,900.0/1,990.0 | 500.0/")
