@@ -103,7 +103,9 @@ def write_json_tokenizer(model_dir: Path, config: dict[str, Any]) -> None:
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
 
-def start_engine(shape: str, root: Path, max_num_seqs: int) -> serving.Server:
+def start_engine(
+    shape: str, root: Path, max_num_seqs: int, engine_args: list[str]
+) -> serving.Server:
     """The engine with its default flags on random weights at `shape` (the GPU, bf16)."""
     from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
 
@@ -113,7 +115,7 @@ def start_engine(shape: str, root: Path, max_num_seqs: int) -> serving.Server:
         "cuda", "bfloat16", serving.MAX_MODEL_LEN, max_num_seqs, 16, None, 0.9, True, False
     )
     args = argparse.Namespace(start_timeout=1200.0, api_server_count=None, server_cpus=None)
-    args.engine_arg = []
+    args.engine_arg = engine_args
     return serving.start_server(model_dir, settings, args, root / "engine.log")
 
 
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.url is not None:
         return asyncio.run(main(args))
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_engine(args.shape, Path(tmp), args.max_num_seqs)
+        server = start_engine(args.shape, Path(tmp), args.max_num_seqs, args.engine_arg)
         try:
             args.url, args.model_name = server.url, serving.MODEL_NAME
             report = asyncio.run(main(args))
@@ -223,6 +225,9 @@ if __name__ == "__main__":
     where.add_argument("--shape", choices=list(SHAPES), help="start the engine here")
     parser.add_argument("--model-name", default=None, help="the served model name, with --url")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="with --shape")
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], help="with --shape: --engine-arg=--x"
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=256, help="per throughput pass")
     parser.add_argument("--num-samples", type=int, default=200)

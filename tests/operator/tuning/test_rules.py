@@ -243,7 +243,7 @@ def recorded_policy(name: str) -> MemoryPolicy:
     ("name", "top"),
     [
         # W-tune on an H200 (docs/benchmarks.md, W-tune): 128 chat streams held to 16 running.
-        ("chat_round0", ("maxNumSeqs", "16", "90", "max-num-seqs-up")),
+        ("chat_round0", ("maxNumSeqs", "16", "128", "max-num-seqs-up")),
         # RAG with caching off: the shadow count saw the shared 2,048-token prefixes.
         ("rag_round0", ("enablePrefixCaching", "false", "true", "prefix-caching-on")),
         # The grid's best RAG policy and the last burst round: no change is right.
