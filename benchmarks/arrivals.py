@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving
+from benchmarks import serving_server
 from benchmarks import serving_workload as wl
 from benchmarks.shapes import SHAPES
 
@@ -121,7 +121,7 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival) -> st
 
 async def run_waves(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
-    vocab_size = serving.model_config(args)["vocab_size"]
+    vocab_size = serving_server.model_config(args)["vocab_size"]
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     waves = []
     # force_close: a client that leaves drops its connection, as a browser tab does
@@ -160,10 +160,10 @@ def main() -> None:
     args = parser.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     settings = wl.EngineSettings(
-        args.device, dtype, serving.MAX_MODEL_LEN, 256, 16, None, args.gpu_memory_utilization,
-        True, False,
+        args.device, dtype, serving_server.MAX_MODEL_LEN, 256, 16, None,
+        args.gpu_memory_utilization, True, False,
     )  # fmt: skip
-    # what serving.start_server reads of its arguments
+    # what serving_server.start_server reads of its arguments
     server_args = argparse.Namespace(
         api_server_count=None,
         engine_arg=args.engine_arg,
@@ -171,8 +171,9 @@ def main() -> None:
         server_cpus=None,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = serving.prepare_model_dir(args, Path(tmp))
-        server = serving.start_server(model_dir, settings, server_args, Path(tmp) / "engine.log")
+        model_dir = serving_server.prepare_model_dir(args, Path(tmp))
+        log = Path(tmp) / "engine.log"
+        server = serving_server.start_server(model_dir, settings, server_args, log)
         try:
             waves = asyncio.run(run_waves(args, server.url))
         finally:

@@ -8,7 +8,8 @@ seeded Poisson arrivals (open loop). /metrics is read after each level. Then the
 stopped (its GPU memory freed) and each closed-loop level's requests run through the offline
 engine (`offline_engine.build_engine`, with the server's engine settings), which also times the
 decode step at that batch. torch is imported only by the offline part and by writing a shape's
-checkpoint; the client processes never import it.
+checkpoint; the client processes never import it. The server's side is `serving_server.py`,
+the clients' `serving_client.py`.
 
     PYTHONPATH=engine:. python benchmarks/serving.py --shape qwen3-0.6b --concurrency 32 128
     PYTHONPATH=engine:. python benchmarks/serving.py --device cpu --model-dir CKPT \\
@@ -18,276 +19,27 @@ checkpoint; the client processes never import it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing as mp
-import os
-import queue
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from tokenizers import Tokenizer, models, pre_tokenizers
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import serving_workload as wl
+from benchmarks.serving_client import run_online
+from benchmarks.serving_server import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    REPO,
+    http_get,
+    model_config,
+    prepare_model_dir,
+    start_server,
+)
 from benchmarks.shapes import SHAPES, prefill_flops
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_NAME = "bench"
-MAX_MODEL_LEN = 4096
-
-
-def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """`vocab_size` tokens "t0".."t{n-1}" split on whitespace. Prompts go as token ids, so only
-    decoding matters: one lookup per token, as cheap as a real tokenizer's, and one word per
-    token, which lets a client count the tokens in each chunk."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(model_dir / "tokenizer.json"))
-
-
-def prepare_model_dir(args: argparse.Namespace, root: Path) -> Path:
-    if args.model_dir is not None:
-        model_dir = Path(args.model_dir)
-    else:
-        from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
-
-        model_dir = write_checkpoint(args.shape, root)
-    if not (model_dir / "tokenizer.json").exists():
-        write_word_tokenizer(model_dir, model_config(args)["vocab_size"])
-    return model_dir
-
-
-def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    if args.model_dir is None:
-        return SHAPES[args.shape]
-    return dict(json.loads((Path(args.model_dir) / "config.json").read_text()))
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-    start_s: float = 0.0  # from the spawn to /ready answering 200
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> int:
-        """SIGTERM (the server drains), then its exit code once it has gone."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def parse_cpus(text: str | None) -> set[int]:
-    """A CPU list as taskset writes it ("0-7,12"); empty for None."""
-    cpus: set[int] = set()
-    for part in (text or "").split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def start_server(
-    model_dir: Path | None, settings: wl.EngineSettings, args: argparse.Namespace, log: Path
-) -> Server:
-    assert model_dir is not None, "a server is started only on a checkpoint prepared here"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = [
-        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(model_dir),
-        "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", MODEL_NAME, *settings.server_flags(),
-    ]  # fmt: skip
-    if args.api_server_count is not None:
-        argv += ["--api-server-count", str(args.api_server_count)]
-    if getattr(args, "api_key", None):
-        argv += ["--api-key", args.api_key]
-    paths = [
-        str(REPO / "engine"),
-        str(REPO / "memplan"),
-        str(REPO),
-        os.environ.get("PYTHONPATH", ""),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    if args.server_cpus:  # every process the server starts inherits the CPU set
-        argv = ["taskset", "-c", args.server_cpus, *argv]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            argv + args.engine_arg, stdout=sink, stderr=subprocess.STDOUT, env=env
-        )
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
-    started = time.monotonic()
-    while time.monotonic() < started + args.start_timeout:  # a benchmark may poll (no test)
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if http_get(f"{server.url}/ready")[0] == 200:
-                server.start_s = time.monotonic() - started
-                return server
-        except OSError:
-            pass  # not listening yet
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"the server was not ready in {args.start_timeout} s:\n{server.log_tail()}")
-
-
-async def stream_completion(
-    session: aiohttp.ClientSession, plan: wl.ClientPlan, index: int, prompt: list[int], n: int
-) -> wl.RequestRecord:
-    body = wl.completion_body(plan.model, prompt, n, stream=plan.stream, as_text=plan.as_text)
-    record = wl.RequestRecord(index, n, send_s=time.monotonic())
-    try:
-        async with session.post(f"{plan.url}/v1/completions", json=body) as response:
-            record.status = response.status
-            if response.status != 200:
-                record.error = await response.text()
-            elif not plan.stream:
-                text = await response.text()
-                record.end_s = time.monotonic()
-                record.on_body(text)
-            else:
-                async for line in response.content:
-                    if line.startswith(b"data: "):
-                        record.on_event(line[6:].decode().strip(), time.monotonic())
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.end_s = record.end_s or time.monotonic()
-    return record
-
-
-async def run_client(
-    worker: int, plan: wl.ClientPlan, next_index: Any, go: Any, messages: Any
-) -> list[wl.RequestRecord]:
-    connector = aiohttp.TCPConnector(limit=0)  # the default limit (100) would cap concurrency
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=plan.timeout_s)
-    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else None
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, headers=headers
-    ) as session:
-        warm_ups = (stream_completion(session, plan, -1, p, n) for p, n in plan.warmup)
-        warm = await asyncio.gather(*warm_ups)
-        if failed := [r for r in warm if r.failure is not None]:
-            raise RuntimeError(f"a warm-up request failed ({failed[0].failure}): {failed[0].error}")
-        messages.put(("ready", worker, None))
-        go.wait()  # blocks the loop, which has nothing else to do until the start
-
-        async def closed_stream() -> list[wl.RequestRecord]:
-            records: list[wl.RequestRecord] = []
-            while True:
-                with next_index.get_lock():  # one counter for all processes: C in flight in all
-                    index = next_index.value
-                    next_index.value += 1
-                if index >= len(plan.prompts):
-                    return records
-                prompt, n = plan.prompts[index], plan.output_lens[index]
-                records.append(await stream_completion(session, plan, index, prompt, n))
-
-        async def at(index: int, offset_s: float) -> wl.RequestRecord:
-            await asyncio.sleep(max(0.0, start + offset_s - time.monotonic()))
-            prompt, n = plan.prompts[index], plan.output_lens[index]
-            return await stream_completion(session, plan, index, prompt, n)
-
-        start = time.monotonic()
-        if plan.num_streams:
-            streams = await asyncio.gather(*(closed_stream() for _ in range(plan.num_streams)))
-            return [record for records in streams for record in records]
-        return list(await asyncio.gather(*(at(i, t) for i, t in plan.arrivals)))
-
-
-def client_process(
-    worker: int, plan: wl.ClientPlan, next_index: Any, go: Any, messages: Any
-) -> None:
-    if plan.cpus:
-        os.sched_setaffinity(0, plan.cpus)
-    try:
-        records = asyncio.run(run_client(worker, plan, next_index, go, messages))
-    except Exception:  # handed to the parent, which fails the run with it
-        messages.put(("failed", worker, traceback.format_exc()))
-    else:
-        messages.put(("done", worker, records))
-
-
-def collect(procs: list[Any], messages: Any, kind: str) -> list[Any]:
-    """One `kind` message from every client process, in process order; a failure raises."""
-    got: dict[int, Any] = {}
-    while len(got) < len(procs):
-        try:
-            message, worker, payload = messages.get(timeout=1.0)
-        except queue.Empty:
-            if dead := [p.exitcode for p in procs if p.exitcode not in (None, 0)]:
-                raise RuntimeError(f"a client process died (exit codes {dead})") from None
-            continue
-        if message == "failed":
-            raise RuntimeError(f"client process {worker} failed:\n{payload}")
-        assert message == kind, f"expected {kind!r} from client {worker}, got {message!r}"
-        got[worker] = payload
-    return [got[w] for w in sorted(got)]
-
-
-def run_online(
-    url: str, level: wl.Level, requests: wl.LevelRequests, args: argparse.Namespace
-) -> list[wl.RequestRecord]:
-    """One level through the server from `--client-processes` spawned processes."""
-    plans = wl.client_plans(
-        level, requests, args.seed, url=url, model=args.model_name,
-        timeout_s=args.request_timeout, num_processes=args.client_processes,
-        as_text=args.prompt_format == "text", cpus=parse_cpus(args.client_cpus),
-        api_key=getattr(args, "api_key", None),
-    )  # fmt: skip
-    return run_plans(plans)
-
-
-def run_plans(plans: list[wl.ClientPlan]) -> list[wl.RequestRecord]:
-    """Each plan in its own spawned client process, all started together after their warm-ups;
-    the plans index one shared request counter (closed loop) or their own arrivals."""
-    ctx = mp.get_context("spawn")
-    next_index, go, messages = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
-    procs = [
-        ctx.Process(target=client_process, args=(w, plan, next_index, go, messages))
-        for w, plan in enumerate(plans)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        collect(procs, messages, "ready")
-        go.set()
-        records = [r for rs in collect(procs, messages, "done") for r in rs]
-    finally:
-        for proc in procs:
-            if proc.is_alive():  # only after a failure: a done process exits by itself
-                proc.terminate()
-            proc.join()
-    return sorted(records, key=lambda r: r.index)
 
 
 def run_offline(

@@ -196,8 +196,8 @@ def client_plans(
 
 
 def prompt_text(prompt: list[int]) -> str:
-    """The text the benchmark's word tokenizer (`serving.write_word_tokenizer`: token i is the
-    word "t{i}") encodes to exactly these ids."""
+    """The text the benchmark's word tokenizer (`serving_server.write_word_tokenizer`: token i
+    is the word "t{i}") encodes to exactly these ids."""
     return " ".join(f"t{i}" for i in prompt)
 
 

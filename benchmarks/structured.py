@@ -37,7 +37,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving
+from benchmarks import serving_server
 from benchmarks import serving_workload as wl
 from benchmarks.shapes import SHAPES
 
@@ -105,18 +105,18 @@ def write_json_tokenizer(model_dir: Path, config: dict[str, Any]) -> None:
 
 def start_engine(
     shape: str, root: Path, max_num_seqs: int, engine_args: list[str]
-) -> serving.Server:
+) -> serving_server.Server:
     """The engine with its default flags on random weights at `shape` (the GPU, bf16)."""
     from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
 
     model_dir = write_checkpoint(shape, root)
     write_json_tokenizer(model_dir, SHAPES[shape])
     settings = wl.EngineSettings(
-        "cuda", "bfloat16", serving.MAX_MODEL_LEN, max_num_seqs, 16, None, 0.9, True, False
+        "cuda", "bfloat16", serving_server.MAX_MODEL_LEN, max_num_seqs, 16, None, 0.9, True, False
     )
     args = argparse.Namespace(start_timeout=1200.0, api_server_count=None, server_cpus=None)
     args.engine_arg = engine_args
-    return serving.start_server(model_dir, settings, args, root / "engine.log")
+    return serving_server.start_server(model_dir, settings, args, root / "engine.log")
 
 
 def body(model: str, max_tokens: int, seed: int, with_schema: bool) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_engine(args.shape, Path(tmp), args.max_num_seqs, args.engine_arg)
         try:
-            args.url, args.model_name = server.url, serving.MODEL_NAME
+            args.url, args.model_name = server.url, serving_server.MODEL_NAME
             report = asyncio.run(main(args))
         finally:
             report_exit = server.stop()

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving
+from benchmarks import serving_client, serving_server
 from benchmarks import serving_workload as wl
 from benchmarks import tune_workload as tw
+from benchmarks.shapes import SHAPES
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
 from pagekeeper_operator.effective import allocator_conf
@@ -64,7 +65,7 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            status, text = serving.http_get(f"{self.url}/metrics")
+            status, text = serving_server.http_get(f"{self.url}/metrics")
             if status == 200:
                 self.scrapes.append(tw.Scrape.parse(text))
 
@@ -85,7 +86,7 @@ def open_loop_plans(
     return [
         wl.ClientPlan(
             url=url,
-            model=serving.MODEL_NAME,
+            model=serving_server.MODEL_NAME,
             prompts=cls.work.prompts,
             output_lens=cls.work.output_lens,
             warmup=[],
@@ -110,22 +111,22 @@ def serve_round(
     for name in ALLOC_CONF_ENV:  # the operator puts the allocator options in the pod's env
         os.environ[name] = allocator_conf(policy.allocator)
     try:
-        server = serving.start_server(model_dir, settings_of(policy, args), run_args, log)
+        server = serving_server.start_server(model_dir, settings_of(policy, args), run_args, log)
     except RuntimeError as exc:  # a policy that cannot start (a start-up OOM) is a result too
         return {"policy": policy.to_api(), "error": str(exc)[-2000:]}
     try:
-        before = tw.Scrape.parse(serving.http_get(f"{server.url}/metrics")[1])
+        before = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
         started = time.monotonic()
         with Sampler(server.url, args.sample_interval) as sampler:
             if cls.concurrency is not None:
                 # No warm-up: the engine warmed up at start, and the window counts every request.
                 warm = wl.ChatWorkload([], [])
                 level = wl.Level(concurrency=cls.concurrency)
-                records = serving.run_online(server.url, level, (cls.work, warm), run_args)
+                records = serving_client.run_online(server.url, level, (cls.work, warm), run_args)
             else:
-                records = serving.run_plans(open_loop_plans(server.url, cls, args))
+                records = serving_client.run_plans(open_loop_plans(server.url, cls, args))
         seconds = time.monotonic() - started
-        after = tw.Scrape.parse(serving.http_get(f"{server.url}/metrics")[1])
+        after = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
     finally:
         code = server.stop()
     window = tw.window_of(before, after, sampler.scrapes, records, seconds, policy.max_num_seqs)
@@ -228,7 +229,7 @@ def format_row(tag: str, r: dict[str, Any], spec: TuningSpec) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="W-tune: recommender rounds beside a grid")
     add = parser.add_argument
-    add("--shape", choices=list(serving.SHAPES), default="qwen3-0.6b")
+    add("--shape", choices=list(SHAPES), default="qwen3-0.6b")
     add("--model-dir", default=None)
     add("--device", choices=["cuda", "cpu"], default="cuda")
     add("--classes", nargs="+", choices=["chat", "rag", "burst"], default=["chat", "rag", "burst"])
@@ -259,9 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:  # about 14 engine starts: eager ones start fastest
         args.rounds = min(args.rounds, 3)
         args.enforce_eager = True
-    # what serving.start_server and run_online read
+    # what serving_server.start_server and run_online read
     args.api_server_count, args.server_cpus, args.client_cpus = None, None, None
-    args.model_name, args.prompt_format = serving.MODEL_NAME, "ids"
+    args.model_name, args.prompt_format = serving_server.MODEL_NAME, "ids"
     return args
 
 
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        model_dir = serving.prepare_model_dir(args, tmp)
-        vocab = serving.model_config(args)["vocab_size"]
+        model_dir = serving_server.prepare_model_dir(args, tmp)
+        vocab = serving_server.model_config(args)["vocab_size"]
         classes = tw.classes(
             args.seed, vocab, args.max_model_len, quick=args.quick, scale=args.scale
         )

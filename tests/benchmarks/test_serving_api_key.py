@@ -7,7 +7,7 @@ from pathlib import Path
 
 import requests
 
-from benchmarks import serving
+from benchmarks import serving_client
 from benchmarks import serving_workload as wl
 from tests.support.cpu_engine import (
     VOCAB,
@@ -38,7 +38,7 @@ def test_the_clients_carry_the_key_a_locked_server_wants(tmp_path: Path) -> None
             level, (work, warm), 0, url=engine.url, model=shape.model_name, timeout_s=60.0,
             num_processes=1, api_key=KEY,
         )  # fmt: skip
-        records = serving.run_plans(plans)
+        records = serving_client.run_plans(plans)
     finally:
         assert stop_engine(engine) == 0
     assert [r.failure for r in records] == [None] * 4

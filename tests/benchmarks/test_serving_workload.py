@@ -301,7 +301,7 @@ def test_compare_and_the_offline_line() -> None:
 
 
 def test_text_prompts_are_the_words_the_word_tokenizer_maps_back(tmp_path: Path) -> None:
-    from benchmarks.serving import write_word_tokenizer  # noqa: PLC0415
+    from benchmarks.serving_server import write_word_tokenizer  # noqa: PLC0415
 
     write_word_tokenizer(tmp_path, 500)
     tokenizer = Tokenizer.from_dir(tmp_path)
@@ -372,7 +372,7 @@ def test_the_server_gpus_are_read_from_the_engine_args() -> None:
 
 
 def test_cpu_lists_read_as_taskset_writes_them() -> None:
-    from benchmarks.serving import parse_cpus  # noqa: PLC0415
+    from benchmarks.serving_server import parse_cpus  # noqa: PLC0415
 
     assert parse_cpus("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_cpus(None) == set() == parse_cpus("")
