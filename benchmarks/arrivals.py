@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving_server
+from benchmarks import serving_report, serving_server
 from benchmarks import serving_workload as wl
 from benchmarks.shapes import SHAPES
 
@@ -134,7 +134,7 @@ async def run_waves(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
             )  # fmt: skip
             ends = await asyncio.gather(*(send(session, url, a) for a in wave))
             async with session.get(f"{url}/metrics") as response:
-                memory = wl.memory_metrics(await response.text())
+                memory = serving_report.memory_metrics(await response.text())
             waves.append({"wave": index, "outcomes": dict(Counter(ends)), "memory": memory})
             gap_mib = (memory["reserved_minus_allocated_bytes"] or 0) / MiB
             print(f"wave {index}: {dict(Counter(ends))}; reserved - allocated {gap_mib:,.1f} MiB")

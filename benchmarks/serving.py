@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import serving_report
 from benchmarks import serving_workload as wl
 from benchmarks.serving_client import run_online
 from benchmarks.serving_server import (
@@ -117,7 +118,8 @@ def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -
         outputs = engine.step()
         seconds = time.perf_counter() - step_start
         scheduled = engine.num_batched_tokens_total - tokens_before
-        steps.append(wl.StepSample(seconds, sum(bool(o.new_token_ids) for o in outputs), scheduled))
+        num_outputs = sum(bool(o.new_token_ids) for o in outputs)
+        steps.append(serving_report.StepSample(seconds, num_outputs, scheduled))
         for out in outputs:
             num_output += len(out.new_token_ids)
             num_failed += out.error is not None
@@ -125,7 +127,7 @@ def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -
                 num_finished += 1
                 admit()
     seconds = time.perf_counter() - start
-    step_s, num_steps = wl.decode_step_time(steps, concurrency)
+    step_s, num_steps = serving_report.decode_step_time(steps, concurrency)
     return {
         "seconds": seconds,
         "num_output_tokens": num_output,
@@ -235,10 +237,11 @@ def main() -> None:
                 row: dict[str, Any] = {"level": level.label, "concurrency": level.concurrency}
                 row["rate"] = level.rate
                 records = run_online(url, level, requests, args)
-                row["online"] = wl.summarize(records, first_wave=level.concurrency or 0)
+                row["online"] = serving_report.summarize(records, first_wave=level.concurrency or 0)
                 status, text = http_get(f"{url}/metrics")
-                row["memory"] = wl.memory_metrics(text) if status == 200 else {"error": text}
-                print(wl.format_online(row), flush=True)
+                memory = serving_report.memory_metrics(text) if status == 200 else {"error": text}
+                row["memory"] = memory
+                print(serving_report.format_online(row), flush=True)
                 report["levels"].append(row)
         finally:
             if server is not None:
@@ -264,9 +267,9 @@ def main() -> None:
             rows = [row for row in report["levels"] if row["concurrency"] is not None]
             for row, result in zip(rows, results, strict=True):
                 row["offline"] = result
-                row.update(wl.compare(row["online"], result))
-                print(wl.format_offline(row))
-    print(wl.format_table(report["levels"]))
+                row.update(serving_report.compare(row["online"], result))
+                print(serving_report.format_offline(row))
+    print(serving_report.format_table(report["levels"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

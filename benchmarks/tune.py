@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving_client, serving_server
+from benchmarks import serving_client, serving_report, serving_server
 from benchmarks import serving_workload as wl
 from benchmarks import tune_workload as tw
 from benchmarks.shapes import SHAPES
@@ -130,7 +130,7 @@ def serve_round(
     finally:
         code = server.stop()
     window = tw.window_of(before, after, sampler.scrapes, records, seconds, policy.max_num_seqs)
-    summary = wl.summarize(records)
+    summary = serving_report.summarize(records)
     return {
         "policy": policy.to_api(),
         "window": window,

@@ -16,7 +16,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.serving_workload import ChatWorkload, RequestRecord, percentile, token_id_range
+from benchmarks.serving_report import percentile
+from benchmarks.serving_workload import ChatWorkload, RequestRecord, token_id_range
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.tuning.window import MetricWindow
 

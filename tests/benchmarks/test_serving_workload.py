@@ -12,25 +12,27 @@ from typing import Any
 
 import pytest
 
+from benchmarks.serving_report import (
+    StepSample,
+    compare,
+    decode_step_time,
+    format_offline,
+    format_online,
+    format_table,
+    memory_metrics,
+    percentile,
+    summarize,
+)
 from benchmarks.serving_workload import (
     PREFIX_LEN,
     ChatWorkload,
     EngineSettings,
     Level,
     RequestRecord,
-    StepSample,
     client_plans,
-    compare,
     completion_body,
-    decode_step_time,
-    format_offline,
-    format_online,
-    format_table,
     level_workloads,
-    memory_metrics,
-    percentile,
     poisson_arrivals,
-    summarize,
     token_id_range,
     w_chat,
 )
