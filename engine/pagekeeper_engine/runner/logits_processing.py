@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -48,17 +48,52 @@ class TokenHistory(Protocol):
     def num_prompt_tokens(self) -> int: ...
 
 
+class NewestOnHost:
+    """The sampled rows' newest token ids, copied to the host from the step's inputs as soon
+    as those hold them: enqueued before the forward pass, so reading them (`tolist`) waits for
+    the step before, which wrote them, and not for this step's forward. A CPU tensor is read
+    as it is."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._ids = ids
+        if ids.is_cuda:
+            self._ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._ids.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [int(i) for i in self._ids.tolist()]
+
+
 @dataclass(frozen=True)
 class StepHistory:
     """The sampled rows' sequences, in row order, and where their newest tokens are on the
-    device: `input_ids[sample_indices]`."""
+    device: `input_ids[sample_indices]`; with `newest_on_host`, already on their way to the
+    host (`with_newest_on_host`)."""
 
     seqs: Sequence[TokenHistory]
     input_ids: torch.Tensor  # (T,) int64: the step's inputs, placeholders filled
     sample_indices: torch.Tensor  # (N,) int64: each sampled row's last input row
+    newest_on_host: NewestOnHost | None = None
 
     def last_token_ids(self) -> torch.Tensor:
         return self.input_ids.index_select(0, self.sample_indices)  # (N,)
+
+    def with_newest_on_host(self) -> StepHistory:
+        """This history with its newest ids' copy to the host enqueued now (call it once the
+        step's inputs hold them, before the forward pass)."""
+        return replace(self, newest_on_host=NewestOnHost(self.last_token_ids()))
+
+    def newest_token_list(self) -> list[int]:
+        """The newest ids on the host: from the copy enqueued early, or read now (which waits
+        for everything the stream has been given)."""
+        if self.newest_on_host is not None:
+            return self.newest_on_host.tolist()
+        return [int(i) for i in self.last_token_ids().tolist()]
 
 
 def uses_processors(params: Sequence[SamplingParams]) -> bool:
@@ -199,7 +234,7 @@ def process_scores(
             params,
             [s.all_token_ids for s in history.seqs],
             [s.num_prompt_tokens for s in history.seqs],
-            history.last_token_ids(),
+            history.newest_token_list(),
         )
     if any(p.logit_bias for p in params):
         add_logit_bias(scores, params)

@@ -122,6 +122,10 @@ class StepLauncher:
                 torch.index_select(self._previous_sampled, 0, sources, out=leading)
             else:
                 step.input_ids[step.placeholder_rows] = self._previous_sampled[sources]
+        if history is not None and any(p.json_schema is not None for p in sampling):
+            # the schemas' masks read the newest ids on the host: start their copy before the
+            # forward, so reading them waits for the step before and not for this forward
+            history = history.with_newest_on_host()
         hidden = (  # (T, H)
             self.model(step.input_ids, step.positions, step.meta)
             if self.graphs is None

@@ -13,9 +13,11 @@ The step's rows are filled in one call of xgrammar's batch matcher, on up to
 and filled one row after another the step would wait for every row in turn.
 
 A matcher must have taken every token before it masks the next. Under asynchronous scheduling
-a request's newest token is still on the device when its next step launches: reading it
-(`StepHistory.last_token_ids`) waits for the step before, so a batch with a structured request
-gives up the overlap of the host's work with the device's for that step; other batches keep it.
+a request's newest token is still on the device when its next step launches. The step copies
+the newest ids to the host before it enqueues its forward pass (`StepHistory.with_newest_on_host`),
+so the masks wait for the step before, which sampled them, while this step's forward runs on the
+device; read after the forward was enqueued, they would wait for that forward too, and the host
+would fill the masks and schedule the next step with the device idle.
 Compact JSON is asked for (no whitespace beyond the separators'), so a model cannot spend its
 tokens on blank space.
 
@@ -158,14 +160,13 @@ class GrammarMasks:
         params: Sequence[SamplingParams],
         all_token_ids: Sequence[list[int]],  # each row's prompt then outputs
         num_prompt_tokens: Sequence[int],
-        newest_token_ids: torch.Tensor,  # (N,) each row's newest token, on the device
+        newest_token_ids: Sequence[int],  # (N,) each row's newest token
     ) -> None:
         """-inf on every token a structured row's schema does not allow next."""
         import xgrammar  # noqa: PLC0415
 
         num_rows = scores.shape[0]
         rows = [row for row, p in enumerate(params) if p.json_schema is not None]
-        newest = newest_token_ids.tolist()  # waits for the step before (the module docstring)
         host, device = self._masks(num_rows)
         host.fill_(-1)  # every token allowed in the other rows
         live: list[tuple[int, _Matcher]] = []
@@ -173,7 +174,7 @@ class GrammarMasks:
             state = self._matcher_for(params[row])
             outputs = all_token_ids[row][num_prompt_tokens[row] :]
             for index in range(state.num_accepted, len(outputs)):
-                token_id = newest[row] if index == len(outputs) - 1 else outputs[index]
+                token_id = newest_token_ids[row] if index == len(outputs) - 1 else outputs[index]
                 if not state.is_stuck and not state.matcher.accept_token(token_id):
                     logger.error("token %d does not continue its schema; ending it", token_id)
                     state.is_stuck = True

@@ -151,3 +151,12 @@ def test_a_batch_without_processors_takes_the_plain_path(monkeypatch: pytest.Mon
     token_ids, packed = Sampler("cpu", 0, frozenset(), buffers).sample(logits, params, [0] * 3)
     assert packed.shape == (2, 3)
     assert int(token_ids[0]) == int(logits[0].argmax())
+
+
+def test_the_newest_ids_read_on_the_host_with_or_without_the_early_copy() -> None:
+    inputs = torch.tensor([5, 9, 2, 7, 4])
+    history = StepHistory([], inputs, torch.tensor([1, 3, 4]))
+    assert history.newest_token_list() == [9, 7, 4]
+    early = history.with_newest_on_host()
+    assert early.newest_on_host is not None and history.newest_on_host is None
+    assert early.newest_token_list() == [9, 7, 4]

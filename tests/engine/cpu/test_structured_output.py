@@ -56,7 +56,8 @@ def generate(
     for _ in range(60):
         seqs = [Seq([*t[:-1], PLACEHOLDER_TOKEN_ID]) for t in tokens]
         newest = torch.tensor([t[-1] for t in tokens], device=device)
-        history = StepHistory(seqs, newest, torch.arange(rows, device=device))
+        # as the launcher hands it over: the newest ids' copy to the host started
+        history = StepHistory(seqs, newest, torch.arange(rows, device=device)).with_newest_on_host()
         logits = (4 * torch.randn(rows, len(JSON_VOCAB), generator=gen)).to(device)
         token_ids, _ = sampler.sample(logits, params, [len(t) - 3 for t in tokens], history)
         for row, token_id in enumerate(token_ids.tolist()):
@@ -110,6 +111,6 @@ def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path
     grammar = grammar_for(tmp_path, VOCAB)  # no braces, no quotes
     scores = torch.zeros(2, len(VOCAB))
     params = [SamplingParams(json_schema=SCHEMA), SamplingParams()]
-    grammar.apply(scores, params, [PROMPT, PROMPT], [3, 3], torch.tensor([6, 6]))
+    grammar.apply(scores, params, [PROMPT, PROMPT], [3, 3], [6, 6])
     assert torch.nonzero(scores[0].isfinite()).flatten().tolist() == [EOS_ID]
     assert bool(scores[1].isfinite().all()), "a free row is not masked"

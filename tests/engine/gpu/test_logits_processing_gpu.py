@@ -113,3 +113,15 @@ def test_a_plain_batch_has_no_extra_rows_on_the_gpu() -> None:
 def test_the_schemas_masks_on_the_gpu(tmp_path: Path, temperature: float) -> None:
     """The bitmask copied to the device and applied there (xgrammar's CUDA path)."""
     check_picks_continue_the_schema(tmp_path, temperature, "cuda")
+
+
+def test_the_newest_ids_copied_early_wait_for_the_kernels_before_the_copy() -> None:
+    """The copy is enqueued once the inputs hold the ids: what the stream runs after it (a
+    forward pass) does not change what is read, and reading waits for what ran before."""
+    inputs = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    indices = torch.tensor([3, 1 << 19, (1 << 20) - 1], device="cuda")
+    inputs.index_fill_(0, indices, 11)  # enqueued before the copy: the copy sees it
+    early = StepHistory([], inputs, indices).with_newest_on_host()
+    inputs.fill_(-1)  # enqueued after the copy (the forward pass's place): not seen
+    assert early.newest_token_list() == [11, 11, 11]
+    assert StepHistory([], inputs, indices).newest_token_list() == [-1, -1, -1]
