@@ -28,7 +28,8 @@ from pagekeeper_operator.tuning.decide import (
     held_fields,
 )
 from pagekeeper_operator.tuning.fields import TUNABLE, read_field, within_bounds
-from pagekeeper_operator.tuning.rules import Proposal, recommend
+from pagekeeper_operator.tuning.proposal import Proposal
+from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
 ACCEPT_ANNOTATION = "pagekeeper.dev/accept-recommendation"
