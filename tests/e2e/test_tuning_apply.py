@@ -10,12 +10,12 @@ and each outcome rests on the work a step does, not on the machine's speed:
 
 - `seqs`: maxNumSeqs 2 under 8 requests in flight, short prompts and 32 tokens each, the KV pool
   nearly empty. The cap binds, so the tuner proposes about the demand (7 or 8); the canary's
-  engine decodes that many sequences a step where the baseline's decodes 2 (1.8x the tokens/s on
-  2 busy cores) -> promoted.
+  engine decodes that many sequences a step where the baseline's decodes 2 (about 1.8x the
+  tokens/s on 2 busy cores) -> promoted.
 - `prefix`: each prompt one of four shared 255-token prefixes and a fresh 700-token suffix, so a
   quarter of the looked-up tokens hit (a fact of the token layout), under the rule's 0.3: the
   tuner proposes caching off. The canary's engine then prefills every prompt token where the
-  baseline's skips a quarter (0.82-0.86x the tokens/s) -> rolled back, held off, not tried again.
+  baseline's skips a quarter (about 0.8x the tokens/s) -> rolled back, held off, not tried again.
 
 Before a trial one engine stands in for both pods of a server; once the canary runs, one stands
 in for the pod the stable Deployment kept and another for the canary pod.
