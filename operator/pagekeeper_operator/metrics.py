@@ -34,7 +34,7 @@ TUNING_RECOMMENDATIONS = Gauge(
 TUNING_DECISIONS = Counter(
     "pagekeeper_tuning_decisions",
     "Apply-mode decisions, by event reason (TuningTrialStarted, TuningPromoted, "
-    "TuningRolledBack, RecommendationAccepted, TuningRecommendation).",
+    "TuningRolledBack, TuningTrialSkipped, RecommendationAccepted, TuningRecommendation).",
     ["namespace", "llmserver", "reason"],
     registry=REGISTRY,
 )

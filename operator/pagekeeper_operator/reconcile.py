@@ -83,10 +83,11 @@ def reconcile(
     features = replace(kube.features(), prometheus_url=prometheus_url)
     now = now or format_time(utc_now())
     stored = server  # the status patch is the difference from what the API server holds
-    server, tuning_events = _with_tuning(server, prometheus_url, now)
+    nodes = _candidate_nodes(kube, server)
+    server, tuning_events = _with_tuning(server, prometheus_url, now, nodes)
     rendered = candidate(server)  # the effective policy, with a change under trial if any
     desired = render_all(rendered, default_images, features)
-    fit = _plan_fit(kube, rendered)
+    fit = decide_fit(rendered, effective_memory_policy(rendered), nodes)
     if fit.holds_rollout:
         running = kube.get("apps/v1", "Deployment", namespace, server.metadata.name)
         desired = hold_rollout(desired, running)
@@ -140,16 +141,15 @@ def reconcile(
     return result
 
 
-def _plan_fit(kube: Kube, server: LLMServer) -> FitOutcome:
-    """The memory plan of the effective policy on the nodes the pods may land on; nodes that
-    cannot be listed leave the GPU to the spec (or unknown)."""
+def _candidate_nodes(kube: Kube, server: LLMServer) -> list[dict[str, Any]]:
+    """The nodes the pods may land on, for the memory plan; nodes that cannot be listed leave
+    the GPU to the spec (or unknown)."""
     selector = ",".join(f"{key}={value}" for key, value in node_selector(server).items())
     try:
-        nodes = kube.list_nodes(selector)
+        return kube.list_nodes(selector)
     except ApiException as exc:
         logger.warning("listing nodes for the memory plan failed (%s %s)", exc.status, exc.reason)
-        nodes = []
-    return decide_fit(server, effective_memory_policy(server), nodes)
+        return []
 
 
 def _fit_event(server: LLMServer, fit: FitOutcome) -> CanaryEvent | None:
@@ -244,12 +244,18 @@ def _with_canary(
 
 
 def _with_tuning(
-    server: LLMServer, prometheus_url: str | None, now: str
+    server: LLMServer, prometheus_url: str | None, now: str, nodes: list[dict[str, Any]]
 ) -> tuple[LLMServer, list[TuningEvent]]:
     """The server with its new recommendations and tuning status (`tuning.tuner`), and the
-    Events to post; a won trial marks its canary Promoted so every replica takes it."""
+    Events to post; a won trial marks its canary Promoted so every replica takes it. A trial
+    whose candidate the memory plan would hold never starts (or ends at once)."""
+
+    def does_not_fit(trying: LLMServer) -> str | None:
+        fit = decide_fit(trying, effective_memory_policy(trying), nodes)
+        return fit.status.message if fit.holds_rollout else None
+
     when = parse_time(now)
-    result = tune(server, observe(server, prometheus_url, when), when)
+    result = tune(server, observe(server, prometheus_url, when), when, does_not_fit)
     count_tuning(server.metadata.namespace, server.metadata.name, result)
     canary = server.status.canary
     if result.promoted is not None:

@@ -103,8 +103,13 @@ def spawn_engine(
     checkpoint: Path, workdir: Path, shape: EngineShape, extra_flags: Sequence[str] = ()
 ) -> Service:
     """Start the engine without waiting for it (`wait_engine_ready` waits)."""
-    workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    return spawn_argv([*engine_argv(checkpoint, port, shape), *extra_flags], port, workdir)
+
+
+def spawn_argv(argv: Sequence[str], port: int, workdir: Path) -> Service:
+    """Start the engine from its whole command line, serving on `port`."""
+    workdir.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
@@ -114,11 +119,7 @@ def spawn_engine(
     log = workdir / "engine.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [*engine_argv(checkpoint, port, shape), *extra_flags],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
+            list(argv), stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=workdir
         )
     return Service(name="engine", proc=proc, port=port, log=log)
 

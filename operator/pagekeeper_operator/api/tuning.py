@@ -18,7 +18,7 @@ from pagekeeper_operator.api.types import ApiModel, cel, validations
 TuningMode = Literal["Off", "Recommend", "Apply"]
 Objective = Literal["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"]
 ChangeSource = Literal["Accepted", "Promoted"]
-TrialOutcome = Literal["Promoted", "RolledBack"]
+TrialOutcome = Literal["Promoted", "RolledBack", "Skipped"]
 MAX_RECOMMENDATIONS = 16
 MAX_OUTCOMES = 20
 MAX_HOLD_OFFS = 32
@@ -242,7 +242,13 @@ class TrialRecord(ApiModel):
     field: str = Field(max_length=64, description="The memoryPolicy field tried.")
     current: str = Field(max_length=64, description="Its value before.")
     proposed: str = Field(max_length=64, description="The value tried.")
-    outcome: TrialOutcome = Field(description="Promoted (a measured win) or RolledBack.")
+    outcome: TrialOutcome = Field(
+        description=(
+            "Promoted (a measured win), RolledBack (a loss, a tie, a failed canary, or a "
+            "candidate that stopped fitting), or Skipped (the candidate does not fit its GPUs: "
+            "no canary ran)."
+        )
+    )
     time: str = Field(max_length=64, description="When it was decided (RFC 3339).")
     evidence: list[Evidence] = Field(
         default_factory=list,

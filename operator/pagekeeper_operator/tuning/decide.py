@@ -9,16 +9,20 @@ policy plus the top recommendation, the other pods the effective policy. Each re
 - a trial `windowSeconds` old is compared (`compare`): a win is promoted into the tuning layer
   of the effective policy, a loss or a tie is rolled back. No verdict yet (too few samples)
   waits, up to twice the window, then rolls back;
-- with no trial, under the daily cap, the top recommendation starts one.
+- with no trial, under the daily cap, the top recommendation starts one;
+- a candidate that does not fit its GPUs (`unfit`: the memory plan's gate would hold its
+  rollout, so no canary would ever run) is never waited on: a trial under way ends RolledBack,
+  and a recommendation about to start one is Skipped (not counted against the daily cap) and
+  the next one that fits starts instead.
 
-Every decided trial puts its field on hold for `holdOffSeconds`, whatever the outcome: a rolled
-back value is not tried again, and a promoted one is not undone by the next window's noise (no
-A -> B -> A). The rules never propose a held field.
+Every decided (or skipped) trial puts its field on hold for `holdOffSeconds`, whatever the
+outcome: a rolled back value is not tried again, and a promoted one is not undone by the next
+window's noise (no A -> B -> A). The rules never propose a held field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -158,9 +162,13 @@ def decide(
     evidence: TrialEvidence | None,
     spec_value_of: dict[str, str],
     now: datetime,
+    unfit: Mapping[str, str] | None = None,
 ) -> Decision:
     """The next tuning status (see the module docstring). `recommendations` are the current
-    ones, best first, held fields already left out; `spec_value_of`: field -> spec's value."""
+    ones, best first, held fields already left out; `spec_value_of`: field -> spec's value;
+    `unfit`: field -> why the candidate with its proposed value (the trial's, or a
+    recommendation's) does not fit its GPUs."""
+    unfit = unfit or {}
     today = now.strftime("%Y-%m-%d")
     if status.day != today:
         status = status.model_copy(update={"day": today, "changes_today": 0})
@@ -172,23 +180,33 @@ def decide(
         message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    if trial is not None and trial.field in unfit:
+        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        message = f"{change} rolled back: the candidate does not fit ({unfit[trial.field]})"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None:
         return _judge(status, spec, trial, evidence, spec_value_of.get(trial.field, ""), now)
-    if spec.mode != "Apply" or not recommendations:
+    if spec.mode != "Apply" or status.changes_today >= spec.max_changes_per_day:
         return Decision(status)
-    if status.changes_today >= spec.max_changes_per_day:
-        return Decision(status)
-    top = recommendations[0]
-    trial = TuningTrial(
-        field=top.field,
-        current=top.current,
-        proposed=top.proposed,
-        rule=top.rule,
-        started_at=format_time(now),
-    )
-    started = status.model_copy(update={"trial": trial, "changes_today": status.changes_today + 1})
-    message = (
-        f"{top.field} {top.current} -> {top.proposed} ({top.rule}) runs on the canary for "
-        f"{spec.window_seconds}s against the other pods"
-    )
-    return Decision(started, [TuningEvent("Normal", "TuningTrialStarted", message)])
+    events: list[TuningEvent] = []
+    for top in recommendations:
+        trial = TuningTrial(
+            field=top.field,
+            current=top.current,
+            proposed=top.proposed,
+            rule=top.rule,
+            started_at=format_time(now),
+        )
+        change = f"{top.field} {top.current} -> {top.proposed} ({top.rule})"
+        if top.field in unfit:
+            message = f"{change} skipped: the candidate does not fit ({unfit[top.field]})"
+            status = _finish(status, spec, trial, "Skipped", message, {}, now)
+            events.append(TuningEvent("Warning", "TuningTrialSkipped", message))
+            continue
+        started = status.model_copy(
+            update={"trial": trial, "changes_today": status.changes_today + 1}
+        )
+        message = f"{change} runs on the canary for {spec.window_seconds}s against the other pods"
+        return Decision(started, [*events, TuningEvent("Normal", "TuningTrialStarted", message)])
+    return Decision(status, events)

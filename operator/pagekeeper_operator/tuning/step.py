@@ -12,14 +12,12 @@ from datetime import datetime, timedelta
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
-from pagekeeper_operator.api.tuning import TunedChange
 from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import compose
 from pagekeeper_operator.prometheus import PrometheusError
 from pagekeeper_operator.timestamps import parse_or
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
-from pagekeeper_operator.tuning.fields import read_field
 from pagekeeper_operator.tuning.observe import (
     Scope,
     canary_p99,
@@ -28,7 +26,7 @@ from pagekeeper_operator.tuning.observe import (
     pod_samples,
     records_since,
 )
-from pagekeeper_operator.tuning.tuner import Observation
+from pagekeeper_operator.tuning.tuner import Observation, with_trial
 from pagekeeper_operator.tuning.window import MetricWindow
 
 NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
@@ -138,25 +136,7 @@ def candidate(server: LLMServer) -> LLMServer:
     tuning = server.status.tuning
     if tuning is None or tuning.trial is None:
         return server
-    trial = tuning.trial
-    from_spec = next((c.spec_value for c in tuning.changes if c.field == trial.field), None)
-    if from_spec is None:
-        from_spec = read_field(server.spec.memory_policy, trial.field)
-    change = TunedChange(
-        field=trial.field,
-        value=trial.proposed,
-        spec_value=from_spec
-        if from_spec is not None
-        else read_field(server.spec.memory_policy, trial.field),
-        source="Promoted",
-        rule=trial.rule,
-        time=trial.started_at,
-    )
-    changes = [c for c in tuning.changes if c.field != trial.field] + [change]
-    status = server.status.model_copy(
-        update={"tuning": tuning.model_copy(update={"changes": changes})}
-    )
-    return server.model_copy(update={"status": status})
+    return with_trial(server, tuning.trial)
 
 
 def trial_canary_spec(server: LLMServer) -> CanarySpec:

@@ -9,16 +9,26 @@ Apply-mode decision, and the Events to post.
   the evidence of the window that first made it, so a steady state writes no status and posts
   no Event; a new or changed one posts a `TuningRecommendation` Event.
 - Without a window (Prometheus away) the previous recommendations stay as they were.
-- In Apply mode `decide` starts, judges and ends trials.
+- In Apply mode `decide` starts, judges and ends trials. A candidate (the effective policy
+  with a recommendation, or with the change under trial) that does not fit its GPUs
+  (`does_not_fit`, the memory plan's gate) starts no canary: the gate would hold its rollout,
+  so the trial is skipped, or ended, at once instead of waiting out its window for samples.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.api.tuning import Evidence, Recommendation, TunedChange, TuningStatus
+from pagekeeper_operator.api.tuning import (
+    Evidence,
+    Recommendation,
+    TunedChange,
+    TuningStatus,
+    TuningTrial,
+)
 from pagekeeper_operator.effective import compose
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.decide import (
@@ -28,11 +38,14 @@ from pagekeeper_operator.tuning.decide import (
     held_fields,
 )
 from pagekeeper_operator.tuning.fields import TUNABLE, read_field, within_bounds
-from pagekeeper_operator.tuning.rules import Proposal, recommend
+from pagekeeper_operator.tuning.proposal import Proposal
+from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
 ACCEPT_ANNOTATION = "pagekeeper.dev/accept-recommendation"
 NO_CHANGE_MESSAGE = "the window supports no change"
+# The candidate server -> why its policy does not fit its GPUs, or None (fits, or unknown).
+FitCheck = Callable[[LLMServer], str | None]
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,53 @@ def describe(rec: Recommendation) -> str:
     )
 
 
-def tune(server: LLMServer, observation: Observation, now: datetime) -> TuneResult:
+def with_trial(server: LLMServer, trial: TuningTrial) -> LLMServer:
+    """`server` with `trial`'s change in its tuning layer: the server whose rendering is the
+    trial's canary (in memory only; status records the trial, not this layer)."""
+    tuning = server.status.tuning or TuningStatus()
+    from_spec = next((c.spec_value for c in tuning.changes if c.field == trial.field), None)
+    change = TunedChange(
+        field=trial.field,
+        value=trial.proposed,
+        spec_value=read_field(server.spec.memory_policy, trial.field)
+        if from_spec is None
+        else from_spec,
+        source="Promoted",
+        rule=trial.rule,
+        time=trial.started_at,
+    )
+    changes = [c for c in tuning.changes if c.field != trial.field] + [change]
+    status = server.status.model_copy(
+        update={"tuning": tuning.model_copy(update={"changes": changes})}
+    )
+    return server.model_copy(update={"status": status})
+
+
+def _unfit(
+    layered: LLMServer,
+    recommendations: Sequence[Recommendation],
+    does_not_fit: FitCheck | None,
+    now: datetime,
+) -> dict[str, str]:
+    """Field -> why its candidate does not fit: the trial's, else each recommendation's."""
+    status = layered.status.tuning
+    if does_not_fit is None or status is None or layered.spec.tuning.mode != "Apply":
+        return {}
+    trials = [status.trial] if status.trial is not None else [
+        TuningTrial(field=r.field, current=r.current, proposed=r.proposed, rule=r.rule,
+                    started_at=format_time(now))
+        for r in recommendations
+    ]  # fmt: skip
+    found = {t.field: does_not_fit(with_trial(layered, t)) for t in trials}
+    return {name: why for name, why in found.items() if why is not None}
+
+
+def tune(
+    server: LLMServer,
+    observation: Observation,
+    now: datetime,
+    does_not_fit: FitCheck | None = None,
+) -> TuneResult:
     """The server's next recommendations and tuning status (see the module docstring)."""
     spec = server.spec.tuning
     previous = server.status.recommendations
@@ -148,7 +207,8 @@ def tune(server: LLMServer, observation: Observation, now: datetime) -> TuneResu
         if (r.field, r.proposed) not in seen
     ]
     spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
-    decision = decide(spec, status, recommendations, observation.trial, spec_values, now)
+    unfit = _unfit(layered, recommendations, does_not_fit, now)
+    decision = decide(spec, status, recommendations, observation.trial, spec_values, now, unfit)
     status = decision.status
     if decision.promoted is not None:
         recommendations = [r for r in recommendations if r.field != decision.promoted.field]

@@ -112,3 +112,56 @@ def test_without_enough_samples_a_trial_ends_after_twice_its_window() -> None:
     ended = decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1200))
     assert ended.status.history[0].outcome == "RolledBack"
     assert ended.status.history[0].message.endswith("too few samples after 1200s to tell")
+
+
+BIG_BUFFER = Recommendation(
+    field="fragmentationBuffer", current="auto", proposed="12Gi", rule="fragmentation-buffer",
+    expected_effect="x", confidence=0.9, since="2026-11-29T00:00:00Z",
+)  # fmt: skip
+UNFIT = {"fragmentationBuffer": "the KV cache gets 0.22 GiB (178 blocks) a rank"}
+
+
+def test_a_candidate_that_does_not_fit_is_skipped_held_off_and_the_next_one_starts() -> None:
+    decision = decide(SPEC, TuningStatus(), [BIG_BUFFER, PREFIX_OFF], None, SPEC_VALUES, T0, UNFIT)
+    status = decision.status
+    [skipped] = status.history
+    assert (skipped.field, skipped.proposed, skipped.outcome) == (
+        "fragmentationBuffer", "12Gi", "Skipped",
+    )  # fmt: skip
+    assert skipped.message == (
+        "fragmentationBuffer auto -> 12Gi (fragmentation-buffer) skipped: the candidate does not "
+        "fit (the KV cache gets 0.22 GiB (178 blocks) a rank)"
+    )
+    assert [(h.field, h.until) for h in status.hold_offs] == [
+        ("fragmentationBuffer", "2026-11-29T02:00:00Z")
+    ]
+    # No canary ran for it, so it is not a change of the day; the next recommendation starts.
+    assert status.trial is not None and status.trial.field == "enablePrefixCaching"
+    assert status.changes_today == 1
+    assert [(e.type, e.reason) for e in decision.events] == [
+        ("Warning", "TuningTrialSkipped"), ("Normal", "TuningTrialStarted"),
+    ]  # fmt: skip
+    assert held_fields(status, T0) == {"fragmentationBuffer", "enablePrefixCaching"}
+
+
+def test_when_no_candidate_fits_nothing_starts() -> None:
+    decision = decide(SPEC, TuningStatus(), [BIG_BUFFER], None, SPEC_VALUES, T0, UNFIT)
+    assert decision.status.trial is None and decision.status.changes_today == 0
+    assert [e.reason for e in decision.events] == ["TuningTrialSkipped"]
+    # Within the hold-off the rules leave the field out, so nothing is skipped twice.
+    again = decide(SPEC, decision.status, [], None, SPEC_VALUES, T0 + timedelta(seconds=60), UNFIT)
+    assert (again.events, len(again.status.history)) == ([], 1)
+
+
+def test_a_trial_whose_candidate_stops_fitting_is_rolled_back_at_once() -> None:
+    unfit = {"enablePrefixCaching": "the weights need 40.1 GiB of the 39.6 GiB allowed"}
+    decision = decide(SPEC, started(), [], None, SPEC_VALUES, T0 + timedelta(seconds=30), unfit)
+    status = decision.status
+    assert status.trial is None
+    assert status.history[0].outcome == "RolledBack"
+    assert status.history[0].message == (
+        "enablePrefixCaching true -> false rolled back: the candidate does not fit (the weights "
+        "need 40.1 GiB of the 39.6 GiB allowed)"
+    )
+    assert [h.field for h in status.hold_offs] == ["enablePrefixCaching"]
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "TuningRolledBack")]

@@ -12,7 +12,8 @@ import pytest
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
 from pagekeeper_operator.tuning.fields import with_change, within_bounds
-from pagekeeper_operator.tuning.rules import Proposal, recommend
+from pagekeeper_operator.tuning.proposal import Proposal
+from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FIXTURES = Path(__file__).parent / "fixtures"
