@@ -173,7 +173,11 @@ def test_a_winning_canary_is_promoted_and_a_losing_one_rolled_back_and_held(
                     timeout=TRIAL_TIMEOUT_S, interval=2, what="a canary pod",
                 )  # fmt: skip
                 canaries[name] = pod
-                trials[name] = tuning(cluster, namespace, name)["trial"]
+                # the trial's status write and its canary's pod race: wait for the record
+                trials[name] = wait_for(
+                    lambda n=name: tuning(cluster, namespace, n).get("trial"),
+                    timeout=60, interval=1, what=f"{name}'s trial in status",
+                )  # fmt: skip
                 rendered = run_standin(f"{name}-canary", name, f"{name}-canary", [pod])
                 if name == "seqs":
                     assert trials[name]["field"] == "maxNumSeqs", trials[name]
