@@ -9,8 +9,9 @@ their `up`, the pods' own, as the ServiceMonitor's relabelings do in a cluster).
   Deployment deleted, the stable replicas never replaced.
 - During autoscaling: kube-controller-manager's HorizontalPodAutoscaler on prometheus-adapter's
   custom metrics scales a server to 2 pods and the operator writes the pods' deletion costs from
-  Prometheus. Prometheus is stopped: the count holds at 2 through several of the autoscaler's
-  syncs and the operator's cost rounds, and the costs keep their last values.
+  Prometheus. Prometheus is stopped: once the autoscaler finds no metric (ScalingActive False,
+  also in status.autoscaling) and the operator has tried three cost rounds, the count is still
+  2 (no scale-down stabilization would have delayed one) and the costs keep their last values.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from kubernetes import client
 
+from tests.support.adapter import custom_metrics_api, pod_metric, start_adapter
 from tests.support.cluster import Cluster, wait_for
 from tests.support.loop import (
     OperatorProcess,
@@ -180,3 +182,115 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
     assert main.spec.replicas == 2
     remaining = {p.metadata.name for p in server_pods(cluster, namespace, "c")}
     assert survivors <= remaining and survivors <= stable  # never replaced
+
+
+AUTOSCALED_SPEC: dict[str, Any] = {
+    "model": {"source": "/models/tiny-llama", "servedModelName": "tiny", "loadFormat": "dummy"},
+    "resources": {"gpus": 1},
+    "autoscaling": {
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "targets": {"kvCacheUsage": 0, "waitingRequests": 1},
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 0,
+    },
+}
+COSTS_NOT_UPDATED = "pod-deletion costs not updated"
+
+
+def costs(cluster: Cluster, namespace: str, name: str) -> dict[str, str | None]:
+    return {
+        pod.metadata.name: (pod.metadata.annotations or {}).get(COST)
+        for pod in server_pods(cluster, namespace, name)
+    }
+
+
+def test_autoscaling_without_prometheus_holds_the_count_and_the_deletion_costs(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    install_crd(cluster)
+    restrict_namespace(cluster, namespace)
+    apps = client.AppsV1Api(cluster.api)
+    hpas = client.AutoscalingV2Api(cluster.api)
+    with contextlib.ExitStack() as stack:
+        busy, _ = stack.enter_context(
+            exporter({"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 2})
+        )
+        light, _ = stack.enter_context(
+            exporter({"vllm:num_requests_running": 1, "vllm:num_requests_waiting": 2})
+        )
+        prometheus = Prometheus(tmp_path / "prometheus", [], None).start([])
+        stack.callback(prometheus.stop)
+        assert prometheus.service is not None
+        adapter = start_adapter(cluster, prometheus.service.url, tmp_path / "adapter")
+        stack.callback(adapter.stop)
+        operator = OperatorProcess(
+            cluster.kubeconfig,
+            namespace,
+            tmp_path / "operator",
+            extra_env={
+                "PAGEKEEPER_PROMETHEUS_URL": prometheus.service.url,
+                "PAGEKEEPER_DELETION_COST_SECONDS": "2",
+            },
+        )
+        stack.callback(operator.stop)
+        stack.enter_context(custom_metrics_api(cluster, adapter, namespace))
+        operator.wait_ready()
+        try:
+            cluster.apply_yaml(llmserver("a", AUTOSCALED_SPEC), "-n", namespace)
+            (first,) = wait_ready_pods(cluster, namespace, "a", 1)
+            prometheus.reload([pod_scrape(busy, (namespace, first, "a"), job="busy")])
+            # Two waiting requests on one pod, target one: the autoscaler asks for 2.
+            pair = wait_ready_pods(cluster, namespace, "a", 2, timeout=180)
+            (second,) = set(pair) - {first}
+            prometheus.reload(
+                [
+                    pod_scrape(busy, (namespace, first, "a"), job="busy"),
+                    pod_scrape(light, (namespace, second, "a"), job="light"),
+                ]
+            )
+            wait_for(
+                lambda: costs(cluster, namespace, "a") == {first: "5", second: "3"},
+                timeout=120,
+                what="the deletion costs of both pods",
+            )
+            wait_for(
+                lambda: (
+                    set(pod_metric(cluster, namespace, "vllm_num_requests_waiting")) == set(pair)
+                ),
+                timeout=120,
+                what="both pods' custom metric through the aggregator",
+            )
+
+            prometheus.stop()
+
+            def autoscaler_blind() -> bool:
+                hpa = hpas.read_namespaced_horizontal_pod_autoscaler("a", namespace)
+                conditions = (hpa.status.conditions if hpa.status else None) or []
+                return any(c.type == "ScalingActive" and c.status == "False" for c in conditions)
+
+            wait_for(
+                autoscaler_blind, timeout=180, interval=2, what="the autoscaler without metrics"
+            )
+            rounds = operator.log_tail(10**7).count(COSTS_NOT_UPDATED)
+            wait_for(
+                lambda: operator.log_tail(10**7).count(COSTS_NOT_UPDATED) >= rounds + 3,
+                timeout=120,
+                interval=1,
+                what="three cost rounds without Prometheus",
+            )
+            wait_for(
+                lambda: (
+                    (get_server(cluster, namespace, "a").get("status") or {}).get("autoscaling")
+                    or {}
+                ).get("message"),
+                timeout=120,
+                what="status.autoscaling saying the autoscaler has no metric",
+            )
+        except AssertionError:
+            print(operator.log_tail(8000))
+            raise
+
+        assert apps.read_namespaced_deployment("a", namespace).spec.replicas == 2
+        assert wait_ready_pods(cluster, namespace, "a", 2) == sorted(pair)
+        assert costs(cluster, namespace, "a") == {first: "5", second: "3"}
