@@ -18,7 +18,8 @@ replicas meanwhile, so the canary needs no spare GPUs. Each reconcile decides:
 The signals: OOM terminations and container restarts from the canary pods' status, and the
 memory alerts fragmentation, kvCacheSaturation, engineStalled and oomEvents as remediation
 recorded them for canary pods since the start (an eviction of a canary pod counts only through
-such an alert).
+such an alert). Where the operator knows the Prometheus that evaluates those alerts, a canary
+without its data holds and, past a bound, is taken back (`canary_data`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pagekeeper_operator.adaptive import classify_failure
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
+from pagekeeper_operator.canary_data import NO_DATA_SIGNAL, CanaryData, track_data
 from pagekeeper_operator.render.meta import POLICY_HASH_ANNOTATION
 from pagekeeper_operator.timestamps import format_time, parse_or
 
@@ -42,6 +44,9 @@ CANARY_LABEL = "pagekeeper.dev/canary"
 CANARY_SUFFIX = "-canary"
 # failOn signals read from remediation's records, by the alert each is.
 _ALERT_SIGNALS = ("fragmentation", "kvCacheSaturation", "engineStalled", "oomEvents")
+# How long a ready canary may go without Prometheus's data before it is taken back
+# (PAGEKEEPER_CANARY_NO_DATA_SECONDS).
+DEFAULT_NO_DATA_SECONDS = 600
 
 
 def canary_name(server_name: str) -> str:
@@ -114,8 +119,11 @@ def decide_canary(
     history: Sequence[RemediationRecord],
     server_name: str,
     now: datetime,
+    data: CanaryData | None = None,
+    no_data_seconds: int = DEFAULT_NO_DATA_SECONDS,
 ) -> CanaryPlan:
-    """The plan for this reconcile (see the module docstring)."""
+    """The plan for this reconcile (see the module docstring); `data` is what Prometheus said
+    of the canary pods (None: no Prometheus to ask)."""
     if previous is not None and previous.template_hash == candidate:
         if previous.phase == "Failed":
             return _hold(replicas, previous)
@@ -158,8 +166,18 @@ def decide_canary(
         restarted = previous.model_copy(update={"started_at": format_time(now), "message": message})
         event = CanaryEvent("Warning", "CanaryRestarted", message)
         return CanaryPlan(False, analyzing, spec.replicas, restarted, event)
-    is_due = now >= started_at + timedelta(seconds=spec.analysis_seconds)
     ready = sum(p.is_ready for p in pods)
+    clean_from = started_at
+    if data is not None and ready >= spec.replicas:
+        watched, data_event, has_data = _watched(spec, previous, data, pods, now, no_data_seconds)
+        if watched.phase == "Failed":
+            return _hold(replicas, watched, data_event)
+        if not has_data:
+            return CanaryPlan(False, analyzing, spec.replicas, watched, data_event)
+        previous = watched
+        assert previous.data_since is not None, "a watched canary has data since a time"
+        clean_from = max(started_at, parse_or(previous.data_since, now))
+    is_due = now >= clean_from + timedelta(seconds=spec.analysis_seconds)
     if is_due and ready >= spec.replicas:
         message = (
             f"{ready} canary pod(s) ran clean for {spec.analysis_seconds}s: the new template "
@@ -170,6 +188,52 @@ def decide_canary(
         )
         return _roll(replicas, promoted, CanaryEvent("Normal", "CanaryPromoted", message))
     return CanaryPlan(False, analyzing, spec.replicas, previous)
+
+
+def _watched(
+    spec: CanarySpec,
+    previous: CanaryStatus,
+    data: CanaryData,
+    pods: Sequence[CanaryPod],
+    now: datetime,
+    no_data_seconds: int,
+) -> tuple[CanaryStatus, CanaryEvent | None, bool]:
+    """The record with this reconcile's data, its Event, and whether the canary has data.
+    Without data it holds, saying why (an Event when the gap starts), and past the bound it
+    fails on noData."""
+    ready_pods = [p.name for p in pods if p.is_ready]
+    tracked, missing = track_data(previous, data, ready_pods, now)
+    if missing is None:
+        if previous.data_missing_since is not None:  # back after a gap: the clock restarts
+            message = (
+                f"{spec.replicas} canary pod(s) run the new template for "
+                f"{spec.analysis_seconds}s, counted from {tracked.data_since}: data resumed"
+            )
+            return tracked.model_copy(update={"message": message}), None, True
+        return tracked, None, True
+    assert tracked.data_missing_since is not None, "missing data has a start"
+    deadline = parse_or(tracked.data_missing_since, now) + timedelta(seconds=no_data_seconds)
+    if now >= deadline:
+        message = (
+            f"{NO_DATA_SIGNAL}: no data for the canary pods since {tracked.data_missing_since} "
+            f"({missing}); taken back after {no_data_seconds}s rather than promoted unwatched"
+        )[:1024]
+        failed = tracked.model_copy(
+            update={
+                "phase": "Failed",
+                "finished_at": format_time(now),
+                "failed_signal": NO_DATA_SIGNAL,
+                "message": message,
+            }
+        )
+        return failed, CanaryEvent("Warning", "CanaryFailed", message), False
+    message = (
+        f"holding: {missing}; the canary is not promoted without data, and is taken back at "
+        f"{format_time(deadline)} if none comes"
+    )[:1024]
+    held = tracked.model_copy(update={"message": message})
+    is_new_gap = previous.data_missing_since is None
+    return held, CanaryEvent("Warning", "CanaryNoData", message) if is_new_gap else None, False
 
 
 def _failure(

@@ -68,7 +68,7 @@ async def start_resync(memo: kopf.Memo, logger: Any, **_: Any) -> None:
     memo["servers"] = registry
     memo["autoscaled"] = autoscaled = ServerRegistry()
     kube = _kube(memo)
-    reconciler = server_reconciler(kube, SETTINGS.default_images, SETTINGS.prometheus_url)
+    reconciler = server_reconciler(kube, SETTINGS)
     memo["resync_task"] = asyncio.create_task(
         resync_forever(registry, reconciler, SETTINGS.resync_seconds)
     )
@@ -94,7 +94,11 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
     server = _parse(body)
     result = reconcile(
-        _kube(memo), server, SETTINGS.default_images, prometheus_url=SETTINGS.prometheus_url
+        _kube(memo),
+        server,
+        SETTINGS.default_images,
+        prometheus_url=SETTINGS.prometheus_url,
+        canary_no_data_seconds=SETTINGS.canary_no_data_seconds,
     )
     if result.status_patch:
         patch.setdefault("status", {}).update(result.status_patch)

@@ -20,6 +20,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
 from pagekeeper_operator.canary import (
     CANARY_LABEL,
+    DEFAULT_NO_DATA_SECONDS,
     CanaryEvent,
     canary_name,
     canary_pod,
@@ -27,6 +28,7 @@ from pagekeeper_operator.canary import (
     shape_deployments,
     template_identity,
 )
+from pagekeeper_operator.canary_data import observe_canary_data
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
@@ -74,10 +76,13 @@ def reconcile(
     default_images: Mapping[str, str],
     now: str | None = None,
     prometheus_url: str | None = None,
+    canary_no_data_seconds: int = DEFAULT_NO_DATA_SECONDS,
 ) -> ReconcileResult:
     """Bring the server's children to the rendered state; return the status to write.
 
-    `prometheus_url` is where KEDA's triggers query (a ScaledObject is rendered only with one).
+    `prometheus_url` is where KEDA's triggers query (a ScaledObject is rendered only with one)
+    and where a canary's data is looked for (`canary_data`, bounded by
+    `canary_no_data_seconds`).
     """
     namespace = server.metadata.namespace
     features = replace(kube.features(), prometheus_url=prometheus_url)
@@ -93,7 +98,8 @@ def reconcile(
         desired = hold_rollout(desired, running)
     canary_event = None
     if any(m["kind"] == "Deployment" for m in desired):
-        desired, server, canary_event = _with_canary(kube, server, desired, now)
+        watch = (prometheus_url, canary_no_data_seconds)
+        desired, server, canary_event = _with_canary(kube, server, desired, now, watch)
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
     error_text = _hand_over(kube, server, observed, result)
@@ -208,10 +214,15 @@ def _autoscaling(
 
 
 def _with_canary(
-    kube: Kube, server: LLMServer, desired: list[dict[str, Any]], now: str
+    kube: Kube,
+    server: LLMServer,
+    desired: list[dict[str, Any]],
+    now: str,
+    watch: tuple[str | None, int],
 ) -> tuple[list[dict[str, Any]], LLMServer, CanaryEvent | None]:
     """The objects to apply under spec.rollout.canary, the server with its new canary status,
-    and the Event to post (see `canary`)."""
+    and the Event to post (see `canary`); `watch` is the Prometheus URL that has the canary
+    pods' data and how long the canary may go without it."""
     namespace, name = server.metadata.namespace, server.metadata.name
     rendered = next(m for m in desired if m["kind"] == "Deployment")
     running = kube.get("apps/v1", "Deployment", namespace, name)
@@ -225,6 +236,11 @@ def _with_canary(
     if spec.rollout.canary.enabled or server.status.canary is not None:
         selector = f"{SERVER_LABEL}={name},{CANARY_LABEL}=true"
         pods = [canary_pod(p) for p in kube.list("v1", "Pod", namespace, selector)]
+    url, no_data_seconds = watch
+    data = None
+    analysis = server.status.canary
+    if url is not None and analysis is not None and analysis.phase == "Analyzing":
+        data = observe_canary_data(url, namespace, name, f"{canary_name(name)}-")
     plan = decide_canary(
         trial_canary_spec(server),
         replicas=replicas,
@@ -236,6 +252,8 @@ def _with_canary(
         history=server.status.remediation_history,
         server_name=name,
         now=parse_time(now),
+        data=data,
+        no_data_seconds=no_data_seconds,
     )
     status = server.status.model_copy(update={"canary": plan.status})
     server = server.model_copy(update={"status": status})

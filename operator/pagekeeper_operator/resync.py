@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,7 @@ class ServerRegistry:
         return sorted(self._keys)
 
 
-def server_reconciler(
-    kube: Kube, default_images: Mapping[str, str], prometheus_url: str | None = None
-) -> ServerReconciler:
+def server_reconciler(kube: Kube, settings: OperatorSettings) -> ServerReconciler:
     """Render, plan and apply one server, and write its status: what the kopf handlers do."""
 
     async def reconcile_server(namespace: str, name: str) -> None:
@@ -50,7 +49,13 @@ def server_reconciler(
             return
         server = LLMServer.from_body(body)
         result = await asyncio.to_thread(
-            reconcile, kube, server, default_images, None, prometheus_url
+            reconcile,
+            kube,
+            server,
+            settings.default_images,
+            None,
+            settings.prometheus_url,
+            settings.canary_no_data_seconds,
         )
         if result.status_patch:
             await asyncio.to_thread(kube.patch_status, namespace, name, result.status_patch)

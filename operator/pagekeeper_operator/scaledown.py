@@ -6,9 +6,12 @@ serves), then the lowest `controller.kubernetes.io/pod-deletion-cost`. Under spe
 operator keeps that cost on each ready pod equal to its requests in flight (running + waiting:
 both are in the engine, and its drain must finish them; the most over the last 30 s), read from
 the Prometheus that scrapes the pods (`PAGEKEEPER_PROMETHEUS_URL`), every
-`PAGEKEEPER_DELETION_COST_SECONDS`. A pod without series counts as idle. A pod is patched only
-when its cost changed. The engine drains on SIGTERM, so even the pod that goes loses no request;
-the cost makes it the one with the least to finish.
+`PAGEKEEPER_DELETION_COST_SECONDS`. A pod is patched only when its cost changed. A pod Prometheus
+has no series for keeps the cost it has (none, for a pod not yet scraped: the ReplicaSet reads
+that as 0), and with Prometheus unreachable no cost is written: the engine exports its gauges
+from its start, so a missing series means missing data, not an idle pod, and a busy pod must
+not become the first to go because Prometheus was away. The engine drains on SIGTERM, so even
+the pod that goes loses no request; the cost makes it the one with the least to finish.
 
 `plan_deletion_costs` is pure; `keep_deletion_costs` is the loop around it.
 """
@@ -53,14 +56,17 @@ def _is_ready(pod: Mapping[str, Any]) -> bool:
 def plan_deletion_costs(
     pods: Sequence[Mapping[str, Any]], in_flight: Mapping[str, float]
 ) -> dict[str, str]:
-    """Pod name -> the cost to write, for each ready, running pod whose cost is not current."""
+    """Pod name -> the cost to write, for each ready, running pod with a series whose cost is
+    not current (a pod without one keeps its cost: see the module docstring)."""
     changes = {}
     for pod in pods:
         metadata = pod.get("metadata") or {}
         if metadata.get("deletionTimestamp") is not None or not _is_ready(pod):
             continue
         name = str(metadata.get("name", ""))
-        cost = str(round(in_flight.get(name, 0.0)))
+        if name not in in_flight:
+            continue
+        cost = str(round(in_flight[name]))
         if (metadata.get("annotations") or {}).get(DELETION_COST_ANNOTATION) != cost:
             changes[name] = cost
     return changes

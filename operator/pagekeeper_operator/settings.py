@@ -46,6 +46,10 @@ PAGEKEEPER_PROMETHEUS_URL (default: unset)
 PAGEKEEPER_DELETION_COST_SECONDS (default: 15)
     How often those pod-deletion costs are brought up to date (a pod is patched only when its
     cost changed); 1 to 3600.
+PAGEKEEPER_CANARY_NO_DATA_SECONDS (default: 600)
+    With PAGEKEEPER_PROMETHEUS_URL set, a canary whose ready pods that Prometheus has no data
+    for (unreachable, or not scraping them) holds: it is never promoted unwatched, and after
+    this many seconds without data it is taken back (`failedSignal: noData`); 1 to 604800.
 
 This module is the only reader of these variables; the rest of the operator takes an
 `OperatorSettings`.
@@ -95,6 +99,7 @@ class OperatorSettings:
     resync_seconds: float = 60.0
     prometheus_url: str | None = None
     deletion_cost_seconds: float = 15.0
+    canary_no_data_seconds: int = 600
 
     @property
     def is_clusterwide(self) -> bool:
@@ -169,4 +174,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> OperatorSettings:
         resync_seconds=float(_int(env, "PAGEKEEPER_RESYNC_SECONDS", 60, 5, 86400)),
         prometheus_url=prometheus_url,
         deletion_cost_seconds=float(_int(env, "PAGEKEEPER_DELETION_COST_SECONDS", 15, 1, 3600)),
+        canary_no_data_seconds=_int(
+            env, "PAGEKEEPER_CANARY_NO_DATA_SECONDS", defaults.canary_no_data_seconds, 1, 604800
+        ),
     )

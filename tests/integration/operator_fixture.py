@@ -39,10 +39,12 @@ class OperatorProcess:
         log_dir: Path,
         resync_seconds: float = RESYNC_SECONDS,
         extra_env: Mapping[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.cluster = cluster
         self.resync_seconds = resync_seconds
         self.extra_env = dict(extra_env or {})
+        self.extra_args = extra_args  # kopf run's own options (`--debug`)
         self.namespace = namespace
         self.log_dir = log_dir
         self.num_starts = 0
@@ -71,6 +73,7 @@ class OperatorProcess:
                     "-m",
                     "pagekeeper_operator.main",
                     "--standalone",
+                    *self.extra_args,
                     "--namespace",
                     self.namespace,
                 ],

@@ -247,6 +247,7 @@ def test_template_passes_a_server_side_dry_run(
             "containers"][0]["env"]}  # fmt: skip
         assert env["PAGEKEEPER_PROMETHEUS_URL"] == "http://prometheus-operated.monitoring.svc:9090"
         assert env["PAGEKEEPER_DELETION_COST_SECONDS"] == "15"
+        assert env["PAGEKEEPER_CANARY_NO_DATA_SECONDS"] == "600"
 
 
 def test_rbac_cluster_wide_and_per_namespace(

@@ -40,9 +40,16 @@ def test_each_ready_pod_costs_its_requests_in_flight() -> None:
         _pod("steady", cost="2"),
     ]
     in_flight = {"busy": 7.0, "idle": 0.0, "steady": 2.0, "starting": 4.0, "draining": 1.0}
-    # Only costs that changed are written; a pod with no series is idle; pods not ready or
-    # already going are left alone (the ReplicaSet removes those first anyway).
+    # Only costs that changed are written; pods not ready or already going are left alone
+    # (the ReplicaSet removes those first anyway).
     assert plan_deletion_costs(pods, in_flight) == {"busy": "7", "idle": "0"}
+
+
+def test_a_pod_without_series_keeps_its_last_cost() -> None:
+    """Prometheus restarted empty, or lost the pod's target: no data is not an idle pod."""
+    pods = [_pod("busy", cost="6"), _pod("new"), _pod("scraped", cost="1")]
+    assert plan_deletion_costs(pods, {}) == {}
+    assert plan_deletion_costs(pods, {"scraped": 0.0}) == {"scraped": "0"}
 
 
 def test_the_query_sums_the_most_running_and_waiting_by_pod() -> None:

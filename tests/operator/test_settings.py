@@ -21,6 +21,7 @@ def test_defaults() -> None:
     )
     assert settings.resync_seconds == 60.0
     assert (settings.prometheus_url, settings.deletion_cost_seconds) == (None, 15.0)
+    assert settings.canary_no_data_seconds == 600
 
 
 def test_values_from_env() -> None:
@@ -34,10 +35,12 @@ def test_values_from_env() -> None:
             "PAGEKEEPER_RESYNC_SECONDS": "30",
             "PAGEKEEPER_PROMETHEUS_URL": " http://prometheus.monitoring.svc:9090 ",
             "PAGEKEEPER_DELETION_COST_SECONDS": "5",
+            "PAGEKEEPER_CANARY_NO_DATA_SECONDS": "120",
         }
     )
     assert settings.prometheus_url == "http://prometheus.monitoring.svc:9090"
     assert settings.deletion_cost_seconds == 5.0
+    assert settings.canary_no_data_seconds == 120
     assert settings.namespaces == ("ml", "team-*") and not settings.is_clusterwide
     assert settings.is_standalone and settings.log_format == "json"
     assert settings.webhook_port == 9443 and settings.resync_seconds == 30.0
@@ -54,6 +57,7 @@ def test_values_from_env() -> None:
         ({"PAGEKEEPER_RESYNC_SECONDS": "1"}, "PAGEKEEPER_RESYNC_SECONDS"),
         ({"PAGEKEEPER_PROMETHEUS_URL": "prometheus:9090"}, "PAGEKEEPER_PROMETHEUS_URL"),
         ({"PAGEKEEPER_DELETION_COST_SECONDS": "0"}, "PAGEKEEPER_DELETION_COST_SECONDS"),
+        ({"PAGEKEEPER_CANARY_NO_DATA_SECONDS": "0"}, "PAGEKEEPER_CANARY_NO_DATA_SECONDS"),
         ({"PAGEKEEPER_WEBHOOK_TLS_CERT_FILE": "/tls/crt"}, "PAGEKEEPER_WEBHOOK_TLS_KEY_FILE"),
         ({"PAGEKEEPER_WEBHOOK_TLS_KEY_FILE": "/tls/key"}, "PAGEKEEPER_WEBHOOK_TLS_CERT_FILE"),
     ],

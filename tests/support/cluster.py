@@ -76,8 +76,9 @@ def _hack(*args: str) -> str:
     return result.stdout.strip()
 
 
-def start_cluster() -> Iterator[Cluster]:
-    """Use $PAGEKEEPER_KUBECONFIG when set (a cluster left up by `make cluster`), else make one."""
+def start_cluster(fresh: bool = False) -> Iterator[Cluster]:
+    """Use $PAGEKEEPER_KUBECONFIG when set (a cluster left up by `make cluster`), else make one;
+    `fresh` always makes one (a test that restarts the control plane's processes)."""
     for name in (
         "etcd",
         "kube-apiserver",
@@ -88,7 +89,7 @@ def start_cluster() -> Iterator[Cluster]:
     ):
         tool(name)
     tool("kubectl")
-    existing = os.environ.get("PAGEKEEPER_KUBECONFIG")
+    existing = None if fresh else os.environ.get("PAGEKEEPER_KUBECONFIG")
     if existing:
         name, kubeconfig, owned = "external", existing, False
     else:

@@ -83,7 +83,29 @@ class CanaryStatus(ApiModel):
         default=None, max_length=64, description="When it was promoted or failed (RFC 3339)."
     )
     failed_signal: str | None = Field(
-        default=None, max_length=64, description="The spec.rollout.canary.failOn signal seen."
+        default=None,
+        max_length=64,
+        description=(
+            "The spec.rollout.canary.failOn signal seen, or noData: Prometheus had no data for "
+            "the canary pods for the operator's bound (PAGEKEEPER_CANARY_NO_DATA_SECONDS)."
+        ),
+    )
+    data_since: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Since when Prometheus has had data for every ready canary pod without a gap "
+            "(RFC 3339); the analysis counts from the later of this and startedAt. Unset "
+            "without PAGEKEEPER_PROMETHEUS_URL."
+        ),
+    )
+    data_missing_since: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Since when Prometheus has had no data for a ready canary pod (RFC 3339): the "
+            "canary holds, and is taken back once this is older than the operator's bound."
+        ),
     )
     message: str = Field(default="", max_length=1024, description="Human-readable detail.")
 

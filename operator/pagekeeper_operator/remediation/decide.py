@@ -1,7 +1,8 @@
 """Which pods to evict for a batch of alerts (pure: data in, decisions out).
 
-The checks run in a fixed order and the first that applies decides: resolved; no alertname,
-namespace or pod label; duplicate delivery; unknown pod; not owned by an LLMServer; not one of
+The checks run in a fixed order and the first that applies decides: resolved (or a late
+firing of an episode already seen resolved, delivered out of order); no alertname, namespace or
+pod label; duplicate delivery; unknown pod; not owned by an LLMServer; not one of
 our alerts; remediation disabled; its trigger disabled; pod already going away; hysteresis;
 cooldown; maxUnavailable; dry-run; else evict. Decisions within one batch see each other:
 after one eviction the server is in cooldown.
@@ -85,6 +86,7 @@ class Memory:
     acted_keys: frozenset[AlertKey] = frozenset()
     last_action_at: Mapping[ServerKey, datetime] = field(default_factory=dict)
     evicting: Mapping[ServerKey, frozenset[str]] = field(default_factory=dict)
+    resolved_keys: frozenset[AlertKey] = frozenset()  # episodes seen resolved
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class _Working:
     acted: set[AlertKey]
     last_action_at: dict[ServerKey, datetime]
     evicting: dict[ServerKey, set[str]]
+    resolved: frozenset[AlertKey] = frozenset()
 
 
 def decide(alerts: Sequence[WebhookAlert], snapshot: Snapshot, now: datetime) -> list[Decision]:
@@ -149,6 +152,9 @@ def decide(alerts: Sequence[WebhookAlert], snapshot: Snapshot, now: datetime) ->
         acted=set(memory.acted_keys),
         last_action_at=dict(memory.last_action_at),
         evicting={key: set(pods) for key, pods in memory.evicting.items()},
+        # A resolved notification may overtake the firing one (Alertmanager retries a failed
+        # post): the episode is over whichever arrived first.
+        resolved=memory.resolved_keys | {a.key for a in alerts if a.status == "resolved"},
     )
     decisions = []
     for alert in sorted(alerts, key=_sort_key):
@@ -185,6 +191,8 @@ def _decide_one(
 
     if alert.status == "resolved":
         return skip(SkipReason.RESOLVED, "the alert is resolved")
+    if alert.key in working.resolved:
+        return skip(SkipReason.RESOLVED, "this firing was already seen resolved (a late delivery)")
     if not namespace or not pod_name or not alert.name:
         return skip(SkipReason.UNKNOWN_ALERT, "the alert has no alertname, namespace or pod label")
     if alert.key in working.acted:

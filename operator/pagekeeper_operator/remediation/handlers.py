@@ -92,7 +92,7 @@ async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
     runtime = RemediationRuntime(
         port=port,
         remediator=Remediator(port),
-        reconcile_server=server_reconciler(kube, settings.default_images, settings.prometheus_url),
+        reconcile_server=server_reconciler(kube, settings),
     )
     memo[MEMO_KEY] = runtime
     token_file = settings.webhook_token_file

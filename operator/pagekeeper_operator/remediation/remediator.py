@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
+from pagekeeper_operator.failures import describe, is_permanent
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.decide import (
     Decision,
@@ -29,7 +30,7 @@ from pagekeeper_operator.remediation.decide import (
     decide,
 )
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
-from pagekeeper_operator.remediation.state import RemediationStore
+from pagekeeper_operator.remediation.state import RemediationStore, UnwrittenRecord
 from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,15 @@ class Remediator:
         }
 
     async def retry_due(self) -> list[Decision]:
-        """Decide again on deferred alerts that are still firing."""
+        """Write history that could not be written, and decide again on deferred alerts that
+        are still firing."""
         async with self._lock:
+            await self._write_unwritten()
             alerts = self.store.due(self.clock())
             return await self._process(alerts, is_delivery=False) if alerts else []
 
     async def _process(self, alerts: Sequence[WebhookAlert], is_delivery: bool) -> list[Decision]:
+        await self._write_unwritten()
         now = self.clock()
         snapshot, servers = await self._snapshot(alerts, now)
         decisions = decide(alerts, snapshot, now)
@@ -204,6 +208,8 @@ class Remediator:
     ) -> None:
         if not decision.is_retryable:
             self.store.settle(alert)
+            if alert.status == "resolved":
+                self.store.resolved(alert.key, now)
             if decision.reason in (SkipReason.UNKNOWN_POD, SkipReason.NOT_OWNED):
                 logger.warning("ignoring %s: %s", decision.alert, decision.message)
             else:
@@ -241,10 +247,39 @@ class Remediator:
             fingerprint=decision.key[0],
             alertStartsAt=decision.key[1],
         )
-        await self.port.append_history(
-            info.state.namespace, info.state.name, record, info.state.remediation.history_limit
-        )
         count_remediation(info.state.namespace, info.state.name, record)
+        server = (info.state.namespace, info.state.name)
+        await self._append(UnwrittenRecord(server, record, info.state.remediation.history_limit))
+
+    async def _append(self, entry: UnwrittenRecord) -> bool:
+        """Append one record to status; one the API could not take now waits in the store for
+        the next batch or retry (its action is done and must stay on record). Whether written."""
+        (namespace, name), record = entry.server, entry.record
+        try:
+            await self.port.append_history(namespace, name, record, entry.limit)
+        except Exception as error:
+            if is_permanent(error):
+                raise
+            logger.warning(
+                "%s/%s: history record of %s on %s not written yet: %s",
+                namespace, name, record.alert, record.pod, describe(error),
+            )  # fmt: skip
+            self.store.unwritten.append(entry)
+            return False
+        return True
+
+    async def _write_unwritten(self) -> None:
+        """Write the records a failed status write left, oldest first; stop at a failure."""
+        pending, self.store.unwritten = self.store.unwritten, []
+        for index, entry in enumerate(pending):
+            try:
+                is_written = await self._append(entry)
+            except Exception as error:  # permanent (`_append` keeps the others): never passes
+                logger.error("history record of %s dropped: %s", entry.record.pod, describe(error))
+                continue
+            if not is_written:
+                self.store.unwritten.extend(pending[index + 1 :])
+                return
 
     async def _event(self, server: ServerKey, type_: EventType, reason: str, message: str) -> None:
         namespace, name = server

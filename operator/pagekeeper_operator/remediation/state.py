@@ -1,9 +1,12 @@
 """What the operator has done, kept in memory and rebuilt from status after a restart.
 
 The store is the mutable side of `decide.Memory`: alert firings already acted on (so repeated
-deliveries do nothing), the last action per server (cooldown), evictions still in progress
-(maxUnavailable), and firing alerts that were deferred (hysteresis, cooldown, maxUnavailable,
-a PodDisruptionBudget) and are retried while they keep firing.
+deliveries do nothing), firings seen resolved (so a late firing of one does nothing), the last
+action per server (cooldown), evictions still in progress (maxUnavailable), and firing alerts
+that were deferred (hysteresis, cooldown, maxUnavailable, a PodDisruptionBudget) and are
+retried while they keep firing. History records whose status write failed wait in `unwritten`
+until a later batch or retry writes them: an eviction's record is what a restarted operator
+rebuilds its cooldown and deduplication from.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ from pagekeeper_operator.timestamps import parse_time
 PENDING_TTL = timedelta(minutes=30)
 # Records that count as an action for cooldown and deduplication.
 ACTED_OUTCOMES = frozenset({("evict", "evicted"), ("dry-run", "would-evict")})
+# A resolved firing is remembered this long against late deliveries of it.
+RESOLVED_TTL = timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class UnwrittenRecord:
+    """A history record whose status write failed, for its server, with its history limit."""
+
+    server: ServerKey
+    record: RemediationRecord
+    limit: int
 
 
 @dataclass
@@ -45,13 +59,24 @@ class RemediationStore:
     # and fires again (a new startsAt) while deferred for the same reason until the same time
     # is recorded once. One entry a series, dropped when the series is acted on.
     deferrals: dict[str, str] = field(default_factory=dict)
+    # alert key -> when it was seen resolved (dropped after RESOLVED_TTL).
+    resolved_keys: dict[AlertKey, datetime] = field(default_factory=dict)
+    unwritten: list[UnwrittenRecord] = field(default_factory=list)
 
     def memory(self) -> Memory:
         return Memory(
             acted_keys=frozenset(self.acted_keys),
             last_action_at=dict(self.last_action_at),
             evicting={key: frozenset(pods) for key, pods in self.evicting.items()},
+            resolved_keys=frozenset(self.resolved_keys),
         )
+
+    def resolved(self, key: AlertKey, now: datetime) -> None:
+        """The firing `key` is over; later deliveries of it as firing are late."""
+        self.resolved_keys[key] = now
+        for old, seen_at in list(self.resolved_keys.items()):
+            if now - seen_at > RESOLVED_TTL:
+                del self.resolved_keys[old]
 
     def rebuild(self, server: ServerKey, history: Sequence[RemediationRecord]) -> None:
         """Merge cooldown and deduplication from a server's status history.
