@@ -30,6 +30,7 @@ from pagekeeper_operator.canary import (
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
+from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_tuning
@@ -93,6 +94,7 @@ def reconcile(
     canary_event = None
     if any(m["kind"] == "Deployment" for m in desired):
         desired, server, canary_event = _with_canary(kube, server, desired, now)
+        reached_canary(canary_event, "decided")
     observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
     error_text = _hand_over(kube, server, observed, result)
@@ -120,11 +122,15 @@ def reconcile(
             key[2],
             action.reason,
         )
+    reached_canary(canary_event if result.applied else None, "applied")
+    if any(action.manifest["kind"] == HPA_KIND for action in result.applied):
+        reached(FaultPoint.AUTOSCALING_APPLIED)
     if result.error is None:
         unwanted = unwanted_objects(server, features)
         if not any(key_of(m)[2] == canary_name(server.metadata.name) for m in desired):
             unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
         error_text = _prune(kube, server, unwanted, result)
+        reached_canary(canary_event if result.deleted else None, "pruned")
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
     fit_event = _fit_event(server, fit)
@@ -175,6 +181,7 @@ def _hand_over(
         return None
     try:
         observed[key] = kube.apply(manifest, field_manager=HANDOVER_MANAGER, force=False)
+        reached(FaultPoint.AUTOSCALING_HANDED_OVER)
     except ApiException as exc:
         result.error = exc
         text = f"handing Deployment/{key[2]} replicas to the autoscaler failed ({exc.status})"

@@ -21,6 +21,7 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adaptive import Termination
+from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.kube import shared_kube
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod
@@ -140,6 +141,7 @@ async def pod_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         key = termination_key(str(metadata.get("uid")), container, finished_at)
         if key in runtime.seen_terminations:
             continue
+        reached(FaultPoint.STEPDOWN_CLASSIFIED)
         await _respond(runtime, namespace, server, pod, classification, key, finished_at)
         runtime.seen_terminations.add(key)
 
@@ -164,14 +166,17 @@ async def _respond(
     if await runtime.port.update_server_status(namespace, server, change) is None:
         return
     [response] = written
+    reached(FaultPoint.STEPDOWN_RECORDED)
     logger.warning("%s/%s: %s", namespace, pod, response.record.message)
     count_remediation(namespace, server, response.record)
     await runtime.port.emit_event(
         namespace, server, response.event_type, response.event_reason, response.record.message
     )
+    reached(FaultPoint.STEPDOWN_EVENT_POSTED)
     if response.record.outcome == "applied":
         try:
             await runtime.reconcile_server(namespace, server)
+            reached(FaultPoint.STEPDOWN_ROLLED_OUT)
         except ApiException as error:
             # Status holds the lowered policy; the periodic resync rolls it out.
             logger.warning("%s/%s: reconcile failed: %s", namespace, server, error)

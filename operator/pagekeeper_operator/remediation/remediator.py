@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
+from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.decide import (
     Decision,
@@ -172,7 +173,9 @@ class Remediator:
             await self._record(decision, info, now, "dry-run", "would-evict", decision.message)
             await self._event(server_key, "Normal", "RemediationDryRun", decision.message)
         else:
+            reached(FaultPoint.REMEDIATION_DECIDED)
             outcome, detail = await self.port.evict(decision.namespace, decision.pod)
+            reached(FaultPoint.REMEDIATION_EVICTED)
             message = f"{decision.alert}: {detail}"
             if outcome is EvictionOutcome.EVICTED:
                 self.store.evicted(server_key, decision.pod, decision.key, now)
@@ -185,6 +188,7 @@ class Remediator:
                 if not self.store.note_once(decision.key, str(outcome)):
                     return
             await self._record(decision, info, now, "evict", str(outcome), message)
+            reached(FaultPoint.REMEDIATION_RECORDED)
             is_ok = outcome in (EvictionOutcome.EVICTED, EvictionOutcome.POD_GONE)
             reason = {
                 EvictionOutcome.EVICTED: "PodEvicted",
@@ -193,6 +197,7 @@ class Remediator:
                 EvictionOutcome.FAILED: "EvictionFailed",
             }[outcome]
             await self._event(server_key, "Normal" if is_ok else "Warning", reason, message)
+            reached(FaultPoint.REMEDIATION_EVENT_POSTED)
 
     async def _skipped(
         self,
@@ -217,6 +222,7 @@ class Remediator:
         is_new = reason in RECORDED_SKIPS and self.store.note_once(decision.key, str(reason))
         if is_new and self.store.note_deferral(decision.key[0], message):
             await self._record(decision, info, now, "skip", "skipped", message)
+            reached(FaultPoint.REMEDIATION_DEFERRAL_RECORDED)
             server_key = (decision.namespace, decision.server or "")
             await self._event(server_key, "Normal", "RemediationDeferred", message)
 
