@@ -46,6 +46,8 @@ from pagekeeper_operator.tuning.step import candidate, observe, promote_canary, 
 from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
+# The canary's outcomes, written to status before any object moves (`_record_canary_outcome`).
+CANARY_OUTCOMES = frozenset({"CanaryPromoted", "CanaryFailed"})
 
 
 @dataclass
@@ -95,8 +97,12 @@ def reconcile(
     if any(m["kind"] == "Deployment" for m in desired):
         desired, server, canary_event = _with_canary(kube, server, desired, now)
         reached_canary(canary_event, "decided")
-    observed = kube.observe(namespace, [key_of(m) for m in desired])
     result = ReconcileResult()
+    if canary_event is not None and canary_event.reason in CANARY_OUTCOMES:
+        _record_canary_outcome(kube, stored, server, result)
+        if result.error is not None:
+            return result
+    observed = kube.observe(namespace, [key_of(m) for m in desired])
     error_text = _hand_over(kube, server, observed, result)
     actions = plan(desired, observed) if result.error is None else []
     for action in actions:
@@ -144,6 +150,25 @@ def reconcile(
     status = compute_status(server, deployment, now, error_text, autoscaling, fit)
     result.status_patch = status_patch(stored, status)
     return result
+
+
+def _record_canary_outcome(
+    kube: Kube, stored: LLMServer, server: LLMServer, result: ReconcileResult
+) -> None:
+    """Write status.canary's outcome before the Deployments move. Once the canary pods are
+    deleted their failure can no longer be read from them, and a Deployment that already runs
+    the new template looks like one with no canary to judge: an operator killed between the
+    two would analyze a failed canary again (and could promote it) or leave it Analyzing for
+    good. Written first, a restarted operator reads the outcome back and finishes the step."""
+    meta = server.metadata
+    update = stored.status.model_copy(update={"canary": server.status.canary})
+    patch = status_patch(stored, update)
+    try:
+        kube.patch_status(meta.namespace, meta.name, patch)
+    except ApiException as exc:
+        result.error = exc
+        logger.warning("%s/%s: recording the canary's outcome failed: %s %s", meta.namespace,
+                       meta.name, exc.status, exc.reason)  # fmt: skip
 
 
 def _plan_fit(kube: Kube, server: LLMServer) -> FitOutcome:

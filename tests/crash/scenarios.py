@@ -16,16 +16,16 @@ from typing import Any, ClassVar
 
 from kubernetes import client
 
-from pagekeeper_operator.faultpoints import FaultPoint
 from pagekeeper_operator.canary import template_identity
+from pagekeeper_operator.faultpoints import FaultPoint
 from pagekeeper_operator.scaledown import DELETION_COST_ANNOTATION
 from tests.crash.harness import (
     AlertSender,
     Operator,
+    assert_serving,
     deleted_pods,
     evicted_pods,
     firing_alert,
-    assert_serving,
     minutes_ago,
     status_of,
 )
@@ -84,7 +84,10 @@ def settled(run: Run, replicas: int) -> bool:
     status = obj.get("status") or {}
     pods = server_pods(run.cluster, run.namespace, NAME)
     deployment = run.deployment()
-    if deployment is None or deployment.status.observed_generation != deployment.metadata.generation:
+    if (
+        deployment is None
+        or deployment.status.observed_generation != deployment.metadata.generation
+    ):
         return False
     return (
         deployment.status.updated_replicas == replicas
