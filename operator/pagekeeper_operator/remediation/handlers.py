@@ -34,7 +34,7 @@ from pagekeeper_operator.remediation.oom import (
 from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.resync import ServerReconciler, server_reconciler
+from pagekeeper_operator.resync import ServerReconciler, ServerRegistry, server_reconciler
 from pagekeeper_operator.settings import SettingsError, load_settings
 from pagekeeper_operator.timestamps import utc_now
 
@@ -63,10 +63,18 @@ class RemediationRuntime:
     seen_terminations: set[str] = field(default_factory=set)
 
 
-async def _retry_loop(remediator: Remediator) -> None:
+def _known_servers(memo: kopf.Memo) -> list[tuple[str, str]]:
+    """The servers the LLMServer handlers have seen (`handlers.start_resync`'s registry)."""
+    registry = memo.get("servers")
+    return registry.snapshot() if isinstance(registry, ServerRegistry) else []
+
+
+async def _retry_loop(remediator: Remediator, memo: kopf.Memo) -> None:
     while True:
         await asyncio.sleep(RETRY_INTERVAL_SECONDS)
         try:
+            # What a killed predecessor left open is settled even if no alert comes again.
+            await remediator.resume(_known_servers(memo))
             decisions = await remediator.retry_due()
         except Exception:
             # The API may be briefly unavailable; the alerts stay deferred for the next round.
@@ -111,7 +119,7 @@ async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
         ssl_context.load_cert_chain(settings.webhook_tls_cert_file, settings.webhook_tls_key_file)
     site = web.TCPSite(runtime.runner, LISTEN_HOST, settings.webhook_port, ssl_context=ssl_context)
     await site.start()
-    runtime.retry_task = asyncio.create_task(_retry_loop(runtime.remediator))
+    runtime.retry_task = asyncio.create_task(_retry_loop(runtime.remediator, memo))
     logger.info("Alertmanager webhook listening on port %d", settings.webhook_port)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -30,7 +30,7 @@ from pagekeeper_operator.remediation.decide import (
     decide,
 )
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
-from pagekeeper_operator.remediation.state import RemediationStore
+from pagekeeper_operator.remediation.state import EVICT_INTENT, RemediationStore, is_intent
 from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,11 @@ class ClusterPort(Protocol):
 
     async def append_history(
         self, namespace: str, server: str, record: RemediationRecord, limit: int
-    ) -> None: ...
+    ) -> None:
+        """Append `record`, or put it in place of the open eviction intent of its firing."""
+
+    async def drop_intent(self, namespace: str, server: str, record: RemediationRecord) -> None:
+        """Remove the open eviction intent of `record`'s firing."""
 
 
 class Remediator:
@@ -86,6 +90,8 @@ class Remediator:
         self.store = store if store is not None else RemediationStore()
         self.clock = clock
         self._lock = asyncio.Lock()
+        # Servers whose history this process has read, so intents left open before it settled.
+        self._resumed: set[ServerKey] = set()
 
     async def handle(self, message: WebhookMessage) -> dict[str, Any]:
         """Act on one notification; the summary is the webhook's response body."""
@@ -109,6 +115,42 @@ class Remediator:
         async with self._lock:
             alerts = self.store.due(self.clock())
             return await self._process(alerts, is_delivery=False) if alerts else []
+
+    async def resume(self, servers: Iterable[ServerKey]) -> None:
+        """Settle what an earlier operator process left open in each server's history (once a
+        server and process): an eviction it decided and may not have made."""
+        async with self._lock:
+            for key in servers:
+                if key in self._resumed:
+                    continue
+                info = await self.port.read_server(*key)
+                if info is not None:
+                    info = await self._settle_intents(info)
+                    self.store.rebuild(key, info.history)
+                self._resumed.add(key)
+
+    async def _settle_intents(self, info: ServerInfo) -> ServerInfo:
+        """An open intent is settled from its pod: gone or going away, the eviction happened
+        (`evicted`, at the intent's time, so the cooldown counts from it); still serving, it
+        was never made, and the intent is dropped (nothing happened; a re-delivered alert is
+        decided again)."""
+        state = info.state
+        pods = {pod.name: pod for pod in state.pods}
+        history = list(info.history)
+        for record in [r for r in history if is_intent(r)]:
+            pod = pods.get(record.pod)
+            if pod is None or pod.is_terminating:
+                message = f"{record.alert}: {record.pod} went away after its eviction was decided"
+                settled = record.model_copy(update={"outcome": "evicted", "message": message})
+                limit = state.remediation.history_limit
+                await self.port.append_history(state.namespace, state.name, settled, limit)
+                history[history.index(record)] = settled
+            else:
+                message = f"{record.alert}: the operator stopped before evicting {record.pod}"
+                await self.port.drop_intent(state.namespace, state.name, record)
+                history.remove(record)
+            logger.warning("%s/%s: %s", state.namespace, state.name, message)
+        return ServerInfo(state=state, history=tuple(history))
 
     async def _process(self, alerts: Sequence[WebhookAlert], is_delivery: bool) -> list[Decision]:
         now = self.clock()
@@ -142,7 +184,9 @@ class Remediator:
             info = await self.port.read_server(*server_key)
             if info is None:
                 continue
+            info = await self._settle_intents(info)
             servers[server_key] = info
+            self._resumed.add(server_key)
             self.store.rebuild(server_key, info.history)
             drain = timedelta(seconds=info.state.remediation.drain_timeout_seconds)
             pod_names = [p.name for p in info.state.pods]
@@ -174,6 +218,12 @@ class Remediator:
             await self._event(server_key, "Normal", "RemediationDryRun", decision.message)
         else:
             reached(FaultPoint.REMEDIATION_DECIDED)
+            # The intent first: an operator killed before the outcome is written leaves it, and
+            # the next one knows this firing was acted on (no second eviction, the cooldown
+            # holds) and settles it from the pod (`_settle_intents`).
+            intent = self._make_record(decision, now, "evict", EVICT_INTENT, decision.message)
+            await self._write(info, intent, count=False)
+            reached(FaultPoint.REMEDIATION_INTENT_RECORDED)
             outcome, detail = await self.port.evict(decision.namespace, decision.pod)
             reached(FaultPoint.REMEDIATION_EVICTED)
             message = f"{decision.alert}: {detail}"
@@ -186,6 +236,9 @@ class Remediator:
                 # A PodDisruptionBudget said no (429) or the API failed: retry, never force.
                 self.store.defer(alert, now, is_delivery)
                 if not self.store.note_once(decision.key, str(outcome)):
+                    if info is not None:  # its refusal is recorded already
+                        state = info.state
+                        await self.port.drop_intent(state.namespace, state.name, intent)
                     return
             await self._record(decision, info, now, "evict", str(outcome), message)
             reached(FaultPoint.REMEDIATION_RECORDED)
@@ -235,9 +288,17 @@ class Remediator:
         outcome: str,
         message: str,
     ) -> None:
-        if info is None:
-            return
-        record = RemediationRecord(
+        await self._write(info, self._make_record(decision, now, action, outcome, message))
+
+    @staticmethod
+    def _make_record(
+        decision: Decision,
+        now: datetime,
+        action: RemediationAction,
+        outcome: str,
+        message: str,
+    ) -> RemediationRecord:
+        return RemediationRecord(
             time=format_time(now),
             pod=decision.pod,
             alert=decision.alert,
@@ -247,10 +308,17 @@ class Remediator:
             fingerprint=decision.key[0],
             alertStartsAt=decision.key[1],
         )
-        await self.port.append_history(
-            info.state.namespace, info.state.name, record, info.state.remediation.history_limit
-        )
-        count_remediation(info.state.namespace, info.state.name, record)
+
+    async def _write(
+        self, info: ServerInfo | None, record: RemediationRecord, count: bool = True
+    ) -> None:
+        if info is None:
+            return
+        state = info.state
+        limit = state.remediation.history_limit
+        await self.port.append_history(state.namespace, state.name, record, limit)
+        if count:
+            count_remediation(state.namespace, state.name, record)
 
     async def _event(self, server: ServerKey, type_: EventType, reason: str, message: str) -> None:
         namespace, name = server
