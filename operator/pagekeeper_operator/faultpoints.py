@@ -55,7 +55,8 @@ class FaultPoint(StrEnum):
 
 
 # The canary's points by the Event of its step and how far the reconcile got with it: decided
-# (nothing written), its Deployments applied, the canary Deployment deleted; status not written.
+# (nothing written), its Deployments applied (or already as rendered), the canary Deployment
+# deleted (or already gone); status not written.
 CanaryStage = Literal["decided", "applied", "pruned"]
 CANARY_POINTS: dict[tuple[str, CanaryStage], FaultPoint] = {
     ("CanaryStarted", "decided"): FaultPoint.CANARY_START_DECIDED,

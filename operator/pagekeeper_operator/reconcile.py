@@ -128,7 +128,7 @@ def reconcile(
             key[2],
             action.reason,
         )
-    reached_canary(canary_event if result.applied else None, "applied")
+    reached_canary(canary_event, "applied")
     if any(action.manifest["kind"] == HPA_KIND for action in result.applied):
         reached(FaultPoint.AUTOSCALING_APPLIED)
     if result.error is None:
@@ -136,7 +136,7 @@ def reconcile(
         if not any(key_of(m)[2] == canary_name(server.metadata.name) for m in desired):
             unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
         error_text = _prune(kube, server, unwanted, result)
-        reached_canary(canary_event if result.deleted else None, "pruned")
+        reached_canary(canary_event, "pruned")
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
     fit_event = _fit_event(server, fit)
