@@ -193,7 +193,7 @@ class KubeClusterPort:
         def change(body: dict[str, Any]) -> dict[str, Any]:
             history = (body.get("status") or {}).get("remediationHistory", [])
             status: dict[str, Any] = {"remediationHistory": bounded_history(history, record, limit)}
-            if record.action != "skip":
+            if record.action != "skip" and record.outcome != EVICT_INTENT:
                 status["lastRemediation"] = record.time
             return status
 
