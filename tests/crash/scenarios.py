@@ -234,11 +234,20 @@ class CanaryPromotion(Scenario):
     def spec(self, seed: int) -> dict[str, Any]:
         analysis = self.analysis_seconds or 4 + 2 * seed
         canary = {"enabled": True, "replicas": self.canary_replicas(seed)}
-        rollout = {"maxSurge": seed % 2, "canary": {**canary, "analysisSeconds": analysis}}
+        rollout = {
+            "maxSurge": seed % 2,
+            "maxUnavailable": self.max_unavailable(seed),
+            "canary": {**canary, "analysisSeconds": analysis},
+        }
         return {**super().spec(seed), "rollout": rollout}
 
     def canary_replicas(self, seed: int) -> int:
         return 1
+
+    def max_unavailable(self, seed: int) -> int:
+        """rollout.maxUnavailable: with maxSurge 0 the stable Deployment gives up as many pods
+        as the canary has, all at once, so it must allow that many."""
+        return max(MAX_UNAVAILABLE, self.canary_replicas(seed))
 
     def trigger(self, run: Run) -> None:
         run.notes["stable"] = self.template_hash(run)
@@ -280,14 +289,14 @@ class CanaryPromotion(Scenario):
         running = self.template_hash(run)
         assert running == canary["templateHash"] != run.notes["stable"], canary
         assert canary["stableTemplateHash"] == run.notes["stable"], canary
-        assert_serving(run.watch, NAME, 3, 3 - MAX_UNAVAILABLE)
+        assert_serving(run.watch, NAME, 3, 3 - self.max_unavailable(run.seed))
         return "promoted; canary Deployment gone; 3 replicas on the new template"
 
 
 class CanaryRollback(CanaryPromotion):
     """A policy change whose canary pod is OOM-killed: the canary fails and is taken back.
-    The seed sets rollout.maxSurge and the canary's replicas ((0, 1), (1, 1), (0, 2)) and
-    which canary pod is killed."""
+    The seed sets rollout.maxSurge and the canary's replicas ((0, 1), (1, 1), (0, 2), the last
+    with rollout.maxUnavailable 2) and which canary pod is killed."""
 
     points = (
         FaultPoint.CANARY_ROLLBACK_DECIDED,
@@ -323,7 +332,7 @@ class CanaryRollback(CanaryPromotion):
         canary = status_of(run.cluster, run.namespace, NAME)["canary"]
         assert canary["failedSignal"] == "oomEvents", canary
         assert self.template_hash(run) == run.notes["stable"] == canary["stableTemplateHash"]
-        assert_serving(run.watch, NAME, 3, 3 - MAX_UNAVAILABLE)
+        assert_serving(run.watch, NAME, 3, 3 - self.max_unavailable(run.seed))
         return "rolled back; canary Deployment gone; 3 replicas on the stable template"
 
 
