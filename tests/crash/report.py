@@ -31,7 +31,8 @@ def table(lines: list[str]) -> str:
         seeds = ", ".join(str(r["seed"]) for r in results)
         outcomes = "; ".join(sorted({str(r["outcome"]) for r in results}))
         times = [float(str(r["seconds"])) for r in results]
-        spread = f"{min(times):.0f}" if len(times) == 1 else f"{min(times):.0f}-{max(times):.0f}"
+        fastest, slowest = f"{min(times):.0f}", f"{max(times):.0f}"
+        spread = fastest if fastest == slowest else f"{fastest}-{slowest}"
         rows.append(f"| `{point}` | {seeds} | {outcomes} | {spread} |")
     return "\n".join(rows)
 
