@@ -7,13 +7,15 @@ export PAGEKEEPER_CACHE := $(CACHE)
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)/memplan:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
 
-.PHONY: help venv tools lint typecheck imports crds-check test test-fast test-hog cluster cluster-down demo \
+.PHONY: help venv tools lint typecheck imports crds-check test test-fast test-hog test-crash cluster \
+	cluster-down demo \
 	demo-autoscale clean \
 	images images-push images-test
 
 help:
 	@echo "make test     lint, type-check, import contracts, CRD drift and every test suite"
 	@echo "make test-hog make test three times with one core kept busy (speed independence)"
+	@echo "make test-crash  the operator killed at every fault point with every seed"
 	@echo "make demo     local control plane + operator + CPU engine + the alert -> roll loop"
 	@echo "make demo-autoscale   the same with autoscaling: 1 -> 3 pods under load and back"
 	@echo "make tools    build/install the test tools into $(CACHE) (skips what is there)"
@@ -56,6 +58,16 @@ test: venv tools images-test lint typecheck imports crds-check
 # The suite three times (RUNS=n) with one core kept busy by another process throughout.
 test-hog:
 	bash hack/test_with_hog.sh
+
+# The crash-consistency suite in full (make test runs seed 0 of each point): every fault point
+# with every seed, each case's outcome and time to converge in build/, and the table of
+# docs/crash-consistency.md printed from them.
+CRASH_RESULTS := $(CURDIR)/build/crash-results.jsonl
+test-crash: venv tools
+	mkdir -p build && rm -f $(CRASH_RESULTS)
+	PAGEKEEPER_CRASH_FULL=1 PAGEKEEPER_CRASH_RESULTS=$(CRASH_RESULTS) \
+		$(PY) -m pytest tests/crash -q -m crash
+	$(PY) -m tests.crash.report $(CRASH_RESULTS)
 
 cluster: venv tools
 	@bash hack/cluster.sh up pagekeeper-dev

@@ -32,6 +32,7 @@ from pagekeeper_operator.canary_data import observe_canary_data
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
+from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_tuning
@@ -47,6 +48,8 @@ from pagekeeper_operator.tuning.step import candidate, observe, promote_canary, 
 from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
+# The canary's outcomes, written to status before any object moves (`_record_canary_outcome`).
+CANARY_OUTCOMES = frozenset({"CanaryPromoted", "CanaryFailed"})
 
 
 @dataclass
@@ -100,8 +103,13 @@ def reconcile(
     if any(m["kind"] == "Deployment" for m in desired):
         watch = (prometheus_url, canary_no_data_seconds)
         desired, server, canary_event = _with_canary(kube, server, desired, now, watch)
-    observed = kube.observe(namespace, [key_of(m) for m in desired])
+        reached_canary(canary_event, "decided")
     result = ReconcileResult()
+    if canary_event is not None and canary_event.reason in CANARY_OUTCOMES:
+        _record_canary_outcome(kube, stored, server, result)
+        if result.error is not None:
+            return result
+    observed = kube.observe(namespace, [key_of(m) for m in desired])
     error_text = _hand_over(kube, server, observed, result)
     actions = plan(desired, observed) if result.error is None else []
     for action in actions:
@@ -127,11 +135,15 @@ def reconcile(
             key[2],
             action.reason,
         )
+    reached_canary(canary_event, "applied")
+    if any(action.manifest["kind"] == HPA_KIND for action in result.applied):
+        reached(FaultPoint.AUTOSCALING_APPLIED)
     if result.error is None:
         unwanted = unwanted_objects(server, features)
         if not any(key_of(m)[2] == canary_name(server.metadata.name) for m in desired):
             unwanted.append(("apps/v1", "Deployment", canary_name(server.metadata.name)))
         error_text = _prune(kube, server, unwanted, result)
+        reached_canary(canary_event, "pruned")
     if result.error is None and canary_event is not None:
         _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
     fit_event = _fit_event(server, fit)
@@ -145,6 +157,25 @@ def reconcile(
     status = compute_status(server, deployment, now, error_text, autoscaling, fit)
     result.status_patch = status_patch(stored, status)
     return result
+
+
+def _record_canary_outcome(
+    kube: Kube, stored: LLMServer, server: LLMServer, result: ReconcileResult
+) -> None:
+    """Write status.canary's outcome before the Deployments move. Once the canary pods are
+    deleted their failure can no longer be read from them, and a Deployment that already runs
+    the new template looks like one with no canary to judge: an operator killed between the
+    two would analyze a failed canary again (and could promote it) or leave it Analyzing for
+    good. Written first, a restarted operator reads the outcome back and finishes the step."""
+    meta = server.metadata
+    update = stored.status.model_copy(update={"canary": server.status.canary})
+    patch = status_patch(stored, update)
+    try:
+        kube.patch_status(meta.namespace, meta.name, patch)
+    except ApiException as exc:
+        result.error = exc
+        logger.warning("%s/%s: recording the canary's outcome failed: %s %s", meta.namespace,
+                       meta.name, exc.status, exc.reason)  # fmt: skip
 
 
 def _candidate_nodes(kube: Kube, server: LLMServer) -> list[dict[str, Any]]:
@@ -181,6 +212,7 @@ def _hand_over(
         return None
     try:
         observed[key] = kube.apply(manifest, field_manager=HANDOVER_MANAGER, force=False)
+        reached(FaultPoint.AUTOSCALING_HANDED_OVER)
     except ApiException as exc:
         result.error = exc
         text = f"handing Deployment/{key[2]} replicas to the autoscaler failed ({exc.status})"

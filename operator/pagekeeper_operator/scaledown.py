@@ -23,6 +23,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.prometheus import PrometheusError, query_by
 from pagekeeper_operator.render.meta import SERVER_LABEL
@@ -77,8 +78,11 @@ def update_deletion_costs(kube: Kube, prometheus_url: str, namespace: str, name:
     in_flight = query_by(prometheus_url, in_flight_query(namespace, name), "pod")
     pods = kube.list("v1", "Pod", namespace, f"{SERVER_LABEL}={name}")
     changes = plan_deletion_costs(pods, in_flight)
+    if changes:
+        reached(FaultPoint.DELETION_COSTS_PLANNED)
     for pod, cost in changes.items():
         kube.annotate_pod(namespace, pod, {DELETION_COST_ANNOTATION: cost})
+        reached(FaultPoint.DELETION_COST_WRITTEN)
     return len(changes)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from pagekeeper_operator.api.remediation import RemediationRecord, RemediationSpec
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
+from pagekeeper_operator.remediation.state import is_intent
 
 NS = "prod"
 SERVER = "chat"
@@ -69,7 +70,19 @@ class FakeCluster:
         self, namespace: str, server: str, record: RemediationRecord, limit: int
     ) -> None:
         assert (namespace, server) == (NS, SERVER)
-        self.history = [*self.history, record][-limit:]
+        if any(self._is_intent_of(r, record) for r in self.history):
+            self.history = [record if self._is_intent_of(r, record) else r for r in self.history]
+        else:
+            self.history = [*self.history, record][-limit:]
+
+    async def drop_intent(self, namespace: str, server: str, record: RemediationRecord) -> None:
+        assert (namespace, server) == (NS, SERVER)
+        self.history = [r for r in self.history if not self._is_intent_of(r, record)]
+
+    @staticmethod
+    def _is_intent_of(entry: RemediationRecord, record: RemediationRecord) -> bool:
+        same = (entry.pod, entry.fingerprint, entry.alert_starts_at)
+        return is_intent(entry) and same == (record.pod, record.fingerprint, record.alert_starts_at)
 
     def replace_pod(self, old: str, new: str) -> None:
         """The Deployment's work: the evicted pod is gone and a new one is ready."""

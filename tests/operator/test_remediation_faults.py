@@ -14,7 +14,7 @@ from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.remediation.decide import Snapshot, decide
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator
-from pagekeeper_operator.remediation.state import RESOLVED_TTL, RemediationStore
+from pagekeeper_operator.remediation.state import RESOLVED_TTL, RemediationStore, is_intent
 from tests.operator.remediation_fakes import T0, Clock, FakeCluster, alert_json, message_json
 
 KV = "PagekeeperKVCacheSaturated"
@@ -27,18 +27,24 @@ def deliver(remediator: Remediator, *alerts: dict[str, Any]) -> list[tuple[str, 
 
 
 class FlakyStatusCluster(FakeCluster):
-    """Status writes fail (`failures` of them, with `error`) before they pass again."""
+    """Status writes fail (`failures` of them, with `error`) before they pass again; with
+    `spare_intents`, an eviction's intent (written before the eviction) is always taken."""
 
     failures: int = 0
     error: BaseException = RuntimeError("status of prod/chat kept changing; not written")
+    spare_intents: bool = True
 
     async def append_history(
         self, namespace: str, server: str, record: RemediationRecord, limit: int
     ) -> None:
-        if self.failures > 0:
+        if self.failures > 0 and not (self.spare_intents and is_intent(record)):
             self.failures -= 1
             raise self.error
         await super().append_history(namespace, server, record, limit)
+
+
+def outcomes(cluster: FakeCluster) -> list[tuple[str, str, str]]:
+    return [(r.pod, r.action, r.outcome) for r in cluster.history]
 
 
 def test_a_firing_delivered_after_its_resolution_is_not_acted_on() -> None:
@@ -77,16 +83,17 @@ def test_an_eviction_whose_record_the_api_refused_is_recorded_later_not_lost() -
     clock = Clock()
     remediator = Remediator(cluster, clock=clock)
     assert deliver(remediator, alert_json("chat-a")) == [("chat-a", "evict", None)]
-    assert cluster.eviction_attempts == ["chat-a"] and cluster.history == []
+    # the intent went in before the eviction; its outcome waits in the operator
+    assert cluster.eviction_attempts == ["chat-a"]
+    assert outcomes(cluster) == [("chat-a", "evict", "evicting")]
     assert len(remediator.store.unwritten) == 1
     # Alertmanager's repeat: nothing evicted twice; the write fails once more and waits.
     assert deliver(remediator, alert_json("chat-a")) == [("chat-a", "skip", "duplicate")]
-    assert cluster.history == [] and len(remediator.store.unwritten) == 1
+    assert outcomes(cluster) == [("chat-a", "evict", "evicting")]
+    assert len(remediator.store.unwritten) == 1
     clock.advance(15)
     asyncio.run(remediator.retry_due())
-    assert [(r.pod, r.action, r.outcome) for r in cluster.history] == [
-        ("chat-a", "evict", "evicted")
-    ]
+    assert outcomes(cluster) == [("chat-a", "evict", "evicted")]  # the outcome replaced it
     assert remediator.store.unwritten == []
     # A restarted operator rebuilds its cooldown from that record: no second eviction.
     clock.advance(60)
@@ -102,3 +109,18 @@ def test_a_permanent_refusal_of_a_record_is_not_kept() -> None:
     with pytest.raises(ApiException):
         deliver(remediator, alert_json("chat-a"))
     assert remediator.store.unwritten == []
+
+
+def test_no_eviction_without_its_intent_on_record() -> None:
+    # The intent's write fails: nothing is evicted, and the delivery fails (Alertmanager
+    # retries it), whether the failure may pass or never can.
+    for error in (RuntimeError("conflicts"), ApiException(status=403, reason="Forbidden")):
+        cluster = FlakyStatusCluster(["chat-a", "chat-b"])
+        cluster.failures, cluster.error, cluster.spare_intents = 1, error, False
+        remediator = Remediator(cluster, clock=Clock())
+        with pytest.raises(type(error)):
+            deliver(remediator, alert_json("chat-a"))
+        assert cluster.eviction_attempts == [] and cluster.history == []
+        # the retry, with the API back: evicted once, on record
+        assert deliver(remediator, alert_json("chat-a")) == [("chat-a", "evict", None)]
+        assert outcomes(cluster) == [("chat-a", "evict", "evicted")]

@@ -304,7 +304,9 @@ class RemediationRecord(_Model):
     outcome: str = Field(
         max_length=64,
         description=(
-            "What came of it. evict: evicted, pdb-blocked, pod-gone or failed; skip: "
+            "What came of it. evict: evicted, pdb-blocked, pod-gone or failed (evicting while "
+            "the Eviction API has not answered: written first, so an operator that dies "
+            "meanwhile is followed by one that settles it); skip: "
             "skipped; dry-run: would-evict; step-down: applied, would-apply, at-floor, "
             "not-applicable or disabled."
         ),

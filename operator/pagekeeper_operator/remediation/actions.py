@@ -21,6 +21,7 @@ from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.kube import Kube, StatusChange
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
+from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL, is_controlled_by
 from pagekeeper_operator.timestamps import format_time, utc_now
 
@@ -47,12 +48,34 @@ def pod_state(pod: Mapping[str, Any]) -> PodState:
     )
 
 
+def _is_intent_of(entry: Mapping[str, Any], record: RemediationRecord) -> bool:
+    """Whether `entry` is the open eviction intent of the firing `record` is about."""
+    return (
+        entry.get("action") == "evict"
+        and entry.get("outcome") == EVICT_INTENT
+        and entry.get("pod") == record.pod
+        and entry.get("fingerprint") == record.fingerprint
+        and entry.get("alertStartsAt") == record.alert_starts_at
+    )
+
+
 def bounded_history(
     history: Sequence[dict[str, Any]], record: RemediationRecord, limit: int
 ) -> list[dict[str, Any]]:
-    """History with `record` appended, keeping the `limit` most recent, oldest first."""
-    entries = [*history, record.model_dump(by_alias=True, exclude_none=True)]
+    """History with `record` appended, or in place of the open eviction intent of the same
+    firing (which it settles), keeping the `limit` most recent, oldest first."""
+    entry = record.model_dump(by_alias=True, exclude_none=True)
+    entries = [entry if _is_intent_of(e, record) else dict(e) for e in history]
+    if not any(_is_intent_of(e, record) for e in history):
+        entries.append(entry)
     return entries[-limit:]
+
+
+def without_intent(
+    history: Sequence[dict[str, Any]], record: RemediationRecord
+) -> list[dict[str, Any]]:
+    """History without the open eviction intent of the firing `record` is about."""
+    return [dict(e) for e in history if not _is_intent_of(e, record)]
 
 
 def server_info(
@@ -170,8 +193,19 @@ class KubeClusterPort:
         def change(body: dict[str, Any]) -> dict[str, Any]:
             history = (body.get("status") or {}).get("remediationHistory", [])
             status: dict[str, Any] = {"remediationHistory": bounded_history(history, record, limit)}
-            if record.action != "skip":
+            if record.action != "skip" and record.outcome != EVICT_INTENT:
                 status["lastRemediation"] = record.time
             return status
+
+        await self.update_server_status(namespace, server, change)
+
+    async def drop_intent(self, namespace: str, server: str, record: RemediationRecord) -> None:
+        """Remove the open eviction intent of `record`'s firing (an eviction refused again,
+        whose refusal is already recorded)."""
+
+        def change(body: dict[str, Any]) -> dict[str, Any] | None:
+            history = (body.get("status") or {}).get("remediationHistory", [])
+            kept = without_intent(history, record)
+            return None if len(kept) == len(history) else {"remediationHistory": kept}
 
         await self.update_server_status(namespace, server, change)

@@ -21,6 +21,7 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adaptive import Termination
+from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.kube import shared_kube
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod
@@ -33,7 +34,7 @@ from pagekeeper_operator.remediation.oom import (
 from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.resync import ServerReconciler, server_reconciler
+from pagekeeper_operator.resync import ServerReconciler, ServerRegistry, server_reconciler
 from pagekeeper_operator.settings import SettingsError, load_settings
 from pagekeeper_operator.timestamps import utc_now
 
@@ -62,10 +63,18 @@ class RemediationRuntime:
     seen_terminations: set[str] = field(default_factory=set)
 
 
-async def _retry_loop(remediator: Remediator) -> None:
+def _known_servers(memo: kopf.Memo) -> list[tuple[str, str]]:
+    """The servers the LLMServer handlers have seen (`handlers.start_resync`'s registry)."""
+    registry = memo.get("servers")
+    return registry.snapshot() if isinstance(registry, ServerRegistry) else []
+
+
+async def _retry_loop(remediator: Remediator, memo: kopf.Memo) -> None:
     while True:
         await asyncio.sleep(RETRY_INTERVAL_SECONDS)
         try:
+            # What a killed predecessor left open is settled even if no alert comes again.
+            await remediator.resume(_known_servers(memo))
             decisions = await remediator.retry_due()
         except Exception:
             # The API may be briefly unavailable; the alerts stay deferred for the next round.
@@ -110,7 +119,7 @@ async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
         ssl_context.load_cert_chain(settings.webhook_tls_cert_file, settings.webhook_tls_key_file)
     site = web.TCPSite(runtime.runner, LISTEN_HOST, settings.webhook_port, ssl_context=ssl_context)
     await site.start()
-    runtime.retry_task = asyncio.create_task(_retry_loop(runtime.remediator))
+    runtime.retry_task = asyncio.create_task(_retry_loop(runtime.remediator, memo))
     logger.info("Alertmanager webhook listening on port %d", settings.webhook_port)
 
 
@@ -140,6 +149,7 @@ async def pod_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         key = termination_key(str(metadata.get("uid")), container, finished_at)
         if key in runtime.seen_terminations:
             continue
+        reached(FaultPoint.STEPDOWN_CLASSIFIED)
         await _respond(runtime, namespace, server, pod, classification, key, finished_at)
         runtime.seen_terminations.add(key)
 
@@ -164,14 +174,17 @@ async def _respond(
     if await runtime.port.update_server_status(namespace, server, change) is None:
         return
     [response] = written
+    reached(FaultPoint.STEPDOWN_RECORDED)
     logger.warning("%s/%s: %s", namespace, pod, response.record.message)
     count_remediation(namespace, server, response.record)
     await runtime.port.emit_event(
         namespace, server, response.event_type, response.event_reason, response.record.message
     )
+    reached(FaultPoint.STEPDOWN_EVENT_POSTED)
     if response.record.outcome == "applied":
         try:
             await runtime.reconcile_server(namespace, server)
+            reached(FaultPoint.STEPDOWN_ROLLED_OUT)
         except ApiException as error:
             # Status holds the lowered policy; the periodic resync rolls it out.
             logger.warning("%s/%s: reconcile failed: %s", namespace, server, error)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
 from pagekeeper_operator.failures import describe, is_permanent
+from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.decide import (
     Decision,
@@ -30,7 +31,12 @@ from pagekeeper_operator.remediation.decide import (
     decide,
 )
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
-from pagekeeper_operator.remediation.state import RemediationStore, UnwrittenRecord
+from pagekeeper_operator.remediation.state import (
+    EVICT_INTENT,
+    RemediationStore,
+    UnwrittenRecord,
+    is_intent,
+)
 from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)
@@ -70,7 +76,11 @@ class ClusterPort(Protocol):
 
     async def append_history(
         self, namespace: str, server: str, record: RemediationRecord, limit: int
-    ) -> None: ...
+    ) -> None:
+        """Append `record`, or put it in place of the open eviction intent of its firing."""
+
+    async def drop_intent(self, namespace: str, server: str, record: RemediationRecord) -> None:
+        """Remove the open eviction intent of `record`'s firing."""
 
 
 class Remediator:
@@ -86,6 +96,8 @@ class Remediator:
         self.store = store if store is not None else RemediationStore()
         self.clock = clock
         self._lock = asyncio.Lock()
+        # Servers whose history this process has read, so intents left open before it settled.
+        self._resumed: set[ServerKey] = set()
 
     async def handle(self, message: WebhookMessage) -> dict[str, Any]:
         """Act on one notification; the summary is the webhook's response body."""
@@ -111,6 +123,46 @@ class Remediator:
             await self._write_unwritten()
             alerts = self.store.due(self.clock())
             return await self._process(alerts, is_delivery=False) if alerts else []
+
+    async def resume(self, servers: Iterable[ServerKey]) -> None:
+        """Settle what an earlier operator process left open in each server's history (once a
+        server and process): an eviction it decided and may not have made."""
+        async with self._lock:
+            for key in servers:
+                if key in self._resumed:
+                    continue
+                info = await self.port.read_server(*key)
+                if info is not None:
+                    info = await self._settle_intents(info)
+                    self.store.rebuild(key, info.history)
+                self._resumed.add(key)
+
+    async def _settle_intents(self, info: ServerInfo) -> ServerInfo:
+        """An open intent is settled from its pod: gone or going away, the eviction happened
+        (`evicted`, at the intent's time, so the cooldown counts from it); still serving, it
+        was never made, and the intent is dropped (nothing happened; a re-delivered alert is
+        decided again)."""
+        state = info.state
+        pods = {pod.name: pod for pod in state.pods}
+        history = list(info.history)
+        # an outcome this process holds unwritten (`_append`) settles its intent when written
+        queued = {(e.record.fingerprint, e.record.pod) for e in self.store.unwritten}
+        for record in [r for r in history if is_intent(r)]:
+            if (record.fingerprint, record.pod) in queued:
+                continue
+            pod = pods.get(record.pod)
+            if pod is None or pod.is_terminating:
+                message = f"{record.alert}: {record.pod} went away after its eviction was decided"
+                settled = record.model_copy(update={"outcome": "evicted", "message": message})
+                limit = state.remediation.history_limit
+                await self.port.append_history(state.namespace, state.name, settled, limit)
+                history[history.index(record)] = settled
+            else:
+                message = f"{record.alert}: the operator stopped before evicting {record.pod}"
+                await self.port.drop_intent(state.namespace, state.name, record)
+                history.remove(record)
+            logger.warning("%s/%s: %s", state.namespace, state.name, message)
+        return ServerInfo(state=state, history=tuple(history))
 
     async def _process(self, alerts: Sequence[WebhookAlert], is_delivery: bool) -> list[Decision]:
         await self._write_unwritten()
@@ -145,7 +197,9 @@ class Remediator:
             info = await self.port.read_server(*server_key)
             if info is None:
                 continue
+            info = await self._settle_intents(info)
             servers[server_key] = info
+            self._resumed.add(server_key)
             self.store.rebuild(server_key, info.history)
             drain = timedelta(seconds=info.state.remediation.drain_timeout_seconds)
             pod_names = [p.name for p in info.state.pods]
@@ -176,7 +230,18 @@ class Remediator:
             await self._record(decision, info, now, "dry-run", "would-evict", decision.message)
             await self._event(server_key, "Normal", "RemediationDryRun", decision.message)
         else:
+            reached(FaultPoint.REMEDIATION_DECIDED)
+            # The intent first: an operator killed before the outcome is written leaves it, and
+            # the next one knows this firing was acted on (no second eviction, the cooldown
+            # holds) and settles it from the pod (`_settle_intents`).
+            intent = self._make_record(decision, now, "evict", EVICT_INTENT, decision.message)
+            if info is not None:  # a failed write raises: no eviction without its intent
+                state = info.state
+                limit = state.remediation.history_limit
+                await self.port.append_history(state.namespace, state.name, intent, limit)
+            reached(FaultPoint.REMEDIATION_INTENT_RECORDED)
             outcome, detail = await self.port.evict(decision.namespace, decision.pod)
+            reached(FaultPoint.REMEDIATION_EVICTED)
             message = f"{decision.alert}: {detail}"
             if outcome is EvictionOutcome.EVICTED:
                 self.store.evicted(server_key, decision.pod, decision.key, now)
@@ -187,8 +252,12 @@ class Remediator:
                 # A PodDisruptionBudget said no (429) or the API failed: retry, never force.
                 self.store.defer(alert, now, is_delivery)
                 if not self.store.note_once(decision.key, str(outcome)):
+                    if info is not None:  # its refusal is recorded already
+                        state = info.state
+                        await self.port.drop_intent(state.namespace, state.name, intent)
                     return
             await self._record(decision, info, now, "evict", str(outcome), message)
+            reached(FaultPoint.REMEDIATION_RECORDED)
             is_ok = outcome in (EvictionOutcome.EVICTED, EvictionOutcome.POD_GONE)
             reason = {
                 EvictionOutcome.EVICTED: "PodEvicted",
@@ -197,6 +266,7 @@ class Remediator:
                 EvictionOutcome.FAILED: "EvictionFailed",
             }[outcome]
             await self._event(server_key, "Normal" if is_ok else "Warning", reason, message)
+            reached(FaultPoint.REMEDIATION_EVENT_POSTED)
 
     async def _skipped(
         self,
@@ -223,6 +293,7 @@ class Remediator:
         is_new = reason in RECORDED_SKIPS and self.store.note_once(decision.key, str(reason))
         if is_new and self.store.note_deferral(decision.key[0], message):
             await self._record(decision, info, now, "skip", "skipped", message)
+            reached(FaultPoint.REMEDIATION_DEFERRAL_RECORDED)
             server_key = (decision.namespace, decision.server or "")
             await self._event(server_key, "Normal", "RemediationDeferred", message)
 
@@ -237,7 +308,20 @@ class Remediator:
     ) -> None:
         if info is None:
             return
-        record = RemediationRecord(
+        record = self._make_record(decision, now, action, outcome, message)
+        count_remediation(info.state.namespace, info.state.name, record)
+        server = (info.state.namespace, info.state.name)
+        await self._append(UnwrittenRecord(server, record, info.state.remediation.history_limit))
+
+    @staticmethod
+    def _make_record(
+        decision: Decision,
+        now: datetime,
+        action: RemediationAction,
+        outcome: str,
+        message: str,
+    ) -> RemediationRecord:
+        return RemediationRecord(
             time=format_time(now),
             pod=decision.pod,
             alert=decision.alert,
@@ -247,9 +331,6 @@ class Remediator:
             fingerprint=decision.key[0],
             alertStartsAt=decision.key[1],
         )
-        count_remediation(info.state.namespace, info.state.name, record)
-        server = (info.state.namespace, info.state.name)
-        await self._append(UnwrittenRecord(server, record, info.state.remediation.history_limit))
 
     async def _append(self, entry: UnwrittenRecord) -> bool:
         """Append one record to status; one the API could not take now waits in the store for

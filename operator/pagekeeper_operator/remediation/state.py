@@ -23,10 +23,20 @@ from pagekeeper_operator.timestamps import parse_time
 # A deferred alert not re-delivered for this long is dropped: Alertmanager re-sends firing
 # alerts every repeat_interval and resolved ones when they resolve (see docs/runbook.md).
 PENDING_TTL = timedelta(minutes=30)
+# An eviction decided and not yet answered: written before the Eviction API is called, and
+# replaced by the outcome (`actions.bounded_history`). One left by an operator that died in
+# between is settled from the pod by the next one (`Remediator`).
+EVICT_INTENT = "evicting"
 # Records that count as an action for cooldown and deduplication.
-ACTED_OUTCOMES = frozenset({("evict", "evicted"), ("dry-run", "would-evict")})
+ACTED_OUTCOMES = frozenset(
+    {("evict", "evicted"), ("evict", EVICT_INTENT), ("dry-run", "would-evict")}
+)
 # A resolved firing is remembered this long against late deliveries of it.
 RESOLVED_TTL = timedelta(hours=1)
+
+
+def is_intent(record: RemediationRecord) -> bool:
+    return record.action == "evict" and record.outcome == EVICT_INTENT
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,16 @@ class RemediationStore:
         """Merge cooldown and deduplication from a server's status history.
 
         Called on every read of the server, so a restarted operator (or another replica)
-        keeps the cooldowns and does not act twice on one firing.
+        keeps the cooldowns, does not act twice on one firing and does not record a deferral
+        again that it recorded before.
         """
         for record in history:
+            if record.action == "skip" and record.fingerprint:
+                self.deferrals[record.fingerprint] = record.message
             if (record.action, record.outcome) not in ACTED_OUTCOMES:
                 continue
+            if record.fingerprint:
+                self.deferrals.pop(record.fingerprint, None)
             when = parse_time(record.time)
             if server not in self.last_action_at or self.last_action_at[server] < when:
                 self.last_action_at[server] = when
