@@ -30,7 +30,16 @@ from tests.crash.harness import (
     status_of,
 )
 from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import PodWatch, Prometheus, get_server, history, is_pod_ready, server_pods
+from tests.support.loop import (
+    PodWatch,
+    Prometheus,
+    get_server,
+    history,
+    is_pod_ready,
+    pod_scrape,
+    server_pods,
+)
+from tests.support.processes import exporter
 
 NAME = "crash"
 POD_SPEC: dict[str, Any] = {
@@ -432,6 +441,11 @@ class Autoscaling(Scenario):
         prometheus = Prometheus(workdir / "prometheus", [], None).start([])
         stack.callback(prometheus.stop)
         assert prometheus.service is not None
+        # the pods' series: idle (a pod without series keeps the cost it has, here none)
+        port, _ = stack.enter_context(
+            exporter({"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0})
+        )
+        self._series = (prometheus, port)
         return {
             "PAGEKEEPER_PROMETHEUS_URL": prometheus.service.url,
             "PAGEKEEPER_DELETION_COST_SECONDS": "1",
@@ -439,6 +453,9 @@ class Autoscaling(Scenario):
 
     def trigger(self, run: Run) -> None:
         run.notes["pods"] = set(run.serving_pods())
+        prometheus, port = self._series
+        pods = [(run.namespace, pod, NAME) for pod in sorted(run.notes["pods"])]
+        prometheus.reload([pod_scrape(port, *pods, job="pods")])
         spec = {**self.spec(run.seed), "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
         run.cluster.apply_yaml(
             {"apiVersion": "pagekeeper.dev/v1alpha1", "kind": "LLMServer",

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import http.server
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,7 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
+from tests.support.processes import exporter
 
 NO_DATA_SECONDS = 30
 ANALYSIS_SECONDS = 20
@@ -51,33 +49,6 @@ CANARY_SPEC: dict[str, Any] = {
     "rollout": {"canary": {"enabled": True, "replicas": 1, "analysisSeconds": ANALYSIS_SECONDS}},
 }
 COST = "controller.kubernetes.io/pod-deletion-cost"
-
-
-@contextlib.contextmanager
-def exporter(series: dict[str, float]) -> Iterator[tuple[int, dict[str, float]]]:
-    """An HTTP server answering /metrics with `series` (gauges; the test may change them)."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            lines = [f"{name} {value}" for name, value in series.items()]
-            body = ("\n".join(lines) + "\n").encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], series
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def canary_record(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:

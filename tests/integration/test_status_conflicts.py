@@ -132,7 +132,13 @@ def test_status_write_conflicts_cause_no_extra_rollout_and_no_lost_or_doubled_re
         def converged() -> dict[str, Any] | None:
             obj = get_server(cluster, namespace, "m")
             status = obj.get("status") or {}
-            records = [r for r in status.get("remediationHistory", []) if r["pod"] == target]
+            # the eviction's intent is on record before it; its outcome replaces it, written
+            # later (the operator's retry) when the conflicts refused it at first
+            records = [
+                r
+                for r in status.get("remediationHistory", [])
+                if r["pod"] == target and r["outcome"] != "evicting"
+            ]
             ready = {c["type"]: c["status"] for c in status.get("conditions", [])}.get("Ready")
             if (
                 status.get("observedGeneration") == obj["metadata"]["generation"]

@@ -1,15 +1,20 @@
-"""Real Prometheus and Alertmanager processes on loopback, for the e2e test and the demo."""
+"""Real Prometheus and Alertmanager processes on loopback, for the e2e test and the demo; and a
+plain exporter of fixed gauges for Prometheus to scrape as a pod."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,3 +177,30 @@ def prometheus_alerts(prometheus: Service) -> list[dict[str, Any]]:
     body = http_get_json(f"{prometheus.url}/api/v1/alerts")
     alerts: list[dict[str, Any]] = body["data"]["alerts"]
     return alerts
+
+
+@contextlib.contextmanager
+def exporter(series: dict[str, float]) -> Iterator[tuple[int, dict[str, float]]]:
+    """An HTTP server answering /metrics with `series` (gauges; the test may change them)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            lines = [f"{name} {value}" for name, value in series.items()]
+            body = ("\n".join(lines) + "\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], series
+    finally:
+        server.shutdown()
+        server.server_close()
