@@ -16,7 +16,7 @@ import string
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +100,11 @@ def engine_argv(checkpoint: Path, port: int, shape: EngineShape) -> list[str]:
 
 
 def spawn_engine(
-    checkpoint: Path, workdir: Path, shape: EngineShape, extra_flags: Sequence[str] = ()
+    checkpoint: Path,
+    workdir: Path,
+    shape: EngineShape,
+    extra_flags: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Service:
     """Start the engine without waiting for it (`wait_engine_ready` waits)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +114,7 @@ def spawn_engine(
         "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
         # One core for the engine leaves the other to the control plane and Prometheus.
         "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
     }
     log = workdir / "engine.log"
     with log.open("wb") as sink:
