@@ -5,10 +5,11 @@ The operator runs as a subprocess on the local control plane; an LLMServer's pod
 node, and a kubelet stand-in (`tests/support/kubelet.py`) runs that pod's container as the CPU
 engine, probing it with the probes the operator rendered and restarting it as a kubelet would.
 The engine's step hangs (`PAGEKEEPER_INJECT_STEP_HANG`) under a request: its progress watchdog
-finds it within `--stuck-timeout`, ends the process with the `pagekeeper-stuck` termination
-message before the liveness probe would have, the stand-in restarts it and reports the restart
-in the pod's status, and the operator records a `stuck` termination in the remediation history:
-not an OOM, no memory step-down, MemoryHealthy untouched.
+finds it within `spec.stuckTimeoutSeconds` (rendered as `--stuck-timeout`), ends the process
+with the `pagekeeper-stuck` termination message before the liveness probe would have, the
+stand-in restarts it and reports the restart in the pod's status, and the operator records a
+`stuck` termination in the remediation history: not an OOM, no memory step-down, MemoryHealthy
+untouched.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tests.support.loop import (
 from tests.support.processes import Service
 
 SHAPE = EngineShape()
-STUCK_TIMEOUT_S = 5.0
+STUCK_TIMEOUT_S = 5
 # Bounds on conditions, not speeds: engine start-up and the restart on a busy 2-core machine.
 RESTART_TIMEOUT_S = 240
 SPEC: dict[str, Any] = {
@@ -50,6 +51,7 @@ SPEC: dict[str, Any] = {
     "replicas": 1,
     "resources": {"gpus": 1},
     "memoryPolicy": {"gpuMemoryUtilization": 0.9},
+    "stuckTimeoutSeconds": STUCK_TIMEOUT_S,
 }
 
 
@@ -68,13 +70,18 @@ def test_a_hung_engine_is_restarted_and_counted_as_stuck_not_oom(
 
         def spawn(directory: Path) -> Service:
             # The same container every start, as a kubelet restarts it: the hang stays injected
-            # (rank 0's third step), so only a start that gets requests hangs again.
-            flags = ["--stuck-timeout", str(STUCK_TIMEOUT_S)]
+            # (rank 0's third step), so only a start that gets requests hangs again. The engine
+            # gets the pod's rendered --stuck-timeout (the CPU engine's own shape otherwise).
+            rendered = kubelet.spec.command
+            at = rendered.index("--stuck-timeout")
+            flags = rendered[at : at + 2]
             flags += ["--termination-log-path", str(directory / TERMINATION_LOG)]
             env = {INJECT_STEP_HANG_ENV: "0:3"}
             return spawn_engine(checkpoint, directory, SHAPE, flags, env)
 
-        kubelet = PodKubelet(cluster, namespace, pod, tmp_path / "kubelet", spawn).start()
+        kubelet = PodKubelet(cluster, namespace, pod, tmp_path / "kubelet", spawn)
+        assert "--stuck-timeout" in kubelet.spec.command
+        kubelet.start()
         stack.callback(kubelet.stop)
         # The stand-in probes as the operator rendered: liveness would need a minute of
         # failures to end the engine, far past the watchdog's timeout.
