@@ -17,8 +17,10 @@ log() { printf '[jobs %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 start() { # name command...
   local name="$1"; shift
   rm -f "$DIR/$name.rc" "$DIR/$name.pid"
-  # setsid: out of make's process group, so the job outlives the recipe line that started it.
-  setsid -w bash -c '
+  # setsid: out of make's process group, so the job outlives the recipe line that started it;
+  # nice: the builds on the critical path (the venv, the control plane's tools) and the tests
+  # come first, and the job takes the CPU they leave.
+  setsid -w nice -n 10 bash -c '
     start=$SECONDS
     "${@:3}" >"$1/$2.log" 2>&1 && rc=0 || rc=$?
     echo "$rc $((SECONDS - start))" >"$1/$2.rc.tmp" && mv "$1/$2.rc.tmp" "$1/$2.rc"
