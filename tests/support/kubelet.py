@@ -126,7 +126,7 @@ class PodKubelet:
         self.spawn = spawn
         self.terminations: list[Termination] = []
         self.service: Service | None = None
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{pod}", daemon=True)
 
@@ -149,7 +149,7 @@ class PodKubelet:
         try:
             while not self._stopping.is_set():
                 self._run_once(len(self.terminations))
-        except BaseException as exc:  # the test reads it: a stand-in that died restarts nothing
+        except Exception as exc:  # the test reads it: a stand-in that died restarts nothing
             self.error = exc
             logger.exception("the kubelet stand-in of %s failed", self.pod)
         finally:
