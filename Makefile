@@ -6,9 +6,11 @@ PY := $(VENV)/bin/python
 export PAGEKEEPER_CACHE := $(CACHE)
 export PYTHONPATH := $(CURDIR)/operator:$(CURDIR)/engine:$(CURDIR)/memplan:$(CURDIR)
 export PATH := $(CACHE)/bin:$(VENV)/bin:$(PATH)
+# Where `make test`'s background jobs keep their logs and exit statuses (hack/jobs.sh).
+export PAGEKEEPER_JOBS ?= $(CURDIR)/.jobs
 
-.PHONY: help venv tools lint typecheck imports crds-check test test-fast test-hog test-crash cluster \
-	cluster-down demo \
+.PHONY: help venv tools tools-core lint typecheck imports crds-check test test-fast test-hog test-crash \
+	cluster cluster-down demo \
 	demo-autoscale clean \
 	images images-push images-test
 
@@ -33,6 +35,10 @@ venv: $(VENV)/.installed
 tools: venv
 	bash hack/provision.sh all
 
+# The control plane's tools, the CRDs and kstatus: what every integration test needs.
+tools-core:
+	bash hack/provision.sh core
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -50,9 +56,24 @@ crds-check: venv
 test-fast: venv
 	$(PY) -m pytest tests -q -m 'not integration and not e2e'
 
-# pytest's exit code 5 (no tests collected) is a failure here, never a pass.
-test: venv tools images-test lint typecheck imports crds-check
-	$(PY) -m pytest tests -q; rc=$$?; \
+# pytest-xdist workers for `make test`: the suite waits on processes, the control plane and
+# Prometheus more than it computes, so two workers overlap one's waits with the other's work.
+PYTEST_WORKERS ?= 2
+
+# The slow one-off builds start first, in the background (hack/jobs.sh): the test images and
+# Argo CD's Lua test binary, which only tests/images and the GitOps tests need; those wait for
+# them and run last. Meanwhile the Python environment and the control plane's tools build side
+# by side, then the checks run and pytest. pytest's exit code 5 (no tests collected) is a
+# failure here, never a pass; so is a background job that failed.
+test:
+	bash hack/provision.sh packages
+	bash hack/jobs.sh start images bash hack/images.sh build debian
+	bash hack/jobs.sh start argocd bash hack/provision.sh argocd
+	$(MAKE) --no-print-directory -j2 venv tools-core
+	bash hack/provision.sh vllm
+	$(MAKE) --no-print-directory -j2 lint typecheck imports crds-check
+	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
+	bash hack/jobs.sh wait images argocd || rc=1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The suite three times (RUNS=n) with one core kept busy by another process throughout.

@@ -240,16 +240,32 @@ vllm_envs() {
   done
 }
 
+# What the control plane, Prometheus' CRDs and the GitOps checks need, in two lanes side by side:
+# the Kubernetes build in one, the smaller builds and the module downloads in the other. On two
+# cores the compilers share the CPU; the lanes overlap one's downloads with the other's builds.
+core() {
+  build_kubernetes &
+  local kubernetes=$! failed=0
+  (
+    set -e
+    prometheus_operator_crds; inference_pool_crd; keda_crds; build_etcd
+    go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+    go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+    go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+    build_prometheus_adapter; build_kstatus
+  ) || failed=1
+  wait "$kubernetes" || failed=1
+  ((failed == 0)) || { echo "provisioning the core tools failed (above)" >&2; exit 1; }
+}
+
 main() {
   local what=("${@:-all}")
   local start=$SECONDS
   for w in "${what[@]}"; do
     case "$w" in
-      all) debian_tools; container_tools; prometheus_operator_crds; inference_pool_crd; keda_crds; build_etcd
-           go_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
-           go_install kwokctl sigs.k8s.io/kwok/cmd/kwokctl "$KWOK_VERSION" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
-           go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-           build_prometheus_adapter; build_kubernetes; vllm_envs; build_kstatus; build_argocd_lua_test ;;
+      all) debian_tools; container_tools; core; vllm_envs; build_argocd_lua_test ;;
+      core) core ;;
+      packages) debian_tools; container_tools ;;
       gitops) build_kstatus; build_argocd_lua_test ;;
       argocd) build_argocd_lua_test ;;
       kstatus) build_kstatus ;;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,6 +23,33 @@ if not torch.cuda.is_available():
 
 if TYPE_CHECKING:
     from tests.support.cluster import Cluster
+
+HERE = Path(__file__).parent
+# What `make test` builds in the background (hack/jobs.sh) is needed only by these; they run
+# last, so the rest of the suite overlaps the builds instead of waiting for them. Under
+# pytest-xdist each group runs on one worker: the images share one build and podman's ports
+# on the host network, and the Argo CD tests one binary that a changed script rebuilds.
+BUILT_IN_BACKGROUND = {
+    HERE / "images": "images",
+    HERE / "gitops": "argocd",
+    HERE / "integration" / "test_gitops_states.py": "argocd",
+}
+
+
+def _background_build(item: pytest.Item) -> str | None:
+    path = Path(str(item.fspath))
+    for where, group in BUILT_IN_BACKGROUND.items():
+        if path == where or where in path.parents:
+            return group
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _background_build(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: _background_build(item) is not None)  # stable sort
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.api.tuning import TuningStatus
+from pagekeeper_operator.api_key import API_KEY_AVAILABLE, ApiKeyCheck
 from pagekeeper_operator.effective import compose, effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.progress import progress_conditions
@@ -246,6 +247,22 @@ def fit_condition(server: LLMServer, fit: FitOutcome | None, now: str) -> list[C
     return [_condition(previous, POLICY_FITS, status, reason, message, generation, now)]
 
 
+def api_key_condition(server: LLMServer, check: ApiKeyCheck | None, now: str) -> list[Condition]:
+    """ApiKeyAvailable from this reconcile's read of the Secret; the last one kept where none
+    was made (a status refresh), and none without spec.apiKey."""
+    previous = server.status.condition(API_KEY_AVAILABLE)
+    if server.spec.api_key is None:
+        return []
+    if check is None:
+        return [] if previous is None else [previous]
+    generation = server.metadata.generation
+    return [
+        _condition(
+            previous, API_KEY_AVAILABLE, check.status, check.reason, check.message, generation, now
+        )
+    ]
+
+
 def compute_status(
     server: LLMServer,
     deployment: Mapping[str, Any] | None,
@@ -253,10 +270,12 @@ def compute_status(
     apply_error: str | None = None,
     autoscaling: AutoscalingStatus | None = None,
     fit: FitOutcome | None = None,
+    api_key: ApiKeyCheck | None = None,
 ) -> LLMServerStatus:
     """The status to write, given the Deployment as observed (None when absent), under
-    spec.autoscaling what its autoscaler did (`autoscaling.autoscaling_status`), and the
-    memory plan of this reconcile (`fit.decide_fit`; None keeps the last one)."""
+    spec.autoscaling what its autoscaler did (`autoscaling.autoscaling_status`), the memory
+    plan of this reconcile (`fit.decide_fit`; None keeps the last one) and its read of the API
+    key's Secret (`api_key.check_api_key`; None keeps the last one)."""
     old = server.status
     generation = server.metadata.generation
     conditions = [
@@ -276,8 +295,10 @@ def compute_status(
         *canary,
         *runtime_conditions(server, deployment, now),
         *fit_condition(server, fit, now),
+        *api_key_condition(server, api_key, now),
     ]
-    # From all the others (Stalled reads Progressing and a PolicyFits), listed after Degraded.
+    # From all the others (Stalled reads Progressing, PolicyFits and ApiKeyAvailable), listed
+    # after Degraded.
     num_desired = desired_replicas(server, deployment)
     progress = [
         _condition(old.condition(type_), type_, is_true, reason, message, generation, now)

@@ -50,6 +50,7 @@ _PLURALS = {
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
     ("v1", "Service"): "services",
+    ("v1", "Secret"): "secrets",  # read only, for spec.apiKey (`api_key`)
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",

@@ -9,6 +9,7 @@ True, because kstatus checks Reconciling first and a stalled server must read Fa
 | Stalled reason           | when                                                          |
 |--------------------------|---------------------------------------------------------------|
 | ApplyFailed              | the API server refused a child object (`refusal`)             |
+| SecretMissing            | spec.apiKey's Secret, or its key, does not exist (`api_key`)  |
 | PolicyDoesNotFit         | a PolicyFits condition is False: the memory plan does not fit  |
 | ProgressDeadlineExceeded | the Deployment's rollout passed spec.progressDeadlineSeconds   |
 | CanaryRolledBack         | the canary failed and was taken back; a new template is needed |
@@ -32,6 +33,7 @@ from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition
+from pagekeeper_operator.api_key import API_KEY_AVAILABLE, SECRET_MISSING
 from pagekeeper_operator.refusal import is_refused
 
 RECONCILING = "Reconciling"
@@ -51,6 +53,9 @@ def stalled_cause(
     if is_refused(apply_error):
         assert apply_error is not None
         return "ApplyFailed", apply_error
+    api_key = _find(conditions, API_KEY_AVAILABLE)
+    if api_key is not None and api_key.status == "False":
+        return SECRET_MISSING, api_key.message
     fits = _find(conditions, POLICY_FITS) or server.status.condition(POLICY_FITS)
     if fits is not None and fits.status == "False":
         return "PolicyDoesNotFit", fits.message or "the memory plan does not fit the GPU"

@@ -17,6 +17,12 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api_key import (
+    API_KEY_AVAILABLE,
+    ApiKeyCheck,
+    api_key_event,
+    check_api_key,
+)
 from pagekeeper_operator.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
 from pagekeeper_operator.canary import (
     CANARY_LABEL,
@@ -96,7 +102,8 @@ def reconcile(
     rendered = candidate(server)  # the effective policy, with a change under trial if any
     desired = render_all(rendered, default_images, features)
     fit = decide_fit(rendered, effective_memory_policy(rendered), nodes)
-    if fit.holds_rollout:
+    api_key = _check_api_key(kube, rendered)
+    if fit.holds_rollout or (api_key is not None and api_key.holds_rollout):
         running = kube.get("apps/v1", "Deployment", namespace, server.metadata.name)
         desired = hold_rollout(desired, running)
     canary_event = None
@@ -149,12 +156,15 @@ def reconcile(
     fit_event = _fit_event(server, fit)
     if fit_event is not None:
         _post_event(kube, server, fit_event.type, fit_event.reason, fit_event.message)
+    key_event = api_key_event(server.status.condition(API_KEY_AVAILABLE), api_key)
+    if key_event is not None:
+        _post_event(kube, server, *key_event)
     if result.error is None:
         for tuning_event in tuning_events:
             _post_event(kube, server, tuning_event.type, tuning_event.reason, tuning_event.message)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
-    status = compute_status(server, deployment, now, error_text, autoscaling, fit)
+    status = compute_status(server, deployment, now, error_text, autoscaling, fit, api_key)
     result.status_patch = status_patch(stored, status)
     return result
 
@@ -198,6 +208,19 @@ def _fit_event(server: LLMServer, fit: FitOutcome) -> CanaryEvent | None:
     ):
         return None
     return CanaryEvent("Warning", "PolicyDoesNotFit", message)
+
+
+def _check_api_key(kube: Kube, server: LLMServer) -> ApiKeyCheck | None:
+    """spec.apiKey's Secret as the API server holds it (`api_key`); its values stay here."""
+    ref = server.spec.api_key
+    if ref is None:
+        return None
+    try:
+        secret = kube.get("v1", "Secret", server.metadata.namespace, ref.secret_name)
+    except ApiException as exc:
+        logger.warning("reading Secret %s failed (%s %s)", ref.secret_name, exc.status, exc.reason)
+        return check_api_key(server, None, unreadable=f"{exc.status} {exc.reason}")
+    return check_api_key(server, secret)
 
 
 def _hand_over(

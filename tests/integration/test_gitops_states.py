@@ -76,9 +76,10 @@ def wait_condition(
     reason: str,
     timeout: float = 120,
     at_rest: bool = False,
+    message: str | None = None,
 ) -> dict[str, Any]:
-    """Until the current generation's `type_` condition is True with `reason` (and, `at_rest`,
-    Reconciling is False: nothing else under way); the object."""
+    """Until the current generation's `type_` condition is True with `reason` (and `message`,
+    where given; and, `at_rest`, Reconciling is False: nothing else under way); the object."""
     seen: list[Any] = []
 
     def reached() -> dict[str, Any] | None:
@@ -89,6 +90,7 @@ def wait_condition(
             obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
         )
         is_there = condition.get("status") == "True" and condition.get("reason") == reason
+        is_there = is_there and message in {None, condition.get("message")}
         is_quiet = not at_rest or _condition(obj, "Reconciling").get("status") == "False"
         return obj if is_current and is_there and is_quiet else None
 
@@ -171,9 +173,12 @@ def drive_states(
 
     wait_ready(cluster, namespace, "rolling-out", 2)
     apply_server(cluster, namespace, llmserver("rolling-out", {**SPEC, "podTemplate": NOWHERE}))
+    # The committed state: the new template's surge pod exists (and cannot schedule), which a
+    # busy controller-manager may not have made yet when RollingOut first shows.
     captured["rolling-out"] = wait_condition(
-        cluster, namespace, "rolling-out", "Reconciling", "RollingOut"
-    )
+        cluster, namespace, "rolling-out", "Reconciling", "RollingOut",
+        message="1/2 replicas run the current pod template",
+    )  # fmt: skip
 
     wait_condition(cluster, namespace, "progress-deadline-exceeded", "Reconciling", "RollingOut")
     apps.patch_namespaced_deployment(

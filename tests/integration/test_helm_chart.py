@@ -59,6 +59,7 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
 ]  # fmt: skip
 CRD_RULE = {
     "apiGroups": ["apiextensions.k8s.io"],
@@ -257,6 +258,9 @@ def test_rbac_cluster_wide_and_per_namespace(
     (role,) = by_kind(docs, "ClusterRole")
     assert role["rules"] == [CRD_RULE, NODES_RULE, *NAMESPACED_RULES]
     assert not by_kind(docs, "Role")
+    docs = render(cluster, kube_version, namespace, "--set", "rbac.readApiKeySecrets=false")
+    (role,) = by_kind(docs, "ClusterRole")
+    assert role["rules"] == [CRD_RULE, NODES_RULE, *NAMESPACED_RULES[:-1]]  # no Secrets at all
 
     docs = render(cluster, kube_version, namespace, "--set", "replicas=2")
     (role,) = by_kind(docs, "ClusterRole")
@@ -415,11 +419,12 @@ def test_install_upgrade_uninstall(
     for verb, resource in [
         ("create", "pods/eviction"), ("patch", "llmservers.pagekeeper.dev/status"),
         ("create", "deployments.apps"), ("watch", "pods"), ("create", "events"),
-        ("delete", "deployments.apps"), ("list", "nodes"),
+        ("delete", "deployments.apps"), ("list", "nodes"), ("get", "secrets"),
     ]:  # fmt: skip
         assert _can(cluster, user, verb, resource, elsewhere), f"{verb} {resource}"
     for verb, resource in [
-        ("delete", "pods"), ("create", "pods"), ("get", "secrets"), ("delete", "services"),
+        ("delete", "pods"), ("create", "pods"), ("list", "secrets"), ("watch", "secrets"),
+        ("delete", "services"),
         ("update", "llmservers.pagekeeper.dev"), ("patch", "nodes"), ("list", "configmaps"),
     ]:  # fmt: skip
         assert not _can(cluster, user, verb, resource, elsewhere), f"{verb} {resource}"

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from pagekeeper_engine.config import build_parser, parse_args, parse_bytes
+from pagekeeper_engine.config import DEFAULT_STUCK_TIMEOUT_S, build_parser, parse_args, parse_bytes
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.engine import policy_flags
+from pagekeeper_vllm import launch
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
 SPECS: list[dict[str, Any]] = [
@@ -247,3 +248,20 @@ def test_the_api_key_comes_from_its_secret_into_either_runtime(runtime: str) -> 
     plain_container = plain["spec"]["template"]["spec"]["containers"][0]
     assert "--api-key" not in plain_container["command"]
     assert "PAGEKEEPER_API_KEY" not in {e["name"] for e in plain_container["env"]}
+
+
+@pytest.mark.parametrize("seconds", [None, 0, 240])
+def test_the_stuck_timeout_reaches_the_paged_engine_and_the_vllm_launcher(
+    seconds: int | None,
+) -> None:
+    spec: dict[str, Any] = {} if seconds is None else {"stuckTimeoutSeconds": seconds}
+    expected = DEFAULT_STUCK_TIMEOUT_S if seconds is None else float(seconds)
+    command = _command(spec)
+    assert ("--stuck-timeout" in command) is (seconds is not None)  # unset: pods unchanged
+    assert parse_args(command[2:]).stuck_timeout == expected
+
+    deployment = render_deployment(make_server({**spec, "runtime": "vllm"}), DEFAULT_IMAGES)
+    launcher = deployment["spec"]["template"]["spec"]["containers"][0]["command"][3:]
+    args = launch.build_parser().parse_args(launcher)
+    assert args.stuck_timeout == (launch.DEFAULT_STUCK_TIMEOUT_S if seconds is None else expected)
+    assert args.command[1:3] == ["vllm", "serve"]

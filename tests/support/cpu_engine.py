@@ -16,7 +16,7 @@ import string
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,14 +100,21 @@ def engine_argv(checkpoint: Path, port: int, shape: EngineShape) -> list[str]:
 
 
 def spawn_engine(
-    checkpoint: Path, workdir: Path, shape: EngineShape, extra_flags: Sequence[str] = ()
+    checkpoint: Path,
+    workdir: Path,
+    shape: EngineShape,
+    extra_flags: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Service:
     """Start the engine without waiting for it (`wait_engine_ready` waits)."""
     port = free_port()
-    return spawn_argv([*engine_argv(checkpoint, port, shape), *extra_flags], port, workdir)
+    argv = [*engine_argv(checkpoint, port, shape), *extra_flags]
+    return spawn_argv(argv, port, workdir, extra_env)
 
 
-def spawn_argv(argv: Sequence[str], port: int, workdir: Path) -> Service:
+def spawn_argv(
+    argv: Sequence[str], port: int, workdir: Path, extra_env: Mapping[str, str] | None = None
+) -> Service:
     """Start the engine from its whole command line, serving on `port`."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -115,6 +122,7 @@ def spawn_argv(argv: Sequence[str], port: int, workdir: Path) -> Service:
         "PYTHONPATH": os.pathsep.join([str(REPO / "engine"), str(REPO / "memplan"), str(REPO)]),
         # One core for the engine leaves the other to the control plane and Prometheus.
         "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
     }
     log = workdir / "engine.log"
     with log.open("wb") as sink:

@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.jobs import wait_job
 from tests.support.tools import BIN, CACHE, REPO, missing
 
 SCRIPT = REPO / "charts" / "pagekeeper" / "argocd" / "health.lua"
@@ -45,7 +46,9 @@ def _embedded_scripts() -> list[Path]:
 
 
 def argocd_lua_test() -> Path:
-    """The Argo CD Lua test binary, rebuilt first (incrementally) if it embeds an older script."""
+    """The Argo CD Lua test binary, rebuilt first (incrementally) if it embeds an older script;
+    under `make test`, once its background build has ended."""
+    wait_job("argocd")
     if not ARGOCD_TEST.is_file():
         missing("Argo CD's Lua health test binary (argocd-lua-health.test)")
     embedded = _embedded_scripts()

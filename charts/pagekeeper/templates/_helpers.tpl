@@ -127,4 +127,9 @@ RBAC rules for the objects the operator reconciles in a namespace, shared by the
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.rbac.readApiKeySecrets }}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+{{- end }}
 {{- end }}

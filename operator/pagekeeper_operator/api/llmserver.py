@@ -244,6 +244,19 @@ class LLMServerSpec(ApiModel):
             "(--shutdown-timeout); the pod's termination grace period adds a margin to it."
         ),
     )
+    stuck_timeout_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds an engine may hold requests without making progress (a completed step; "
+            "under vLLM a generated token or an answered /health) before it is ended as stuck: "
+            "the pod restarts with the termination message pagekeeper-stuck, which the canary "
+            "and the remediation history count (--stuck-timeout of the paged engine and of the "
+            "vLLM launcher). 0 turns the watchdog off. Unset: their default, 60, which allows "
+            "for a whole 32k-token prefill on a slow GPU; raise it for longer steps."
+        ),
+    )
 
     @property
     def is_autoscaled(self) -> bool:

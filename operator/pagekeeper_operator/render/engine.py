@@ -100,9 +100,17 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
     command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
+        command += stuck_timeout_flags(server)
     if spec.api_key is not None:  # the kubelet expands $(NAME) from the container's env
         command += ["--api-key", f"$({API_KEY_ENV})"]
     return command
+
+
+def stuck_timeout_flags(server: LLMServer) -> list[str]:
+    """`--stuck-timeout`, for the paged engine or the vLLM launcher; none where unset, so a
+    server that never set it keeps its pods."""
+    seconds = server.spec.stuck_timeout_seconds
+    return [] if seconds is None else ["--stuck-timeout", str(seconds)]
 
 
 def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:

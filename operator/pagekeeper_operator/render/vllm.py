@@ -21,14 +21,16 @@ INIT_CONTAINER_NAME = "pagekeeper-vllm-plugin"
 PYTHONPATH = "PYTHONPATH"
 
 
-def launcher_command(vllm_command: list[str]) -> list[str]:
-    """`vllm serve ...` under the launcher, run by the vLLM image's own Python."""
+def launcher_command(vllm_command: list[str], launcher_flags: list[str]) -> list[str]:
+    """`vllm serve ...` under the launcher (with `launcher_flags` of its own), run by the vLLM
+    image's own Python."""
     return [
         "python3",
         "-m",
         "pagekeeper_vllm.launch",
         "--metrics-port",
         str(METRICS_PORT),
+        *launcher_flags,
         "--",
         *vllm_command,
     ]

@@ -9,7 +9,13 @@ from typing import Any
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
-from pagekeeper_operator.render.engine import CACHE_DIR, TMP_DIR, engine_command, engine_env
+from pagekeeper_operator.render.engine import (
+    CACHE_DIR,
+    TMP_DIR,
+    engine_command,
+    engine_env,
+    stuck_timeout_flags,
+)
 from pagekeeper_operator.render.meta import (
     CONTAINER_NAME,
     HTTP_PORT,
@@ -106,7 +112,7 @@ def _container(server: LLMServer, image: str) -> dict[str, Any]:
     command = engine_command(server, policy)
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if is_vllm:
-        command = launcher_command(command)
+        command = launcher_command(command, stuck_timeout_flags(server))
         ports.append(metrics_port())
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
