@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import http.server
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +32,15 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
+from tests.support.processes import exporter as static_exporter
 from tests.support.processes import start_alertmanager
 
 GiB = 1 << 30
 # What the engine exports on a GPU whose allocator holds 8 GiB, 1 GiB of it in use.
-FRAGMENTED = (
-    "# TYPE pagekeeper_allocator_reserved_bytes gauge\n"
-    f'pagekeeper_allocator_reserved_bytes{{model_name="m"}} {8 * GiB}\n'
-    "# TYPE pagekeeper_allocator_allocated_bytes gauge\n"
-    f'pagekeeper_allocator_allocated_bytes{{model_name="m"}} {1 * GiB}\n'
-)
+FRAGMENTED = {
+    'pagekeeper_allocator_reserved_bytes{model_name="m"}': 8.0 * GiB,
+    'pagekeeper_allocator_allocated_bytes{model_name="m"}': 1.0 * GiB,
+}
 SPEC: dict[str, Any] = {
     "model": {"source": "/models/tiny-llama", "servedModelName": "tiny", "loadFormat": "dummy"},
     "replicas": 2,
@@ -61,32 +57,6 @@ SPEC: dict[str, Any] = {
         },
     },
 }
-
-
-@contextlib.contextmanager
-def allocator_exporter() -> Iterator[int]:
-    """An HTTP server answering /metrics with the fragmented allocator's series; its port."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = FRAGMENTED.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_fragmentation_alert_on_the_canary_pod_fails_the_canary(
@@ -120,7 +90,7 @@ def test_a_fragmentation_alert_on_the_canary_pod_fails_the_canary(
         canary = wait_for(canary_pod, timeout=120, what="a ready canary pod")
         survivors = {p.metadata.name for p in server_pods(cluster, namespace, "frag")} - {canary}
 
-        exporter = stack.enter_context(allocator_exporter())
+        exporter, _ = stack.enter_context(static_exporter(FRAGMENTED))
         rules = rules_file(cluster, namespace, "frag", tmp_path / "rules.yml")
         alertmanager = start_alertmanager(
             tmp_path / "alertmanager", operator.webhook_url, operator.token
