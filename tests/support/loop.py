@@ -28,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.alerts import render_rules_file
 from pagekeeper_operator.api.llmserver import GROUP, PLURAL, VERSION, LLMServer
+from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from tests.support.cluster import Cluster, wait_for
 from tests.support.processes import Service, free_port, wait_http_ok
@@ -185,10 +186,14 @@ def history(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]
 def wait_history(
     cluster: Cluster, namespace: str, name: str, timeout: float, **fields: str
 ) -> dict[str, Any]:
-    """Until the server's remediation history holds an entry with these field values."""
+    """Until the server's remediation history holds an entry with these field values; an
+    eviction's intent (outcome `evicting`, replaced by its outcome) matches only when asked
+    for by its outcome."""
 
     def found() -> dict[str, Any] | None:
         for entry in history(cluster, namespace, name):
+            if entry.get("outcome") == EVICT_INTENT and "outcome" not in fields:
+                continue
             if all(entry.get(key) == value for key, value in fields.items()):
                 return entry
         return None
