@@ -36,10 +36,12 @@ from tests.support.loop import (
     get_server,
     install_crd,
     llmserver,
+    pod_scrape,
     restrict_namespace,
     server_pods,
     wait_ready_pods,
 )
+from tests.support.processes import exporter
 
 SHAPE = EngineShape()
 COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -153,8 +155,14 @@ def test_load_scales_out_and_scale_down_removes_the_least_loaded_pod(
             (p for p in server_pods(cluster, namespace, "scaled") if p.metadata.name != first),
             key=lambda p: (p.metadata.creation_timestamp, p.metadata.name),
         ).metadata.name
-        prometheus.reload([engine_scrape(engine, (namespace, newest, "scaled"))])
         idle = sorted(set(three) - {newest})
+        # the others report no requests (a pod with no series at all keeps its last cost)
+        zero = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        idle_port, _ = stack.enter_context(exporter(zero))
+        prometheus.reload([
+            engine_scrape(engine, (namespace, newest, "scaled")),
+            pod_scrape(idle_port, *((namespace, p, "scaled") for p in idle), job="idle"),
+        ])  # fmt: skip
 
         def loaded_newest() -> bool:
             now = costs(cluster, namespace)
