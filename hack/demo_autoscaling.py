@@ -34,9 +34,11 @@ from tests.support.loop import (
     PodWatch,
     Prometheus,
     engine_scrape,
+    pod_scrape,
     server_pods,
     wait_ready_pods,
 )
+from tests.support.processes import exporter
 from tests.support.tools import REPO
 
 EXAMPLE = REPO / "examples" / "llmserver-small.yaml"
@@ -158,8 +160,15 @@ def scene(
         (p for p in server_pods(cluster, namespace, name) if p.metadata.name != first),
         key=lambda p: (p.metadata.creation_timestamp, p.metadata.name),
     ).metadata.name
-    prometheus.reload([engine_scrape(engine, (namespace, newest, name))])
-    say(f"the engine's series now carry pod={newest}, one of the new pods")
+    # the other pods report no requests (a pod with no series keeps its last cost)
+    zero = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    idle_port, _ = stack.enter_context(exporter(zero))
+    idle = [(namespace, p, name) for p in three if p != newest]
+    prometheus.reload([
+        engine_scrape(engine, (namespace, newest, name)),
+        pod_scrape(idle_port, *idle, job="idle"),
+    ])  # fmt: skip
+    say(f"the engine's series now carry pod={newest}, one of the new pods; the others report 0")
 
     say(
         f"the operator moves the load to {newest} in the pod-deletion costs (a pod's cost is "
