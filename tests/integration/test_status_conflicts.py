@@ -23,7 +23,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.support.alerts import notification, post_notification, webhook_alert
+from tests.support.alerts import deliver_notification, notification, webhook_alert
 from tests.support.cluster import Cluster, wait_for
 from tests.support.loop import (
     OperatorProcess,
@@ -120,7 +120,9 @@ def test_status_write_conflicts_cause_no_extra_rollout_and_no_lost_or_doubled_re
             target = rolled[0]
             started = datetime.now(UTC) - timedelta(minutes=1)
             alert = webhook_alert(namespace, target, "m", starts_at=started, fingerprint="c0ffee01")
-            answer = post_notification(operator.webhook_url, operator.token, notification(alert))
+            # an eviction's intent refused by the conflicts fails the delivery (nothing is
+            # evicted); Alertmanager retries it, as this does
+            answer = deliver_notification(operator.webhook_url, operator.token, notification(alert))
             assert answer["decisions"][0]["verdict"] == "evict", answer
             wait_for(
                 lambda: status_conflicts(cluster) > conflicts_before,

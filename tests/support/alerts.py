@@ -5,9 +5,12 @@ produces only under failures."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from datetime import datetime
 from typing import Any
+
+from tests.support.cluster import wait_for
 
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's endsAt of a firing alert
 
@@ -69,3 +72,18 @@ def post_notification(url: str, token: str, body: dict[str, Any]) -> dict[str, A
     with urllib.request.urlopen(request, timeout=60) as response:
         answer: dict[str, Any] = json.loads(response.read())
         return answer
+
+
+def deliver_notification(url: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST until the webhook answers, retrying a 5xx as Alertmanager does (a 4xx raises)."""
+
+    def attempt() -> dict[str, Any] | None:
+        try:
+            return post_notification(url, token, body)
+        except urllib.error.HTTPError as error:
+            if error.code < 500:
+                raise
+            return None
+
+    answer: dict[str, Any] = wait_for(attempt, timeout=120, interval=1, what="a 2xx answer")
+    return answer
