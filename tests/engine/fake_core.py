@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import zmq
+
 from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.engine_core import EngineCore
 from pagekeeper_engine.core.limits import resolve_limits
@@ -21,7 +23,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.frontend.client import RequestOutput
 from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
-from tests.engine.fakes import CharTokenizer, make_engine
+from tests.engine.fakes import CharTokenizer, PagedFakeRunner, make_engine
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -34,6 +36,22 @@ class FakeCore:
     thread: threading.Thread
     exit_codes: list[int]
     addresses: CoreAddresses
+
+    def hold_step_until_a_message(self, call: int) -> None:
+        """Hold the runner's `call`-th execute (0-based) until a message waits in the core's
+        inbox, so the turn after that step reads it: what the front end sends in reply to the
+        outputs before `call` cannot lose a race against the core's next steps, however busy
+        the machine."""
+        runner = self.engine.runner
+        assert isinstance(runner, PagedFakeRunner)
+        poller = zmq.Poller()
+        poller.register(self.core._inbox, zmq.POLLIN)  # the core's own thread polls it
+
+        def hold(index: int) -> None:
+            if index == call and not poller.poll(int(JOIN_TIMEOUT_S * 1000)):
+                raise AssertionError(f"no message reached the core while call {call} waited")
+
+        runner.before_execute = hold
 
 
 def ready_for(engine: LLMEngine, max_num_in_flight: int | None = None) -> Ready:

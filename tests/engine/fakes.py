@@ -94,6 +94,9 @@ class PagedFakeRunner:
         self.num_batched_tokens: list[int] = []
         self.previous_samples: dict[str, int] = {}  # the last launched step's tokens
         self.num_placeholders = 0
+        # called with the call's index before each execute, on the core's thread: a test holds
+        # a step here until what it waits for has happened (never a sleep)
+        self.before_execute: Callable[[int], None] | None = None
 
     def launch(self, out: SchedulerOutput) -> DoneStep:
         seqs = []
@@ -120,6 +123,8 @@ class PagedFakeRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         call = self.num_calls
         self.num_calls += 1
+        if self.before_execute is not None:
+            self.before_execute(call)
         if self.fail_next:
             failure = self.fail_next
             self.fail_next = False

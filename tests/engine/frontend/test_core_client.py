@@ -44,7 +44,7 @@ def scripted(script: list[int], params: SamplingParams) -> list[RequestOutput]:
 
 
 async def wait_until_idle(client: CoreClient) -> None:
-    for _ in range(500):
+    for _ in range(3000):  # a bound, not a timing: each turn waits on the core's next report
         stats = client.stats()
         assert stats is not None
         if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_used_blocks == 0:
@@ -55,7 +55,9 @@ async def wait_until_idle(client: CoreClient) -> None:
 
 def test_stop_string_is_trimmed_and_the_core_stops_the_request() -> None:
     async def main() -> tuple[list[RequestOutput], dict[str, int]]:
-        async with fake_core(script={"r": ids("abcd1efghijk")}) as fake:
+        # the script runs to max_tokens; the step after "1" waits for the front end's stop
+        async with fake_core(script={"r": ids("abcd1efghijklmnopqrs")}) as fake:
+            fake.hold_step_until_a_message(call=5)
             outs = await collect(fake.client, "r", [1, 2, 3], SamplingParams(20, stop=("cd1",)))
             await wait_until_idle(fake.client)
             stats = fake.client.stats()
