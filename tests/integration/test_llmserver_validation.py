@@ -11,6 +11,7 @@ import yaml
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
     DRAIN_RULE,
     GPU_RULE,
     OFFLOAD_MEMORY_RULE,
@@ -148,6 +149,11 @@ CEL_CASES = [
         BOUNDS_RULES[6],
     ),
     ({"replicas": 2, "tuning": {"mode": "Apply"}}, "spec.tuning.mode", APPLY_RULE),
+    (
+        {"replicas": 4, "rollout": {"canary": {"enabled": True, "replicas": 2}}},
+        "spec.rollout.canary.replicas",
+        CANARY_CAPACITY_RULE,
+    ),
 ]
 SCHEMA_CASES = [
     ({"memoryPolicy": {"gpuMemoryUtilization": 0}}, "spec.memoryPolicy.gpuMemoryUtilization"),

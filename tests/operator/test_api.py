@@ -14,6 +14,7 @@ from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     AUTOSCALING_CANARY_RULE,
     BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
     CANARY_RULE,
     DRAIN_RULE,
     GPU_RULE,
@@ -145,6 +146,10 @@ def _error_messages(spec: dict[str, Any]) -> str:
             BOUNDS_RULES[5]["message"],
         ),
         ({"tuning": {"bounds": {"blockSizes": [8, 32]}}}, BOUNDS_RULES[6]["message"]),
+        (
+            {"replicas": 4, "rollout": {"canary": {"enabled": True, "replicas": 2}}},
+            CANARY_CAPACITY_RULE["message"],
+        ),
         ({"replicas": 2, "tuning": {"mode": "Apply"}}, APPLY_RULE["message"]),
     ],
 )

@@ -15,6 +15,7 @@ from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     AUTOSCALING_CANARY_RULE,
     BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
     CANARY_RULE,
     DRAIN_RULE,
     GPU_RULE,
@@ -213,6 +214,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         DRAIN_RULE,
         GPU_RULE,
         CANARY_RULE,
+        CANARY_CAPACITY_RULE,
         AUTOSCALING_CANARY_RULE,
         PYTHONPATH_RULE,
         *TRIGGER_RULES,
@@ -237,7 +239,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 21 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
+    assert len(rules) == 22 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

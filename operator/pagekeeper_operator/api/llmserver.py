@@ -130,6 +130,13 @@ CANARY_RULE = cel(
     "some of the pods, not all)",
     ".rollout.canary.replicas",
 )
+CANARY_CAPACITY_RULE = cel(
+    "!self.rollout.canary.enabled || has(self.autoscaling) || self.rollout.maxSurge > 0"
+    " || self.rollout.canary.replicas <= self.rollout.maxUnavailable",
+    "spec.rollout.canary.replicas must be at most spec.rollout.maxUnavailable when "
+    "spec.rollout.maxSurge is 0 (the canary's start takes that many current pods out at once)",
+    ".rollout.canary.replicas",
+)
 AUTOSCALING_CANARY_RULE = cel(
     "!self.rollout.canary.enabled || !has(self.autoscaling)"
     " || self.rollout.canary.replicas < self.autoscaling.minReplicas",
@@ -151,6 +158,7 @@ class LLMServerSpec(ApiModel):
             DRAIN_RULE,
             GPU_RULE,
             CANARY_RULE,
+            CANARY_CAPACITY_RULE,
             AUTOSCALING_CANARY_RULE,
             PYTHONPATH_RULE,
             *TRIGGER_RULES,
@@ -316,6 +324,14 @@ class LLMServerSpec(ApiModel):
         canary, autoscaling = self.rollout.canary, self.autoscaling
         if canary.enabled and autoscaling is None and canary.replicas >= self.replicas:
             raise ValueError(CANARY_RULE["message"])
+        rollout = self.rollout
+        if (
+            canary.enabled
+            and autoscaling is None
+            and rollout.max_surge == 0
+            and canary.replicas > rollout.max_unavailable
+        ):
+            raise ValueError(CANARY_CAPACITY_RULE["message"])
         if (
             canary.enabled
             and autoscaling is not None

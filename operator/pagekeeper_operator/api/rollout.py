@@ -42,7 +42,8 @@ class CanarySpec(ApiModel):
         description=(
             "Canary pods. They count against the same GPUs: with rollout.maxSurge 0 they "
             "replace that many current pods during the analysis; with maxSurge > 0 they are "
-            "added beside them. Must be below spec.replicas."
+            "added beside them. Must be below spec.replicas, and at most "
+            "rollout.maxUnavailable under maxSurge 0."
         ),
     )
     analysis_seconds: int = Field(
