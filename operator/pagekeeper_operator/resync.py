@@ -40,13 +40,35 @@ class ServerRegistry:
         return sorted(self._keys)
 
 
+# A resync's status write made stale by another writer is redone from a fresh read this many
+# times in all; past that the next round writes it.
+STATUS_WRITE_ATTEMPTS = 3
+
+
 def server_reconciler(kube: Kube, settings: OperatorSettings) -> ServerReconciler:
-    """Render, plan and apply one server, and write its status: what the kopf handlers do."""
+    """Render, plan and apply one server, and write its status: what the kopf handlers do.
+
+    The status write is made at the resourceVersion the server was read at. A resync reads
+    long before it writes (it applies and waits on the API in between), and the patch carries
+    whole fields (the conditions list): written blind, it would put back what that older read
+    held over a newer write by the kopf handlers or remediation. On a conflict the server is
+    read and reconciled again."""
 
     async def reconcile_server(namespace: str, name: str) -> None:
+        for _ in range(STATUS_WRITE_ATTEMPTS):
+            if await _reconcile_once(namespace, name):
+                return
+        logger.info(
+            "%s/%s: status kept changing while it was reconciled; written at the next resync",
+            namespace,
+            name,
+        )
+
+    async def _reconcile_once(namespace: str, name: str) -> bool:
+        """False: the status write lost to a newer one (nothing else went wrong)."""
         body = await asyncio.to_thread(kube.get, API_VERSION, KIND, namespace, name)
         if body is None:
-            return
+            return True
         server = LLMServer.from_body(body)
         result = await asyncio.to_thread(
             reconcile,
@@ -57,8 +79,6 @@ def server_reconciler(kube: Kube, settings: OperatorSettings) -> ServerReconcile
             settings.prometheus_url,
             settings.canary_no_data_seconds,
         )
-        if result.status_patch:
-            await asyncio.to_thread(kube.patch_status, namespace, name, result.status_patch)
         if result.error is not None:
             logger.warning(
                 "%s/%s: reconcile failed: %s %s (tried again at the next resync)",
@@ -69,6 +89,12 @@ def server_reconciler(kube: Kube, settings: OperatorSettings) -> ServerReconcile
             )
         elif result.applied:
             logger.info("%s/%s: resync applied %d objects", namespace, name, len(result.applied))
+        if not result.status_patch:
+            return True
+        version = body.get("metadata", {}).get("resourceVersion")
+        return await asyncio.to_thread(
+            kube.patch_status, namespace, name, result.status_patch, version
+        )
 
     return reconcile_server
 
