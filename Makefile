@@ -72,7 +72,7 @@ test:
 	$(MAKE) --no-print-directory -j2 venv tools-core
 	bash hack/provision.sh vllm
 	$(MAKE) --no-print-directory -j2 lint typecheck imports crds-check
-	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
+	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25; rc=$$?; \
 	bash hack/jobs.sh wait images argocd || rc=1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -27,6 +27,13 @@ require_binaries() {
 up() {
   require_binaries
   if [[ ! -f "$kubeconfig" ]]; then
+    # kwokctl picks each cluster's ports from those not yet bound, so two clusters created at
+    # once (the test workers start theirs together) can pick the same ones: one creation at a
+    # time, the lock held until the new cluster's processes have bound theirs (--wait). Those
+    # processes outlive this script, so they must not inherit the lock's descriptor.
+    mkdir -p "$KWOK_WORKDIR"
+    exec 9>"$KWOK_WORKDIR/create.lock"
+    flock -w 600 9 || { echo "waited 600 s for another cluster's creation" >&2; exit 1; }
     "$BIN/kwokctl" --name "$name" create cluster --runtime binary \
       --etcd-binary "$BIN/etcd" \
       --kube-apiserver-binary "$BIN/kube-apiserver" \
@@ -36,7 +43,8 @@ up() {
       --kube-admission --kube-authorization \
       --extra-args "kube-apiserver=service-cluster-ip-range=10.96.0.0/16" \
       --kubeconfig "$KWOK_WORKDIR/clusters/$name/kubeconfig-user.yaml" \
-      --wait 120s --timeout 180s >&2
+      --wait 120s --timeout 180s >&2 9>&-
+    exec 9>&-
   fi
   kubectl --kubeconfig "$kubeconfig" apply --server-side --field-manager pagekeeper-hack \
     -f "$HERE/nodes.yaml" >&2
