@@ -100,6 +100,12 @@ def uses_processors(params: Sequence[SamplingParams]) -> bool:
     return any(p.uses_processors for p in params)
 
 
+def uses_grammars(params: Sequence[SamplingParams]) -> bool:
+    """Whether a row's tokens must be ones its schema allows (the grammars read the rows'
+    newest ids on the host)."""
+    return any(p.json_schema is not None for p in params)
+
+
 def _on(device: torch.device, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -226,7 +232,7 @@ def process_scores(
     grammar: GrammarMasks | None = None,
 ) -> None:
     """Every processor the batch's rows ask for, in order (the module docstring)."""
-    if any(p.json_schema is not None for p in params):
+    if uses_grammars(params):
         assert grammar is not None, "a structured request reached a sampler without grammars"
         assert history is not None, "the grammars read the rows' tokens so far"
         grammar.apply(

@@ -26,7 +26,7 @@ from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs
 from pagekeeper_engine.runner.follower_step import FollowerStep
-from pagekeeper_engine.runner.logits_processing import StepHistory
+from pagekeeper_engine.runner.logits_processing import StepHistory, uses_grammars
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.shard_pick import ShardPicker
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
@@ -122,7 +122,7 @@ class StepLauncher:
                 torch.index_select(self._previous_sampled, 0, sources, out=leading)
             else:
                 step.input_ids[step.placeholder_rows] = self._previous_sampled[sources]
-        if history is not None and any(p.json_schema is not None for p in sampling):
+        if history is not None and uses_grammars(sampling):
             # the schemas' masks read the newest ids on the host: start their copy before the
             # forward, so reading them waits for the step before and not for this forward
             history = history.with_newest_on_host()
