@@ -105,7 +105,11 @@ def test_a_missing_api_key_secret_holds_the_rollout_says_why_and_recovers(
 
     # The key appears: the next resync rolls the server out with no change to it.
     _secret(cluster, namespace, "chat-key", {"api-key": "s3cret-value"})
-    obj = wait_ready(cluster, namespace, NAME, 1)
+    wait_ready(cluster, namespace, NAME, 1)
+    # the status refreshed from the new pods' events may land before the resync's own write
+    obj = wait_for(
+        lambda: _api_key_reason(cluster, namespace, "SecretFound"), timeout=60, what="key found"
+    )
     conditions = _conditions(obj)
     assert (conditions["ApiKeyAvailable"]["status"], conditions["Stalled"]["status"]) == (
         "True",

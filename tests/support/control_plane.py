@@ -119,14 +119,32 @@ class ControlPlane:
                 self.stop(name)
             del self.started[name]
 
-    def wait_api_ready(self, timeout: float = 180) -> None:
-        """Until the API server answers /readyz with `ok`."""
+    def log_tail(self, name: str, num_bytes: int = 4000) -> str:
+        log = self.dir / "logs" / f"{name}.log"
+        return log.read_bytes()[-num_bytes:].decode(errors="replace") if log.is_file() else ""
+
+    def wait_api_ready(self, timeout: float = 400) -> None:
+        """Until the API server answers /readyz with `ok`. Its start is CPU-bound (it builds
+        its OpenAPI documents before it listens), so on a busy machine it may take minutes: the
+        bound only guards a hang, and a process that exited fails the wait at once, with its
+        log."""
 
         def ready() -> bool:
+            if not self.is_running(API_SERVER):
+                raise AssertionError(
+                    f"{API_SERVER} exited while starting; its log ends:\n"
+                    + self.log_tail(API_SERVER)
+                )
             result = self.cluster.kubectl("get", "--raw", "/readyz", check=False, timeout=30)
             return result.returncode == 0 and result.stdout.strip() == "ok"
 
-        wait_for(ready, timeout=timeout, interval=1, what="the API server ready")
+        try:
+            wait_for(ready, timeout=timeout, interval=1, what="the API server ready")
+        except AssertionError as exc:
+            if not self.is_running(API_SERVER):
+                raise  # the predicate's message has the log
+            tail = self.log_tail(API_SERVER)
+            raise AssertionError(f"{exc}\n{API_SERVER}'s log ends:\n{tail}") from None
 
     def restart_api_server(self) -> None:
         """Stop kube-apiserver and start it again on the same port and etcd; then, as a kubelet
