@@ -175,7 +175,13 @@ def test_a_server_that_never_reuses_a_prefix_is_told_to_turn_caching_off(
             timeout=60,
             what="the Deployment running the accepted change",
         )
-    status = get_server(cluster, namespace, NAME)
+
+        # the reconcile applies the Deployment first and writes status after it
+        def recorded() -> dict[str, Any] | None:
+            obj = get_server(cluster, namespace, NAME)
+            return obj if obj.get("status", {}).get("tuning", {}).get("changes") else None
+
+        status = wait_for(recorded, timeout=60, what="the accepted change in status")
     [change] = status["status"]["tuning"]["changes"]
     assert (change["field"], change["value"], change["source"]) == (
         "enablePrefixCaching",
