@@ -97,6 +97,11 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
                     return str(pod.metadata.name)
             return None
 
+        def canary_failed() -> bool:
+            status = get_server(cluster, namespace, "c")["status"]
+            conditions = {c["type"]: c for c in status["conditions"]}
+            return conditions.get("CanaryFailed", {}).get("status") == "True"
+
         try:
             canary = wait_for(ready_canary, timeout=120, what="a ready canary pod")
             # With maxSurge 0 the canary took one stable pod's place; the others stay.
@@ -123,6 +128,9 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
                 timeout=NO_DATA_SECONDS + 120,
                 what="the canary's outcome",
             )
+            # the outcome is written before the Deployments move, the Event and the conditions
+            # after them: the operator must still run while they are written
+            wait_for(canary_failed, timeout=60, what="the CanaryFailed condition")
         except AssertionError:
             print(operator.log_tail(8000))
             raise
@@ -137,12 +145,10 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
     assert failed["message"].endswith(
         f"taken back after {NO_DATA_SECONDS}s rather than promoted unwatched"
     )
+
     reasons = [e.reason for e in server_events(cluster, namespace, "c")]
     assert reasons.count("CanaryNoData") == 1 and reasons.count("CanaryFailed") == 1
     assert "CanaryPromoted" not in reasons
-    status = get_server(cluster, namespace, "c")["status"]
-    conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["CanaryFailed"]["status"] == "True"
 
     def deployments() -> set[str]:
         return {d.metadata.name for d in apps.list_namespaced_deployment(namespace).items}
