@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 4
 LONG_CONTEXT = 2048  # for requests that must stay in flight for seconds
 START_TIMEOUT_S = 180.0  # imports and a model load on a busy 2-core machine
+RANK_READY = re.compile(r"rank (\d+) \S+: ready \(pid (\d+)\)")
 
 
 @dataclass
@@ -46,6 +48,23 @@ class Server:
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
+
+    def worker_pids(self, size: int) -> dict[int, int]:
+        """The pids of tensor-parallel ranks 1..size-1, once each has logged that it is ready.
+
+        /ready answers once rank 0 serves; a follower rank may still be freezing its start-up
+        heap and connecting to its step socket, so its line can come after."""
+        wanted = set(range(1, size))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            log = self.log.read_text(errors="replace")
+            pids = {int(rank): int(pid) for rank, pid in RANK_READY.findall(log)}
+            if set(pids) >= wanted:
+                return {rank: pids[rank] for rank in sorted(wanted)}
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                missing = sorted(wanted - set(pids))
+                raise AssertionError(f"ranks {missing} never ready:\n{log[-4000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

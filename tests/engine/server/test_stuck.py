@@ -18,7 +18,6 @@ from pagekeeper_engine.faults import INJECT_STEP_HANG_ENV
 from pagekeeper_engine.stuck import parse_stuck_message
 from tests.engine.server.conftest import MODEL_NAME, Checkpoint, start_server
 from tests.engine.server.test_processes import is_running, wait_gone
-from tests.engine.server.test_tensor_parallel_server import worker_pids
 
 STUCK_TIMEOUT_S = 2.0
 # Bounds, not speeds: the timeout plus a generous margin for a busy 2-core machine.
@@ -40,7 +39,7 @@ def test_a_hung_step_is_found_and_ends_the_server(
         checkpoint.path, tmp_path, "--tensor-parallel-size", str(size),
         "--stuck-timeout", str(STUCK_TIMEOUT_S), "--termination-log-path", str(termination),
     )  # fmt: skip
-    workers = list(worker_pids(server).values())
+    workers = list(server.worker_pids(size).values())
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(APIStatusError) as failed:

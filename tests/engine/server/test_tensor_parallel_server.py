@@ -27,7 +27,6 @@ from tests.engine.server.conftest import (
 from tests.engine.server.test_processes import core_pid, is_running, wait_gone
 
 PROMPTS = ["hello there", "the quick brown fox", "a, b, c", "1 2 3 4"]
-RANK_READY = re.compile(r"rank (\d+) \S+: ready \(pid (\d+)\)")
 EXIT_TIMEOUT_S = 10.0  # the bound for a dead rank to end the engine
 
 
@@ -41,11 +40,6 @@ def greedy(server: Server, prompt: str, max_tokens: int = 12) -> tuple[str, list
     return choice.text, [float(lp) for lp in choice.logprobs.token_logprobs if lp is not None]
 
 
-def worker_pids(server: Server) -> dict[int, int]:
-    log = server.log.read_text(errors="replace")
-    return {int(rank): int(pid) for rank, pid in RANK_READY.findall(log)}
-
-
 @pytest.fixture(scope="module")
 def tp_server(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Server:
     server = start_server(
@@ -56,7 +50,7 @@ def tp_server(checkpoint: Checkpoint, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def test_greedy_text_equals_one_process(server: Server, tp_server: Server) -> None:
-    assert set(worker_pids(tp_server)) == {1}
+    assert set(tp_server.worker_pids(2)) == {1}
     for prompt in PROMPTS:
         single_text, single_lp = greedy(server, prompt)
         tp_text, tp_lp = greedy(tp_server, prompt)
@@ -104,7 +98,7 @@ def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_pat
         "--termination-log-path", str(termination),
     )  # fmt: skip
     try:
-        (pid,) = worker_pids(server).values()
+        (pid,) = server.worker_pids(2).values()
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         streaming = threading.Event()
         failure: list[BaseException] = []
@@ -140,7 +134,7 @@ def test_a_rank_killed_mid_stream_ends_the_engine(long_checkpoint: Path, tmp_pat
 
 def test_the_core_killed_takes_its_ranks_with_it(checkpoint: Checkpoint, tmp_path: Path) -> None:
     server = start_server(checkpoint.path, tmp_path, "--tensor-parallel-size", "2")
-    (worker,) = worker_pids(server).values()
+    (worker,) = server.worker_pids(2).values()
     try:
         os.kill(core_pid(server), signal.SIGKILL)
         assert server.proc.wait(timeout=EXIT_TIMEOUT_S) == 1
