@@ -205,6 +205,15 @@ class Recommendation(ApiModel):
         ge=0.0, le=1.0, description="How sure the rule is, from its sample counts and margin."
     )
     since: str = Field(max_length=64, description="When first recommended (RFC 3339).")
+    does_not_fit: str | None = Field(
+        default=None,
+        max_length=512,
+        description=(
+            "Why the effective policy with this change would not fit its GPUs, from the memory "
+            "plan: accepted, its rollout would be held (PolicyFits False); Apply mode skips it. "
+            "Unset when it fits or the GPU is not known."
+        ),
+    )
 
 
 class TunedChange(ApiModel):

@@ -9,10 +9,12 @@ Apply-mode decision, and the Events to post.
   the evidence of the window that first made it, so a steady state writes no status and posts
   no Event; a new or changed one posts a `TuningRecommendation` Event.
 - Without a window (Prometheus away) the previous recommendations stay as they were.
-- In Apply mode `decide` starts, judges and ends trials. A candidate (the effective policy
-  with a recommendation, or with the change under trial) that does not fit its GPUs
-  (`does_not_fit`, the memory plan's gate) starts no canary: the gate would hold its rollout,
-  so the trial is skipped, or ended, at once instead of waiting out its window for samples.
+- Each recommendation is planned on the server's GPUs (`does_not_fit`, the memory plan's
+  gate): one whose candidate (the effective policy with it) does not fit says why in
+  `doesNotFit`, in Recommend mode too, since accepting it would only hold the rollout.
+- In Apply mode `decide` starts, judges and ends trials. A candidate (with a recommendation,
+  or with the change under trial) that does not fit starts no canary: the gate would hold its
+  rollout, so the trial is skipped, or ended, at once instead of waiting out its window.
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ def _recommendation(
 
 def describe(rec: Recommendation) -> str:
     numbers = ", ".join(f"{e.name}={e.value:g}" for e in rec.evidence)
+    unfit = f"; it does not fit ({rec.does_not_fit})" if rec.does_not_fit else ""
     return (
         f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}, confidence "
-        f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]"
+        f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]{unfit}"
     )
 
 
@@ -152,22 +155,23 @@ def with_trial(server: LLMServer, trial: TuningTrial) -> LLMServer:
 
 
 def _unfit(
-    layered: LLMServer,
-    recommendations: Sequence[Recommendation],
-    does_not_fit: FitCheck | None,
-    now: datetime,
+    layered: LLMServer, trials: Sequence[TuningTrial], does_not_fit: FitCheck | None
 ) -> dict[str, str]:
-    """Field -> why its candidate does not fit: the trial's, else each recommendation's."""
-    status = layered.status.tuning
-    if does_not_fit is None or status is None or layered.spec.tuning.mode != "Apply":
+    """Field -> why the candidate with that trial's change does not fit its GPUs."""
+    if does_not_fit is None:
         return {}
-    trials = [status.trial] if status.trial is not None else [
-        TuningTrial(field=r.field, current=r.current, proposed=r.proposed, rule=r.rule,
-                    started_at=format_time(now))
-        for r in recommendations
-    ]  # fmt: skip
     found = {t.field: does_not_fit(with_trial(layered, t)) for t in trials}
     return {name: why for name, why in found.items() if why is not None}
+
+
+def _as_trial(rec: Recommendation, now: datetime) -> TuningTrial:
+    return TuningTrial(
+        field=rec.field,
+        current=rec.current,
+        proposed=rec.proposed,
+        rule=rec.rule,
+        started_at=format_time(now),
+    )
 
 
 def tune(
@@ -200,6 +204,10 @@ def tune(
             r for r in previous
             if r.field not in held and r.current == read_field(policy, r.field)
         ]  # fmt: skip
+    unfit = _unfit(layered, [_as_trial(r, now) for r in recommendations], does_not_fit)
+    recommendations = [
+        r.model_copy(update={"does_not_fit": unfit.get(r.field)}) for r in recommendations
+    ]
     seen = {(r.field, r.proposed) for r in previous}
     events += [
         TuningEvent("Normal", "TuningRecommendation", describe(r))
@@ -207,7 +215,8 @@ def tune(
         if (r.field, r.proposed) not in seen
     ]
     spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
-    unfit = _unfit(layered, recommendations, does_not_fit, now)
+    if status.trial is not None:
+        unfit = _unfit(layered, [status.trial], does_not_fit)
     decision = decide(spec, status, recommendations, observation.trial, spec_values, now, unfit)
     status = decision.status
     if decision.promoted is not None:

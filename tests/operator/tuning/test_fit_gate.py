@@ -8,7 +8,7 @@ from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.reconcile import reconcile
-from tests.operator.servers import DEFAULT_IMAGES, server_body
+from tests.operator.servers import DEFAULT_IMAGES, merge, server_body
 from tests.operator.test_reconcile_fit import H100, MemoryKube
 
 # Fits four H100s at 0.6 of each; a 12Gi fragmentation buffer leaves the KV cache too small
@@ -91,3 +91,32 @@ def test_a_trial_under_way_whose_candidate_does_not_fit_ends_at_once() -> None:
     assert NO_CANARY not in kube.objects
     assert kube.objects[("apps/v1", "Deployment", "qwen")]["spec"] == deployment["spec"]
     _fits(result.status_patch, kube)
+
+
+def test_recommend_mode_says_which_recommendation_does_not_fit_and_starts_nothing() -> None:
+    """In Recommend mode nothing is tried, but a recommendation that would only hold the
+    rollout if accepted says so in status and in its Event; one that fits says nothing."""
+    kube = MemoryKube([H100])
+    deployment, status = running(kube)
+    kube.events.clear()
+    caching_off = {
+        **BIG_BUFFER, "field": "enablePrefixCaching", "current": "true", "proposed": "false",
+        "rule": "prefix-caching-off",
+    }  # fmt: skip
+    recommend = {**SPEC, "tuning": {**SPEC["tuning"], "mode": "Recommend"}}
+    server = LLMServer.from_body(
+        server_body(recommend, status={**status, "recommendations": [BIG_BUFFER, caching_off]})
+    )
+    result = reconcile(kube, server, DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
+    big, small = result.status_patch["recommendations"]
+    assert big["field"] == "fragmentationBuffer"
+    assert big["doesNotFit"].startswith("the KV cache gets"), big
+    assert small["field"] == "enablePrefixCaching" and "doesNotFit" not in small
+    assert "trial" not in result.status_patch.get("tuning", {})
+    assert NO_CANARY not in kube.objects
+    assert kube.objects[("apps/v1", "Deployment", "qwen")]["spec"] == deployment["spec"]
+    _fits(result.status_patch, kube)
+    # the plan's verdict is recomputed each reconcile: the same status writes nothing more
+    again = LLMServer.from_body(server_body(recommend, status=merge(status, result.status_patch)))
+    later = reconcile(kube, again, DEFAULT_IMAGES, now="2026-11-29T01:02:00Z")  # type: ignore[arg-type]
+    assert "recommendations" not in later.status_patch

@@ -59,6 +59,25 @@ def test_a_new_recommendation_posts_one_event_and_then_stays_quiet() -> None:
     assert again.tuning == first.tuning
 
 
+def test_a_recommendation_that_does_not_fit_says_why_in_status_and_its_event() -> None:
+    server = make_server()
+    checked: list[str | None] = []
+
+    def does_not_fit(trying: LLMServer) -> str | None:
+        value = compose(trying).policy.enable_prefix_caching
+        checked.append(str(value))
+        return "the KV cache gets 0 blocks" if value is False else None
+
+    result = tune(server, NO_REUSE, T0, does_not_fit)
+    [rec] = result.recommendations
+    assert checked == ["False"]  # the candidate, with the recommendation's change
+    assert rec.does_not_fit == "the KV cache gets 0 blocks"
+    assert result.events[0].message.endswith("; it does not fit (the KV cache gets 0 blocks)")
+    fits = tune(server, NO_REUSE, T0, lambda _: None)
+    assert fits.recommendations[0].does_not_fit is None
+    assert "does not fit" not in fits.events[0].message
+
+
 def test_no_window_says_why() -> None:
     result = tune(make_server(), Observation(None, error="no Prometheus"), T0)
     assert result.recommendations == []
