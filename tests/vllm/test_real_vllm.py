@@ -50,23 +50,34 @@ def test_vllms_own_loader_finds_and_runs_the_plugin(
     assert report["engine_args"] == "EngineArgs"
 
 
-@pytest.mark.parametrize(
-    "value",
-    [
-        "pagekeeper",
-        "lora_filesystem_resolver,pagekeeper",
-        "lora_filesystem_resolver",
-        "",
-        " pagekeeper",
-    ],
-)
-def test_vllm_plugins_filters_as_the_operator_predicts(
-    vllm_version: str, bundle: Path, tmp_path: Path, value: str
-) -> None:
-    """VLLM_PLUGINS as vLLM reads it, and `vllm_loads_plugin` (PluginLoaded) agreeing."""
-    report = _plugins(vllm_version, bundle, tmp_path, VLLM_PLUGINS=value)
-    assert report["loaded"] is vllm_loads_plugin(value)
-    assert report["loaded"] is (value in {"pagekeeper", "lora_filesystem_resolver,pagekeeper"})
+# VLLM_PLUGINS values: the plugin named alone, among others, not named, empty, and named with
+# a stray space (vLLM splits on commas and matches names exactly).
+FILTER_VALUES = [
+    "pagekeeper",
+    "lora_filesystem_resolver,pagekeeper",
+    "lora_filesystem_resolver",
+    "",
+    " pagekeeper",
+]
+
+
+def test_vllm_plugins_filters_as_the_operator_predicts(vllm_version: str, bundle: Path) -> None:
+    """VLLM_PLUGINS as vLLM's own loader reads it, each value in turn in one process, and
+    `vllm_loads_plugin` (PluginLoaded) agreeing; unset, every plugin loads."""
+    values: list[str | None] = [None, *FILTER_VALUES]
+    result = run_probe(
+        vllm_version,
+        "probe_plugin_filter.py",
+        [json.dumps(values)],
+        clean_env(PYTHONPATH=str(bundle)),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    loaded: dict[str, list[str]] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert PLUGIN_NAME in loaded["null"]
+    for value in FILTER_VALUES:
+        named = PLUGIN_NAME in loaded[json.dumps(value)]
+        assert named is vllm_loads_plugin(value), value
+        assert named is (value in {"pagekeeper", "lora_filesystem_resolver,pagekeeper"}), value
 
 
 SPECS: list[dict[str, Any]] = [
