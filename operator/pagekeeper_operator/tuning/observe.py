@@ -181,10 +181,10 @@ def pod_samples(url: str, scope: Scope, seconds: int) -> dict[str, list[float]]:
 
 
 def p99_query(scope: Scope, seconds: int, histogram: str) -> str:
-    """One p99 over every pod of `scope` (the canary's together)."""
+    """One p99 over every pod of `scope` (the canary's together, the baseline's together)."""
     rate = f"rate({histogram}_bucket{scope.selector}[{seconds}s])"
     return f"histogram_quantile(0.99, sum by (namespace, le) ({rate}))"
 
 
-def canary_p99(url: str, scope: Scope, seconds: int, histogram: str) -> float | None:
+def scope_p99(url: str, scope: Scope, seconds: int, histogram: str) -> float | None:
     return query_by(url, p99_query(scope, seconds, histogram), "namespace").get(scope.namespace)

@@ -20,11 +20,11 @@ from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
 from pagekeeper_operator.tuning.observe import (
     Scope,
-    canary_p99,
     num_samples,
     observe_server,
     pod_samples,
     records_since,
+    scope_p99,
 )
 from pagekeeper_operator.tuning.tuner import Observation, with_trial
 from pagekeeper_operator.tuning.window import MetricWindow
@@ -62,14 +62,18 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
         return TrialEvidence(None)
     canary_samples = [v for s in by_pod.values() for v in s]
     baseline_samples = [v for s in pod_samples(url, baseline_scope, seconds).values() for v in s]
-    bound, p99 = None, None
-    if spec.objective == "ThroughputUnderTTFT":
-        bound = spec.ttft_p99_seconds
-        p99 = canary_p99(url, canary_scope, seconds, "vllm:time_to_first_token_seconds")
-    elif spec.objective == "ThroughputUnderITL":
-        bound = spec.itl_p99_seconds
-        p99 = canary_p99(url, canary_scope, seconds, "vllm:inter_token_latency_seconds")
-    return TrialEvidence(compare(canary_samples, baseline_samples, canary_p99=p99, p99_bound=bound))
+    histogram, bound = {
+        "ThroughputUnderTTFT": ("vllm:time_to_first_token_seconds", spec.ttft_p99_seconds),
+        "ThroughputUnderITL": ("vllm:inter_token_latency_seconds", spec.itl_p99_seconds),
+    }.get(spec.objective, (None, None))
+    p99s = [
+        None if histogram is None else scope_p99(url, scope, seconds, histogram)
+        for scope in (canary_scope, baseline_scope)
+    ]
+    verdict = compare(
+        canary_samples, baseline_samples, canary_p99=p99s[0], p99_bound=bound, baseline_p99=p99s[1]
+    )
+    return TrialEvidence(verdict)
 
 
 class WindowCache:

@@ -48,6 +48,33 @@ def test_the_latency_bound_must_hold_on_the_canary() -> None:
     assert within is not None and within.is_win
 
 
+def test_meeting_the_bound_the_baseline_breaks_is_the_gain() -> None:
+    # An open-loop burst offers both sides the same tokens: throughput ties, TTFT does not.
+    same = compare(shifted(1.0), BASELINE, canary_p99=1.2, p99_bound=2.0, baseline_p99=3.4)
+    assert same is not None and same.is_win
+    assert same.reason == (
+        "the canary's p99 1.2s meets the 2s bound that the baseline's 3.4s breaks (+0.0% "
+        "tokens/s, noise 0.5%)"
+    )
+    assert (same.evidence()["canaryP99Seconds"], same.evidence()["baselineP99Seconds"]) == (
+        1.2,
+        3.4,
+    )
+    # Under the objective a pod past its bound scores nothing: a slower canary within it wins.
+    slower = compare(shifted(0.9), BASELINE, canary_p99=0.04, p99_bound=0.05, baseline_p99=0.07)
+    assert slower is not None and slower.is_win and slower.improvement == pytest.approx(-0.1)
+    # Just over the bound (within P99_MARGIN) is no evidence: the throughput rule decides.
+    near = compare(shifted(1.0), BASELINE, canary_p99=1.9, p99_bound=2.0, baseline_p99=2.1)
+    assert near is not None and not near.is_win
+    assert near.reason == "improvement +0.0% is not above max(noise 0.5%, 3%)"
+    # Both past the bound: the canary's own p99 refuses it first.
+    both = compare(shifted(1.2), BASELINE, canary_p99=2.6, p99_bound=2.0, baseline_p99=3.4)
+    assert both is not None and not both.is_win
+    # Without a bound the p99s are not the objective and not evidence.
+    plain = compare(shifted(1.0), BASELINE, canary_p99=1.2, baseline_p99=3.4)
+    assert plain is not None and not plain.is_win and "canaryP99Seconds" not in plain.evidence()
+
+
 def test_too_few_samples_give_no_verdict() -> None:
     assert compare(shifted(1.5)[:7], BASELINE) is None
 
