@@ -8,7 +8,8 @@ field; the list is ordered by `PRIORITY` (safety before capacity), then confiden
 
 The rules (derived in docs/memory-policy.md, Tuning):
 - prefix-caching-off: hit rate < 0.3 over >= MIN_PREFIX_TOKENS looked-up tokens. At most 30% of
-  prompt tokens skip prefill, while every full block of every prompt is hashed and looked up.
+  prompt tokens skip prefill, while every full block of every prompt is hashed and looked up;
+  freed blocks are evicted on demand, so the host's hashing is all that turning it off saves.
 - prefix-caching-on: caching off, and >= 30% of prompt tokens repeated an earlier prompt's full
   blocks (the engine's shadow count): that share of prefill would be skipped.
 - block-size-down / block-size-up: internal waste w (allocated slots not holding tokens) is
@@ -59,6 +60,10 @@ from pagekeeper_operator.tuning.window import MetricWindow
 
 MIN_PREFIX_TOKENS = 50_000
 PREFIX_HIT_THRESHOLD = 0.3
+# The caching-off rule's gain is the host's hashing and lookups alone: on the H200 it stayed
+# within the spread between engine starts (docs/benchmarks.md, W-tune), so it is offered at
+# half the confidence its samples give.
+OFF_GAIN_CONFIDENCE = 0.5
 # How far one step may raise maxNumSeqs: KV use is extrapolated linearly from the window, so a
 # bound keeps one wrong extrapolation from overshooting; 8x takes a cap of 16 to a demand of 128
 # in one round.
@@ -67,6 +72,9 @@ SEQ_CAP_BINDS = 0.25  # share of the window at the cap for max-num-seqs-up
 PRIORITY = (
     "allocator-expandable",
     "fragmentation-buffer",
+    # KV-bound with idle GPU memory: more KV removes the limit that fewer sequences and FP8 KV
+    # only work around, at no cost in throughput or accuracy (W-tune's burst class).
+    "utilization-up",
     "max-num-seqs-down",
     "kv-fp8",
     # A binding cap limits throughput by about demand / cap, more than any rule below saves a
@@ -76,7 +84,6 @@ PRIORITY = (
     "prefix-caching-off",
     "block-size-down",
     "batched-tokens",
-    "utilization-up",
     "block-size-up",
 )
 
@@ -91,11 +98,14 @@ def prefix_caching(ctx: Context) -> Proposal | None:
             return None
         evidence = {"prefixHitRate": rate, "prefixQueryTokens": w.prefix_queries}
         margin = (PREFIX_HIT_THRESHOLD - rate) / PREFIX_HIT_THRESHOLD
+        # Freed blocks stay evictable on demand, so the cache costs no capacity: what turning
+        # it off saves is the host's hashing and lookups, small enough that a trial must show
+        # it (OFF_GAIN_CONFIDENCE).
         return propose(
             ctx, "enablePrefixCaching", False, "prefix-caching-off", evidence,
-            f"only {rate:.0%} of looked-up prompt tokens were cached: no hashing or lookups, "
-            "and no blocks held for the cache",
-            sample_confidence(w.prefix_queries, MIN_PREFIX_TOKENS) * margin,
+            f"only {rate:.0%} of looked-up prompt tokens were cached: no hashing or lookup of "
+            "prompt blocks on the host (a small saving; cached blocks cost no KV capacity)",
+            sample_confidence(w.prefix_queries, MIN_PREFIX_TOKENS) * margin * OFF_GAIN_CONFIDENCE,
         )  # fmt: skip
     shadow = w.prefix_shadow_hits
     if shadow is None or w.prompt_tokens < MIN_PREFIX_TOKENS:

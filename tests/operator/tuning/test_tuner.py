@@ -50,7 +50,7 @@ def test_a_new_recommendation_posts_one_event_and_then_stays_quiet() -> None:
     )
     assert [(e.type, e.reason) for e in first.events] == [("Normal", "TuningRecommendation")]
     assert first.events[0].message.startswith(
-        "enablePrefixCaching true -> false (prefix-caching-off, confidence 0.903)"
+        "enablePrefixCaching true -> false (prefix-caching-off, confidence 0.451)"
     )
     assert first.tuning is not None and first.tuning.trial is None
     again = tune(after(server, first), NO_REUSE, T0.replace(hour=2))
