@@ -1,16 +1,20 @@
 """W-tune (BENCHMARKS.md): does the memory policy tune itself? For each workload class, from a
 deliberately poor policy, serve a round over HTTP, read the engine's /metrics into a metric
-window, run the operator's recommender on it, restart the engine with the top recommendation,
-and repeat (up to `--rounds`); beside it, in the same run, a coarse grid over the same knobs.
+window, run the operator's recommender on it and try its top recommendation as Apply mode does
+(`tune_trial`): the next round serves the candidate, the operator's rule judges it against the
+policy in force, a win is kept and a loss or a tie rolled back, and the field is held; repeat
+(up to `--rounds`). Beside it, in the same run, a coarse grid over the same knobs.
 
-Reports per round the policy, output tok/s, TTFT and ITL p99, preemptions, OOMs and reserved -
-allocated, the grid's best under the objective, and the rounds it took to reach 90% of it; with
-`--fixtures DIR` each round's window is saved as a JSON fixture for the rule tests
-(tests/operator/tuning/fixtures/). The server, the clients and /metrics are W-chat's
-(`serving.py`); the window and the rules are the operator's own (`pagekeeper_operator.tuning`).
+Reports per round the policy tried, output tok/s, TTFT and ITL p99, preemptions, OOMs, reserved -
+allocated and the verdict; the policy in force after each round and its score under the class's
+objective; the grid's best under the same objective, and the round whose policy in force first
+reached 90% of it. With `--fixtures DIR` each round's window is saved as a JSON fixture for the
+rule tests (tests/operator/tuning/fixtures/). The server, the clients and /metrics are W-chat's
+(`serving.py`); the window, the rules and the trial's rule are the operator's own
+(`pagekeeper_operator.tuning`).
 
-    PYTHONPATH=operator:engine:memplan:. python benchmarks/tune.py --quick --json tune.json \\
-        --fixtures tests/operator/tuning/fixtures/gpu
+    PYTHONPATH=operator:engine:memplan:. python benchmarks/tune.py --quick --rounds 5 \\
+        --json tune.json --fixtures tests/operator/tuning/fixtures/gpu
     PYTHONPATH=operator:engine:memplan:. python benchmarks/tune.py --device cpu --model-dir CKPT \\
         --classes chat --rounds 2 --scale 0.05 --num-requests 16 --no-grid
 """
@@ -25,12 +29,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import serving_client, serving_report, serving_server
 from benchmarks import serving_workload as wl
+from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from benchmarks.shapes import SHAPES
 from pagekeeper_operator.api.policy import MemoryPolicy
@@ -38,6 +45,7 @@ from pagekeeper_operator.api.tuning import TuningSpec
 from pagekeeper_operator.effective import allocator_conf
 from pagekeeper_operator.render.engine import ALLOC_CONF_ENV, policy_flags
 from pagekeeper_operator.tuning.fields import with_change
+from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
 
@@ -59,7 +67,7 @@ class Sampler:
 
     def __init__(self, url: str, interval: float) -> None:
         self.url, self.interval = url, interval
-        self.scrapes: list[tw.Scrape] = []
+        self.scrapes: list[tuple[float, tw.Scrape]] = []  # (time.monotonic(), reading)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -67,7 +75,7 @@ class Sampler:
         while not self._stop.wait(self.interval):
             status, text = serving_server.http_get(f"{self.url}/metrics")
             if status == 200:
-                self.scrapes.append(tw.Scrape.parse(text))
+                self.scrapes.append((time.monotonic(), tw.Scrape.parse(text)))
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -98,6 +106,16 @@ def open_loop_plans(
     ]
 
 
+def readings_of(
+    timed: list[tuple[float, tw.Scrape]],
+) -> list[tt.Reading]:
+    return [
+        tt.Reading(t, value)
+        for t, scrape in timed
+        if (value := scrape.get("vllm:generation_tokens_total")) is not None
+    ]
+
+
 def serve_round(
     model_dir: Path,
     cls: tw.WorkloadClass,
@@ -105,7 +123,8 @@ def serve_round(
     args: argparse.Namespace,
     log: Path,
 ) -> dict[str, Any]:
-    """One round: the engine at `policy`, the class's requests, the window and the summary."""
+    """One round: the engine at `policy`, the class's requests, the window, the trial rule's
+    figures and the summary."""
     run_args = argparse.Namespace(**vars(args))
     run_args.engine_arg = [*args.engine_arg, *policy_flags(policy, is_pagekeeper=True)]
     for name in ALLOC_CONF_ENV:  # the operator puts the allocator options in the pod's env
@@ -115,6 +134,7 @@ def serve_round(
     except RuntimeError as exc:  # a policy that cannot start (a start-up OOM) is a result too
         return {"policy": policy.to_api(), "error": str(exc)[-2000:]}
     try:
+        before_s = time.monotonic()
         before = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
         started = time.monotonic()
         with Sampler(server.url, args.sample_interval) as sampler:
@@ -127,13 +147,21 @@ def serve_round(
                 records = serving_client.run_plans(open_loop_plans(server.url, cls, args))
         seconds = time.monotonic() - started
         after = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
+        after_s = time.monotonic()
     finally:
         code = server.stop()
-    window = tw.window_of(before, after, sampler.scrapes, records, seconds, policy.max_num_seqs)
+    scrapes = [s for _, s in sampler.scrapes]
+    window = tw.window_of(before, after, scrapes, records, seconds, policy.max_num_seqs)
+    readings = readings_of([(before_s, before), *sampler.scrapes, (after_s, after)])
+    span = tt.steady_span(records, cls.concurrency is not None)
+    figures = tt.RoundFigures(
+        tt.throughput_samples(readings, *span), window.ttft_p99, window.itl_p99
+    )
     summary = serving_report.summarize(records)
     return {
         "policy": policy.to_api(),
         "window": window,
+        "figures": dataclasses.asdict(figures),
         "output_tok_s": summary["output_tok_s"],
         "ttft_p99_ms": summary["ttft_ms"]["p99"],
         "itl_p99_ms": summary["itl_ms"]["p99"],
@@ -154,54 +182,121 @@ def score(result: dict[str, Any], spec: TuningSpec) -> float:
     OOM or broke its latency bound."""
     if "error" in result or result["failures"] or result["ooms"]:
         return 0.0
-    if (
-        spec.ttft_p99_seconds is not None
-        and (result["ttft_p99_ms"] or 0) > spec.ttft_p99_seconds * 1e3
-    ):
-        return 0.0
-    if (
-        spec.itl_p99_seconds is not None
-        and (result["itl_p99_ms"] or 0) > spec.itl_p99_seconds * 1e3
-    ):
+    bound = tt.bound_of(spec)
+    p99_ms = result["ttft_p99_ms"] if spec.objective == "ThroughputUnderTTFT" else None
+    if spec.objective == "ThroughputUnderITL":
+        p99_ms = result["itl_p99_ms"]
+    if bound is not None and (p99_ms or 0) > bound * 1e3:
         return 0.0
     return float(result["output_tok_s"])
 
 
-def run_class(
-    model_dir: Path, cls: tw.WorkloadClass, spec: TuningSpec, args: argparse.Namespace, tmp: Path
-) -> dict[str, Any]:
-    policy, rounds = cls.start, []
-    for index in range(args.rounds):
-        result = serve_round(model_dir, cls, policy, args, tmp / f"{cls.name}-{index}.log")
-        window = result.pop("window", None)
-        proposals = [] if window is None else recommend(window, policy, spec, "pagekeeper")
-        result["recommendation"] = (
-            None if not proposals
-            else {k: getattr(proposals[0], k) for k in ("field", "current", "proposed", "rule")}
+def verdict_of(trial: dict[str, Any], base: dict[str, Any], spec: TuningSpec) -> dict[str, Any]:
+    """The trial rule's verdict on `trial` against `base`, the round of the policy in force."""
+    if "error" in trial:
+        return {"is_win": False, "reason": "the candidate did not start"}
+    if trial["ooms"] or trial["failures"]:
+        return {"is_win": False, "reason": "the candidate ran out of memory or lost requests"}
+    figures = [tt.RoundFigures(**r["figures"]) for r in (trial, base)]
+    comparison = tt.judge(*figures, spec)
+    if comparison is None:
+        return {"is_win": False, "reason": "too few throughput samples to tell"}
+    return {"is_win": comparison.is_win, "reason": comparison.reason, **comparison.evidence()}
+
+
+def change_of(proposal: Proposal) -> dict[str, str]:
+    return {k: getattr(proposal, k) for k in ("field", "current", "proposed", "rule")}
+
+
+def format_change(change: dict[str, str] | None) -> str:
+    if change is None:
+        return "none (the window supports no change, or every field was tried)"
+    return f"{change['field']} {change['current']} -> {change['proposed']} ({change['rule']})"
+
+
+def objective_spec(args: argparse.Namespace) -> TuningSpec:
+    """`--objective` for every class, in place of each class's own."""
+    return TuningSpec(
+        objective=args.objective, ttft_p99_seconds=args.ttft_p99_seconds,
+        itl_p99_seconds=args.itl_p99_seconds,
+    )  # fmt: skip
+
+
+Serve = Callable[[MemoryPolicy, str], tuple[dict[str, Any], MetricWindow | None]]
+
+
+def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
+    """Round 0 serves the starting policy; each later round tries the top recommendation for the
+    policy in force (held fields excluded) and keeps it only on a win. `serve(policy, tag)`
+    serves one round (`serving`: an engine over HTTP) and returns its result and window."""
+    spec = cls.tuning if args.objective is None else objective_spec(args)
+    policy, held = cls.start, set[str]()
+    base, base_window = serve(policy, f"{cls.name}_round0")
+    base["verdict"] = None  # round 0 measures the starting policy
+    rounds = [{"round": 0, "trial": base, "in_force": policy.to_api(),
+               "in_force_score": score(base, spec)}]  # fmt: skip
+    print(format_row(f"{cls.name} round 0", rounds[0], spec))
+    for index in range(1, args.rounds + 1):
+        proposals = (
+            [] if base_window is None
+            else recommend(base_window, policy, spec, "pagekeeper", held)
         )  # fmt: skip
-        rounds.append(result)
-        print(format_row(f"{cls.name} round {index}", result, spec))
-        if window is not None and args.fixtures is not None:
-            save_fixture(Path(args.fixtures), f"{cls.name}_round{index}", window, cls, result)
-        if not proposals:
+        rounds[-1]["next"] = change_of(proposals[0]) if proposals else None
+        print(f"  next: {format_change(rounds[-1]['next'])}")
+        if not proposals or index == args.rounds:
             break
-        policy = with_change(policy, proposals[0].field, proposals[0].proposed)
+        top = proposals[0]
+        candidate = with_change(policy, top.field, top.proposed)
+        trial, window = serve(candidate, f"{cls.name}_round{index}")
+        trial["verdict"] = verdict_of(trial, base, spec)
+        held.add(top.field)  # the hold-off: whatever the verdict, not tried again in this run
+        if trial["verdict"]["is_win"]:
+            policy, base, base_window = candidate, trial, window
+        rounds.append({"round": index, "trial": trial, "in_force": policy.to_api(),
+                       "in_force_score": score(base, spec)})  # fmt: skip
+        print(format_row(f"{cls.name} round {index}", rounds[-1], spec))
     grid = []
-    for point in [] if args.no_grid else cls.grid:
-        done = next((r for r in rounds if r["policy"] == point.to_api()), None)
-        result = done or serve_round(model_dir, cls, point, args, tmp / f"{cls.name}-grid.log")
-        result.pop("window", None)
+    for k, point in enumerate([] if args.no_grid else cls.grid):
+        result, _ = serve(point, f"{cls.name}_grid{k}")
         grid.append(result)
-        print(format_row(f"{cls.name} grid", result, spec))
-    scores = [score(r, spec) for r in rounds]
+        print(format_row(f"{cls.name} grid", {"trial": result}, spec))
+    return summarize_class(cls, spec, rounds, grid)
+
+
+def summarize_class(
+    cls: tw.WorkloadClass, spec: TuningSpec, rounds: list[dict[str, Any]], grid: list[Any]
+) -> dict[str, Any]:
+    """The score: the round whose policy in force first reached 90% of the grid's best (each
+    grid point served anew, never the start), and every round or trial more than 5% worse."""
     best = max((score(r, spec) for r in grid), default=0.0)
-    reached = next((i for i, s in enumerate(scores) if best and s >= TARGET_SHARE * best), None)
-    drops = [i for i in range(1, len(scores)) if scores[i] < 0.95 * scores[i - 1]]
+    in_force = [r["in_force_score"] for r in rounds]
+    reached = next((i for i, s in enumerate(in_force) if best and s >= TARGET_SHARE * best), None)
+    drops = [i for i in range(1, len(in_force)) if in_force[i] < 0.95 * in_force[i - 1]]
+    worse_trials = [
+        r["round"] for prev, r in pairwise(rounds)
+        if score(r["trial"], spec) < 0.95 * prev["in_force_score"]
+    ]  # fmt: skip
     return {
-        "class": cls.name, "start_policy_why": cls.why, "rounds": rounds, "grid": grid,
-        "grid_best_tok_s": best, "round_reaching_90pct": reached,
-        "rounds_more_than_5pct_worse": drops,
+        "class": cls.name, "start_policy_why": cls.why, "objective": spec.to_api(),
+        "rounds": rounds, "grid": grid, "grid_best_tok_s": best,
+        "round_reaching_90pct": reached, "rounds_more_than_5pct_worse": drops,
+        "trials_more_than_5pct_worse": worse_trials,
+        "ooms": sum(r["trial"].get("ooms") or 0 for r in [*rounds, *({"trial": g} for g in grid)]),
     }  # fmt: skip
+
+
+def serving(model_dir: Path, cls: tw.WorkloadClass, args: argparse.Namespace, tmp: Path) -> Serve:
+    """`serve` over real engines: each round's log in `tmp`, its window saved as a fixture
+    under `--fixtures`."""
+
+    def serve(policy: MemoryPolicy, tag: str) -> tuple[dict[str, Any], MetricWindow | None]:
+        result = serve_round(model_dir, cls, policy, args, tmp / f"{tag}.log")
+        window = result.pop("window", None)
+        if window is not None and args.fixtures is not None:
+            save_fixture(Path(args.fixtures), tag, window, cls, result)
+        return result, window
+
+    return serve
 
 
 def save_fixture(
@@ -213,16 +308,18 @@ def save_fixture(
     (directory / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def format_row(tag: str, r: dict[str, Any], spec: TuningSpec) -> str:
+def format_row(tag: str, entry: dict[str, Any], spec: TuningSpec) -> str:
+    r = entry["trial"]
     if "error" in r:
         return f"{tag}: {json.dumps(r['policy'])} did not start: {r['error'][-200:]}"
-    rec = r.get("recommendation")
-    change = "none" if not rec else f"{rec['field']} {rec['current']} -> {rec['proposed']}"
+    verdict = r.get("verdict")
+    kept = "" if not verdict else f"; {'kept' if verdict['is_win'] else 'rolled back'}: "
+    kept += "" if not verdict else verdict["reason"]
     return (
         f"{tag}: {r['output_tok_s']:,.0f} tok/s (score {score(r, spec):,.0f}), TTFT p99 "
         f"{r['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {r['itl_p99_ms'] or 0:.1f} ms, preemptions "
         f"{r['preemptions']:.0f}, OOMs {r['ooms']:.0f}, reserved-allocated "
-        f"{r['reserved_minus_allocated_peak_mib'] or 0:.0f} MiB; next: {change}"
+        f"{r['reserved_minus_allocated_peak_mib'] or 0:.0f} MiB{kept}"
     )
 
 
@@ -237,12 +334,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(
         "--quick",
         action="store_true",
-        help="256 requests a class, 30 s of bursts, 3 rounds, a smaller grid, eager engines",
+        help="512 chat and 384 rag requests, 30 s of bursts, eager engines",
     )
     add("--scale", type=float, default=1.0, help="shrink prompt and output lengths (smoke runs)")
     add("--num-requests", type=int, default=None, help="cap each closed-loop class's requests")
     add("--objective", choices=["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"],
-        default="Throughput")  # fmt: skip
+        default=None, help="for every class (default: each class's own)")  # fmt: skip
     add("--ttft-p99-seconds", type=float, default=None)
     add("--itl-p99-seconds", type=float, default=None)
     add("--max-model-len", type=int, default=8192)
@@ -257,8 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--fixtures", default=None, help="save each round's window here as a JSON fixture")
     add("--json", default=None)
     args = parser.parse_args(argv)
-    if args.quick:  # about 14 engine starts: eager ones start fastest
-        args.rounds = min(args.rounds, 3)
+    if args.quick:  # eager engines start fastest
         args.enforce_eager = True
     # what serving_server.start_server and run_online read
     args.api_server_count, args.server_cpus, args.client_cpus = None, None, None
@@ -268,10 +364,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    spec = TuningSpec(
-        objective=args.objective, ttft_p99_seconds=args.ttft_p99_seconds,
-        itl_p99_seconds=args.itl_p99_seconds,
-    )  # fmt: skip
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -290,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 work = wl.ChatWorkload(cls.work.prompts[:n], cls.work.output_lens[:n])
                 cls = dataclasses.replace(cls, work=work)
             print(f"# {cls.name}: from {json.dumps(cls.start.to_api())} ({cls.why})")
-            results.append(run_class(model_dir, cls, spec, args, tmp))
+            results.append(run_class(cls, args, serving(model_dir, cls, args, tmp)))
     report["classes"] = results
     for r in results:
         print(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from benchmarks import tune
+from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from benchmarks.serving_workload import RequestRecord
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.tuning.window import MetricWindow
 from tests.support.cpu_engine import write_tiny_checkpoint
 
@@ -64,10 +68,10 @@ def test_the_window_is_counters_as_differences_and_gauges_over_the_round() -> No
 
 def test_classes_follow_the_workload_description() -> None:
     chat, rag, burst = tw.classes(0, VOCAB, 8192, quick=True)
-    assert (chat.concurrency, len(chat.work.prompts), chat.start.max_num_seqs) == (128, 256, 16)
+    assert (chat.concurrency, len(chat.work.prompts), chat.start.max_num_seqs) == (128, 512, 16)
     assert all(64 <= len(p) <= 512 for p in chat.work.prompts)
     prefixes = {tuple(p[: tw.RAG_PREFIX_LEN]) for p in rag.work.prompts}
-    assert len(prefixes) == tw.RAG_PREFIXES
+    assert len(prefixes) == tw.RAG_PREFIXES and len(rag.work.prompts) == 384
     assert all(32 <= len(p) - tw.RAG_PREFIX_LEN <= 4096 for p in rag.work.prompts)
     assert (rag.start.enable_prefix_caching, rag.start.block_size) == (False, 32)
     long_ones = [
@@ -75,9 +79,11 @@ def test_classes_follow_the_workload_description() -> None:
     ]
     assert sorted(set(long_ones)) == [0.0, 20.0] and len(long_ones) == 2 * tw.BURST_SIZE
     assert burst.arrivals == sorted(burst.arrivals)
-    assert burst.start.gpu_memory_utilization == 0.7
-    for cls in (chat, rag, burst):
-        assert cls.start in cls.grid or cls.name == "rag"
+    assert burst.start.gpu_memory_utilization == 0.1
+    assert (burst.tuning.objective, burst.tuning.ttft_p99_seconds) == ("ThroughputUnderTTFT", 2.0)
+    assert (chat.tuning.objective, rag.tuning.objective) == ("Throughput", "Throughput")
+    for cls in (chat, rag, burst):  # each grid point is served anew: the start is no point
+        assert cls.start not in cls.grid and len(cls.grid) >= 2
 
 
 def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
@@ -90,9 +96,10 @@ def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
     ])  # fmt: skip
     [chat] = report["classes"]
     [first] = chat["rounds"]  # 12 requests are too few for any rule: no change, no second round
-    assert first["recommendation"] is None
-    assert first["failures"] == {} and first["output_tok_s"] > 0
-    assert first["policy"]["maxNumSeqs"] == 16
+    assert first["next"] is None and first["trial"]["verdict"] is None
+    assert first["trial"]["failures"] == {} and first["trial"]["output_tok_s"] > 0
+    assert first["in_force"]["maxNumSeqs"] == 16
+    assert len(first["trial"]["figures"]["samples"]) == tt.SAMPLES
     saved = MetricWindow.from_json((tmp_path / "fixtures" / "chat_round0.json").read_text())
     assert saved.num_requests == 12.0
 
@@ -104,3 +111,85 @@ def test_a_burst_round_splits_its_arrivals_over_the_client_processes() -> None:
     assert [p.num_streams for p in plans] == [0, 0, 0]
     assert sorted(i for p in plans for i, _ in p.arrivals) == list(range(len(burst.arrivals)))
     assert all(p.warmup == [] and p.prompts is burst.work.prompts for p in plans)
+
+
+def window_with(**numbers: float) -> MetricWindow:
+    fields: dict[str, Any] = {"seconds": 60.0, "output_tokens_per_s": 1e3, **numbers}
+    return MetricWindow(**fields)
+
+
+def result(tok_s: float, ttft_ms: float, samples: list[float]) -> dict[str, Any]:
+    return {
+        "policy": {}, "output_tok_s": tok_s, "ttft_p99_ms": ttft_ms, "itl_p99_ms": 10.0,
+        "preemptions": 0.0, "ooms": 0.0, "reserved_minus_allocated_peak_mib": 40.0,
+        "failures": {}, "exit_code": 0,
+        "figures": {"samples": samples, "ttft_p99_s": ttft_ms / 1e3, "itl_p99_s": 0.01},
+    }  # fmt: skip
+
+
+def test_rounds_keep_a_measured_win_roll_back_a_tie_and_hold_both_fields() -> None:
+    """The loop as Apply mode runs it, over scripted rounds: the cap that binds is raised and
+    kept (a win), caching off is tried and rolled back (a tie), and neither is tried again."""
+    binding = window_with(num_requests=512.0, kv_usage_peak=0.05, seq_cap_fraction=0.9,
+                          waiting_avg=100.0, running_peak=16.0, waiting_peak=112.0,
+                          running_avg=16.0, prefix_queries=80_000.0, prefix_hits=0.0,
+                          prompt_tokens=80_000.0)  # fmt: skip
+    free = dataclasses.replace(binding, seq_cap_fraction=0.1, waiting_avg=0.0, waiting_peak=0.0)
+    script = {
+        "chat_round0": (result(900.0, 9000.0, [900.0 + i for i in range(16)]), binding),
+        "chat_round1": (result(5000.0, 250.0, [5000.0 + i for i in range(16)]), free),
+        "chat_round2": (result(4800.0, 240.0, [5005.0 + i for i in range(16)]), free),
+        "chat_grid0": (result(3100.0, 4000.0, []), None),
+        "chat_grid1": (result(5200.0, 240.0, []), None),
+    }
+    served: list[tuple[str, dict[str, Any]]] = []
+
+    def serve(policy: MemoryPolicy, tag: str) -> tuple[dict[str, Any], MetricWindow | None]:
+        served.append((tag, policy.to_api()))
+        found, window = script[tag]
+        return {**found, "policy": policy.to_api()}, window
+
+    chat = tw.classes(0, VOCAB, 8192, quick=True)[0]
+    chat = dataclasses.replace(chat, grid=chat.grid[:2])
+    report = tune.run_class(chat, tune.parse_args(["--rounds", "5"]), serve)
+    assert [tag for tag, _ in served] == [
+        "chat_round0", "chat_round1", "chat_round2", "chat_grid0", "chat_grid1",
+    ]  # fmt: skip
+    first, second, third = report["rounds"]
+    assert first["next"] == {"field": "maxNumSeqs", "current": "16", "proposed": "128",
+                             "rule": "max-num-seqs-up"}  # fmt: skip
+    assert second["trial"]["verdict"]["is_win"] and second["in_force"]["maxNumSeqs"] == 128
+    assert second["next"]["field"] == "enablePrefixCaching"
+    assert not third["trial"]["verdict"]["is_win"]
+    assert third["trial"]["verdict"]["reason"].startswith("improvement +0.")
+    # The tie went back: the policy in force and its score are round 1's.
+    assert third["in_force"] == second["in_force"] and third["in_force_score"] == 5000.0
+    assert third["next"] is None  # both fields held, nothing else in the window
+    assert (report["grid_best_tok_s"], report["round_reaching_90pct"]) == (5200.0, 1)
+    assert report["rounds_more_than_5pct_worse"] == []
+    assert report["trials_more_than_5pct_worse"] == [] and report["ooms"] == 0
+
+
+def test_throughput_samples_interpolate_the_counter_over_equal_stretches() -> None:
+    readings = [tt.Reading(0.0, 0.0), tt.Reading(1.0, 100.0), tt.Reading(3.0, 500.0)]
+    assert tt.counter_at(readings, 2.0) == 300.0
+    assert (tt.counter_at(readings, -1.0), tt.counter_at(readings, 9.0)) == (0.0, 500.0)
+    assert tt.throughput_samples(readings, 0.0, 3.0, num=3) == [100.0, 200.0, 200.0]
+
+
+def test_the_steady_span_ends_at_the_last_send_of_a_closed_loop() -> None:
+    records = [RequestRecord(0, 4, send_s=1.0, end_s=5.0), RequestRecord(1, 4, send_s=3.0,
+                                                                        end_s=9.0)]  # fmt: skip
+    assert tt.steady_span(records, is_closed_loop=True) == (1.0, 3.0)
+    assert tt.steady_span(records, is_closed_loop=False) == (1.0, 9.0)
+
+
+def test_a_trial_is_judged_under_the_classes_objective() -> None:
+    burst = tw.classes(0, VOCAB, 8192, quick=True)[2]
+    same = [1000.0 + (i % 4) for i in range(16)]
+    queued = tt.RoundFigures(same, ttft_p99_s=3.5, itl_p99_s=0.02)
+    served = tt.RoundFigures(same, ttft_p99_s=1.1, itl_p99_s=0.02)
+    verdict = tt.judge(served, queued, burst.tuning)
+    assert verdict is not None and verdict.is_win  # the bound met, the same tokens served
+    plain = tt.judge(served, queued, tw.classes(0, VOCAB, 8192, quick=True)[0].tuning)
+    assert plain is not None and not plain.is_win  # under plain throughput: a tie
