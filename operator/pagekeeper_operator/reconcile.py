@@ -69,7 +69,7 @@ class ReconcileResult:
 
     @property
     def is_permanent_error(self) -> bool:
-        """A 4xx other than conflict/throttling: the spec (or a render bug) is at fault."""
+        """A refusal (`failures.is_permanent_status`): the spec (or a render bug) is at fault."""
         return self.error is not None and is_permanent(self.error)
 
 

@@ -5,9 +5,9 @@ invalid field. A condition message is read in `kubectl describe`, `kubectl wait`
 Argo CD UI and a Flux Kustomization's failure, so it carries the first cause (field and reason)
 in one sentence; the raw body goes to the operator's log and an Event.
 
-A refusal (`failures.is_permanent_status`: a 4xx other than a timeout, conflict, expired list or
-throttling) will not pass on retry: the spec must
-change, so it stalls the server (`progress`). Other failures are retried.
+A refusal (`failures.is_permanent_status`: a 4xx other than expired credentials, a timeout, a
+conflict, an expired list or throttling) will not pass on retry: the spec must change, so it
+stalls the server (`progress`). Other failures are retried.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 timezone-aware `datetime`s in code. The operator's one formatter and one parser.
 
 A stored time stamp the parser cannot read (or one without a zone) raises `TimestampError`, a
-`ValueError`: `failures.is_permanent` treats it as permanent (the webhook answers 4xx, never a
-retry loop), and where a state machine reads one (a canary's start, a hold-off) it says so in
-status and carries on (`parse_or`) rather than stall.
+`failures.UnreadableDataError`: permanent (the webhook answers 4xx, never a retry loop), and
+where a state machine reads one (a canary's start, a hold-off) it says so in status and carries
+on (`parse_or`) rather than stall.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import logging
 from datetime import UTC, datetime
 from typing import overload
 
+from pagekeeper_operator.failures import UnreadableDataError
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
-class TimestampError(ValueError):
+class TimestampError(UnreadableDataError):
     """A time stamp that is not RFC 3339 with a zone."""
 
 

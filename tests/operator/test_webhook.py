@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,9 +13,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.failures import UnreadableDataError
 from pagekeeper_operator.remediation.payload import WebhookMessage
-from pagekeeper_operator.remediation.remediator import Remediator
+from pagekeeper_operator.remediation.remediator import Remediator, ServerInfo
 from pagekeeper_operator.remediation.webhook import is_authorized, make_app
+from pagekeeper_operator.timestamps import TimestampError
 from tests.operator.remediation_fakes import Clock, FakeCluster, alert_json, message_json
 
 TOKEN = "s3cret-token-value"
@@ -160,38 +164,117 @@ def test_repeats_and_resolved_are_200_and_act_once() -> None:
     assert cluster.eviction_attempts == ["chat-a"]
 
 
-def test_handler_failure_is_500_so_alertmanager_retries() -> None:
-    async def failing(message: WebhookMessage) -> dict[str, Any]:
-        raise ConnectionError("API server unreachable")
+RETRIED = {"error": "could not handle the notification; it will be retried"}
 
-    async def scenario(client: TestClient[web.Request, web.Application]) -> None:
-        response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
-        assert response.status == 500
 
-    run(make_app(lambda: TOKEN, failing), scenario)
+def refused(reason: str) -> dict[str, Any]:
+    return {"error": f"the notification cannot be handled: {reason}", "retry": False}
 
 
 @pytest.mark.parametrize(
-    ("error", "status"),
+    ("error", "status", "answer"),
     [
-        (ApiException(status=403, reason="Forbidden"), 422),
-        (ApiException(status=422, reason="Unprocessable Entity"), 422),
-        (ValueError("Invalid isoformat string: 'yesterday'"), 422),
-        (ApiException(status=409, reason="Conflict"), 500),
-        (ApiException(status=503, reason="Service Unavailable"), 500),
-        (ConnectionError("API server unreachable"), 500),
+        (ApiException(400, "Bad Request"), 422, refused("the API server answered 400 Bad Request")),
+        (ApiException(403, "Forbidden"), 422, refused("the API server answered 403 Forbidden")),
+        (ApiException(404, "Not Found"), 422, refused("the API server answered 404 Not Found")),
+        (
+            ApiException(422, "Unprocessable Entity"),
+            422,
+            refused("the API server answered 422 Unprocessable Entity"),
+        ),
+        (
+            TimestampError("unreadable time stamp 'yesterday' (RFC 3339 expected)"),
+            422,
+            refused("TimestampError: unreadable time stamp 'yesterday' (RFC 3339 expected)"),
+        ),
+        (
+            UnreadableDataError("LLMServer prod/chat cannot be read: spec.replicas"),
+            422,
+            refused("UnreadableDataError: LLMServer prod/chat cannot be read: spec.replicas"),
+        ),
+        # An expired service-account token: the client reads the refreshed one again.
+        (ApiException(401, "Unauthorized"), 500, RETRIED),
+        (ApiException(408, "Request Timeout"), 500, RETRIED),
+        (ApiException(409, "Conflict"), 500, RETRIED),
+        (ApiException(410, "Gone"), 500, RETRIED),
+        (ApiException(429, "Too Many Requests"), 500, RETRIED),
+        (ApiException(503, "Service Unavailable"), 500, RETRIED),
+        (ConnectionError("API server unreachable"), 500, RETRIED),
+        # Bugs in the operator's own code say nothing about the alert: retried, never dropped.
+        (ValueError("invalid literal for int() with base 10: 'x'"), 500, RETRIED),
+        (KeyError("spec"), 500, RETRIED),
+        (RuntimeError("status of prod/chat kept changing; not written"), 500, RETRIED),
     ],
 )
-def test_a_failure_no_retry_can_fix_is_4xx_and_the_rest_5xx(error: Exception, status: int) -> None:
+def test_a_failure_no_retry_can_fix_is_422_and_the_rest_500(
+    error: Exception, status: int, answer: dict[str, Any]
+) -> None:
     async def failing(message: WebhookMessage) -> dict[str, Any]:
         raise error
 
     async def scenario(client: TestClient[web.Request, web.Application]) -> None:
         response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
-        answer = await response.json()
-        assert (response.status, answer.get("retry", True)) == (status, status >= 500)
+        assert (response.status, await response.json()) == (status, answer)
 
     run(make_app(lambda: TOKEN, failing), scenario)
+
+
+class BuggyCluster(FakeCluster):
+    """Reading the server fails `num_bugs` times with an exception no rule foresaw."""
+
+    num_bugs: int = 1
+
+    async def read_server(self, namespace: str, name: str) -> ServerInfo | None:
+        if self.num_bugs > 0:
+            self.num_bugs -= 1
+            raise ValueError("a bug: not a property of the alert")
+        return await super().read_server(namespace, name)
+
+
+def test_an_unexpected_exception_in_the_handler_is_500_logged_and_the_resend_acts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = BuggyCluster(["chat-a", "chat-b"])
+    remediator = Remediator(cluster, clock=Clock())
+
+    async def scenario(client: TestClient[web.Request, web.Application]) -> None:
+        response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
+        assert (response.status, await response.json()) == (500, RETRIED)
+        assert cluster.eviction_attempts == []
+        # Alertmanager re-sends a 5xx; this time the handler passes.
+        response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
+        assert response.status == 200
+        decisions = (await response.json())["decisions"]
+        assert [(d["pod"], d["verdict"]) for d in decisions] == [("chat-a", "evict")]
+
+    with caplog.at_level(logging.ERROR, logger="pagekeeper_operator.remediation.webhook"):
+        run(make_app(lambda: TOKEN, remediator.handle), scenario)
+    assert cluster.eviction_attempts == ["chat-a"]
+    (record,) = [r for r in caplog.records if r.name == "pagekeeper_operator.remediation.webhook"]
+    assert record.getMessage() == (
+        'could not handle notification {}:{alertname="PagekeeperKVCacheSaturated"} (retryable)'
+    )
+    assert record.exc_info is not None and record.exc_info[0] is ValueError
+
+
+def test_unreadable_stored_data_in_the_handler_is_422() -> None:
+    cluster = FakeCluster(["chat-a", "chat-b"])
+    earlier = alert_json("chat-b", fingerprint="earlier")
+    cluster.history = [
+        RemediationRecord(
+            time="yesterday", pod="chat-b", alert="PagekeeperKVCacheSaturated", action="evict",
+            outcome="evicted", fingerprint="earlier", alertStartsAt=earlier["startsAt"],
+        )
+    ]  # fmt: skip
+    remediator = Remediator(cluster, clock=Clock())
+
+    async def scenario(client: TestClient[web.Request, web.Application]) -> None:
+        response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
+        reason = "TimestampError: unreadable time stamp 'yesterday' (RFC 3339 expected)"
+        assert (response.status, await response.json()) == (422, refused(reason))
+
+    run(make_app(lambda: TOKEN, remediator.handle), scenario)
+    assert cluster.eviction_attempts == []
 
 
 def test_rotated_token_applies_and_healthz_needs_none() -> None:

@@ -15,9 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.failures import UnreadableDataError
 from pagekeeper_operator.kube import Kube, StatusChange
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
@@ -83,8 +85,14 @@ def server_info(
 ) -> ServerInfo:
     """ServerInfo from an LLMServer object as the API returns it. Under spec.autoscaling the
     desired count is the Deployment's (`deployment_replicas`, the autoscaler's), not
-    spec.replicas."""
-    server = LLMServer.from_body(body)
+    spec.replicas. An object its models refuse (stored under an older schema) is an
+    UnreadableDataError: until the object changes, every retry reads the same."""
+    try:
+        server = LLMServer.from_body(body)
+    except ValidationError as error:
+        metadata = body.get("metadata") or {}
+        name = f"{metadata.get('namespace')}/{metadata.get('name')}"
+        raise UnreadableDataError(f"LLMServer {name} cannot be read: {error}") from error
     num_desired = server.spec.replicas
     if server.spec.is_autoscaled and deployment_replicas is not None:
         num_desired = deployment_replicas

@@ -1,13 +1,17 @@
-"""The Alertmanager webhook payload (version 4), as pydantic models.
+"""The Alertmanager webhook payload (version 4), as pydantic models, and `parse_notification`:
+a body read into them, or a `MalformedNotificationError` naming the fields.
 
 Only what remediation reads is required; anything Alertmanager adds later is ignored.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+
+from pagekeeper_operator.failures import UnreadableDataError
 
 AlertStatus = Literal["firing", "resolved"]
 # Alertmanager caps a group at its `max_alerts`; a body far past this is not from Alertmanager.
@@ -54,3 +58,35 @@ class WebhookMessage(_Payload):
     common_annotations: dict[str, str] = Field(default_factory=dict, alias="commonAnnotations")
     external_url: str = Field(default="", alias="externalURL")
     alerts: list[WebhookAlert] = Field(max_length=MAX_ALERTS)
+
+
+class MalformedNotificationError(UnreadableDataError):
+    """A body that is not JSON, or not an Alertmanager notification (`fields`: each field its
+    models refuse, with why): a retry sends the same body, so none passes."""
+
+    def __init__(self, message: str, fields: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+
+def _field_errors(error: ValidationError) -> list[dict[str, str]]:
+    return [
+        {"field": ".".join(str(part) for part in item["loc"]), "message": item["msg"]}
+        for item in error.errors(include_url=False, include_input=False)
+    ]
+
+
+def parse_notification(body: bytes) -> WebhookMessage:
+    """The notification in `body`; MalformedNotificationError for one that is not JSON or not a
+    notification."""
+    try:
+        data: Any = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MalformedNotificationError(f"body is not JSON: {error}") from error
+    try:
+        return WebhookMessage.model_validate(data)
+    except ValidationError as error:
+        raise MalformedNotificationError(
+            "not an Alertmanager notification", _field_errors(error)
+        ) from error

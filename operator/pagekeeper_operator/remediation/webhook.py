@@ -3,26 +3,30 @@
 `POST /alertmanager` takes Alertmanager's webhook payload (version 4) with
 `Authorization: Bearer <token>` (Alertmanager's `http_config.authorization.credentials_file`).
 Responses: 401 without the right token, 413 past the size bound, 400 for a body that is not
-JSON or not a notification (naming the field), 422 when handling failed in a way no retry can
-fix (`failures.is_permanent`: the operator's RBAC forbids an action, a malformed time stamp in
-stored status), 500 when it may pass on a retry (the cluster could not be read; Alertmanager
-retries a 5xx, and handling is idempotent), else 200 with the decisions taken.
+JSON or not a notification (`payload.MalformedNotificationError`, naming the fields), 422 when
+handling failed in a way no retry can fix (`failures.is_permanent`: the API server refused an
+action for what it is, such as the operator's RBAC forbidding it; stored data the operator
+cannot read, such as a malformed time stamp), 500 for every other failure (the cluster could
+not be read, an expired token, a bug: Alertmanager retries a 5xx, and handling is idempotent),
+each logged with its traceback; else 200 with the decisions taken.
 `GET /healthz` answers 200 without authentication.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from pagekeeper_operator.failures import describe, is_permanent
-from pagekeeper_operator.remediation.payload import WebhookMessage
+from pagekeeper_operator.remediation.payload import (
+    MalformedNotificationError,
+    WebhookMessage,
+    parse_notification,
+)
 
 logger = logging.getLogger(__name__)
 # A full Alertmanager group of a few hundred alerts stays well under this.
@@ -47,13 +51,6 @@ def is_authorized(header: str | None, token: str) -> bool:
     return hmac.compare_digest(provided.strip().encode(), token.encode())
 
 
-def _field_errors(error: ValidationError) -> list[dict[str, str]]:
-    return [
-        {"field": ".".join(str(part) for part in item["loc"]), "message": item["msg"]}
-        for item in error.errors(include_url=False, include_input=False)
-    ]
-
-
 def make_app(
     token_source: TokenSource,
     on_message: NotificationHandler,
@@ -76,23 +73,22 @@ def make_app(
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"body larger than {max_body_bytes} bytes")
         try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            return _error(400, f"body is not JSON: {error}")
-        try:
-            message = WebhookMessage.model_validate(data)
-        except ValidationError as error:
-            return _error(400, "not an Alertmanager notification", fields=_field_errors(error))
+            message = parse_notification(body)
+        except MalformedNotificationError as error:
+            fields = {} if error.fields is None else {"fields": error.fields}
+            return _error(400, error.message, **fields)
         try:
             summary = await on_message(message)
         except Exception as error:
-            logger.exception("could not handle notification %s", message.group_key)
             if is_permanent(error):
                 # A 4xx: Alertmanager does not re-send what can never pass.
+                logger.exception("could not handle notification %s (permanent)", message.group_key)
                 return _error(
                     422, f"the notification cannot be handled: {describe(error)}", retry=False
                 )
-            # Alertmanager retries a 5xx, and handling a notification twice is safe.
+            # Anything else may pass later (a bug included): Alertmanager retries a 5xx, and
+            # handling a notification twice is safe.
+            logger.exception("could not handle notification %s (retryable)", message.group_key)
             return _error(500, "could not handle the notification; it will be retried")
         return web.json_response(summary)
 
