@@ -190,17 +190,18 @@ def test_batched_tokens_follow_the_objective() -> None:
 
 
 def test_utilization_rises_into_measured_slack_never_past_the_bound() -> None:
-    # 40 of 140 GiB never reserved: to the default ceiling 0.95 (1 - a 2% margin is above it)
-    assert changes(run("utilization_slack")) == [
-        ("gpuMemoryUtilization", "0.9", "0.95", "utilization-up")
-    ]
-    bounded = run(
-        "utilization_slack", tuning={"bounds": {"gpuMemoryUtilization": {"min": 0.8, "max": 0.92}}}
-    )
-    assert changes(bounded) == [("gpuMemoryUtilization", "0.9", "0.92", "utilization-up")]
-    low = run("utilization_slack", {"gpuMemoryUtilization": 0.7})
+    # Recorded at 0.7: the KV cache fills its budget and is the limit, 43 of 140 GiB are never
+    # reserved: to the default ceiling 0.95 (1 - a 2% margin is above it).
+    at = {"gpuMemoryUtilization": 0.7}
+    low = run("utilization_slack", at)
     assert changes(low) == [("gpuMemoryUtilization", "0.7", "0.95", "utilization-up")]
-    assert dict(low[0].evidence)["idleFraction"] == 0.285714
+    assert dict(low[0].evidence)["idleFraction"] == 0.307143
+    bounded = run(
+        "utilization_slack", at, {"bounds": {"gpuMemoryUtilization": {"min": 0.7, "max": 0.92}}}
+    )
+    assert changes(bounded) == [("gpuMemoryUtilization", "0.7", "0.92", "utilization-up")]
+    # At the ceiling already: nothing to raise.
+    assert run("utilization_slack", {"gpuMemoryUtilization": 0.95}) == []
 
 
 def test_no_utilization_rise_after_an_oom_or_under_a_step_down() -> None:
@@ -247,18 +248,33 @@ def recorded_policy(name: str) -> MemoryPolicy:
     return MemoryPolicy.model_validate(json.loads(note[note.index("{") :]))
 
 
-@pytest.mark.parametrize(
-    ("name", "top"),
-    [
-        # W-tune on an H200 (docs/benchmarks.md, W-tune): 128 chat streams held to 16 running.
-        ("chat_round0", ("maxNumSeqs", "16", "128", "max-num-seqs-up")),
-        # RAG with caching off: the shadow count saw the shared 2,048-token prefixes.
-        ("rag_round0", ("enablePrefixCaching", "false", "true", "prefix-caching-on")),
-        # The grid's best RAG policy and the last burst round: no change is right.
-        ("rag_round1", None),
-        ("burst_round2", None),
-    ],
-)
+GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
+    # W-tune on an H200 (docs/benchmarks.md, W-tune): 128 chat streams held to 16 running.
+    # Measured next: 912 -> 5,136 tok/s at 128 sequences (run 41).
+    ("chat_round0", ("maxNumSeqs", "16", "128", "max-num-seqs-up")),
+    # The cap no longer binds; a 0% hit rate over 74,689 looked-up tokens. Measured next:
+    # -4.7%, inside the 6.8% spread between engine starts: a tie, which an Apply trial
+    # rolls back (compare), so the recommendation is offered at half confidence.
+    ("chat_round1", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
+    # RAG with caching off: the shadow count saw the shared 2,048-token prefixes.
+    # Measured next: 2,427 -> 2,685 tok/s, TTFT p99 722 -> 407 ms.
+    ("rag_round0", ("enablePrefixCaching", "false", "true", "prefix-caching-on")),
+    # The grid's best RAG policy: no change is right.
+    ("rag_round1", None),
+    # Bursts at utilization 0.7, KV never the limit (peak 33%), caching on at a 0% hit rate:
+    # the two marginal rules, each measured a tie next (-2.4%, then -0.9%).
+    ("burst_round0", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
+    ("burst_round1", ("blockSize", "16", "32", "block-size-up")),
+    # The last burst round: waste 3.2% at 32-token blocks, nothing held back: no change.
+    ("burst_round2", None),
+]  # fmt: skip
+
+
+def test_every_window_recorded_on_a_gpu_has_its_case() -> None:
+    assert {p.stem for p in GPU_FIXTURES.glob("*.json")} == {name for name, _ in GPU_CASES}
+
+
+@pytest.mark.parametrize(("name", "top"), GPU_CASES)
 def test_windows_recorded_on_a_gpu_give_the_measured_winner_first(
     name: str, top: tuple[str, str, str, str] | None
 ) -> None:
