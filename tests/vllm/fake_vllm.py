@@ -5,11 +5,17 @@ traceback among them) to stdout.
 
 Usage: fake_vllm.py SCENARIO [vLLM flags, ignored but --port]. Lines are vLLM's own (its child
 processes' lines carry their prefix), and the OOM text is torch's; `main` says what each scenario
-does. The stuck scenarios serve vLLM's /health and /metrics on --port, as a zombie vLLM would.
+does. The stuck scenarios serve vLLM's /health and /metrics on --port, as a zombie vLLM would;
+`serve` (`fake_vllm.py serve MODEL [vLLM flags]`) serves the OpenAI endpoints behind vLLM's
+`--api-key` (`openai_server`).
 """
 
+import argparse
+import hashlib
 import http.server
+import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -78,6 +84,107 @@ def serve_http(metrics: str, *, health_hangs: bool) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    """The flags of `vllm serve MODEL ...` the OpenAI server reads, parsed as vLLM parses them
+    (`--api-key` and `--served-model-name` take one or more values); the others are ignored."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--host", default="")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", nargs="+", default=None)
+    parser.add_argument("--api-key", nargs="+", default=None)
+    args, _ = parser.parse_known_args(argv)
+    return args
+
+
+def is_authorized(header: str | None, tokens: list[str]) -> bool:
+    """vLLM's `AuthenticationMiddleware.verify_token`: the scheme `Bearer` in any case, one space,
+    then a token equal to one of `tokens` (compared as SHA-256 digests in constant time)."""
+    if not header:
+        return False
+    scheme, _, param = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(param.encode()).digest()
+    is_match = False
+    for token in tokens:
+        is_match |= secrets.compare_digest(digest, hashlib.sha256(token.encode()).digest())
+    return is_match
+
+
+def openai_server(args: argparse.Namespace) -> None:
+    """vLLM's OpenAI server as far as `--api-key` goes, on --host/--port, as vLLM's source has it
+    (`build_app` in `entrypoints/openai/api_server.py` and its `AuthenticationMiddleware`): the
+    keys are `--api-key`'s values, else `VLLM_API_KEY`'s; with any, a request whose path starts
+    with `/v1` and fails `is_authorized` gets 401 with the JSON body `{"error": "Unauthorized"}`
+    (no WWW-Authenticate), while `/health` and `/metrics` stay open. (Newer vLLM guards every
+    route outside its public list, `/v1` at least; `/health` and `/metrics` are on that list.)
+    Behind it, `/v1/models` lists the served names and `/v1/completions` answers `max_tokens`
+    tokens of "a"."""
+    tokens = [key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
+    names = args.served_model_name or [args.model]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: object, content_type: str) -> None:
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self, request: dict | None) -> None:
+            path = self.path.split("?")[0]
+            is_locked = bool(tokens) and path.startswith("/v1")
+            if is_locked and not is_authorized(self.headers.get("Authorization"), tokens):
+                self._answer(401, {"error": "Unauthorized"}, "application/json")
+            elif path == "/health":
+                self._answer(200, "", "application/json")
+            elif path == "/metrics":
+                self._answer(200, IDLE_METRICS, "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/v1/models" and request is None:
+                models = [{"id": n, "object": "model", "owned_by": "vllm"} for n in names]
+                self._answer(200, {"object": "list", "data": models}, "application/json")
+            elif path == "/v1/completions" and request is not None:
+                self._complete(request)
+            else:
+                self._answer(404, {"detail": "Not Found"}, "application/json")
+
+        def _complete(self, request: dict) -> None:
+            if request.get("model") not in names:
+                error = {"message": f"The model `{request.get('model')}` does not exist.",
+                         "type": "NotFoundError", "param": None, "code": 404}  # fmt: skip
+                self._answer(404, {"error": error}, "application/json")
+                return
+            num_tokens = int(request.get("max_tokens") or 16)
+            choice = {"index": 0, "text": "a" * num_tokens, "logprobs": None,
+                      "finish_reason": "length", "stop_reason": None}  # fmt: skip
+            num_prompt = len(str(request.get("prompt", "")))
+            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_tokens,
+                     "total_tokens": num_prompt + num_tokens}  # fmt: skip
+            self._answer(
+                200,
+                {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+                 "model": request["model"], "choices": [choice], "usage": usage},
+                "application/json",
+            )  # fmt: skip
+
+        def do_GET(self) -> None:
+            self._route(None)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self._route(json.loads(self.rfile.read(length) or b"{}"))
+
+        def log_message(self, *_) -> None:
+            return
+
+    host = "127.0.0.1" if args.host in ("", "0.0.0.0") else args.host
+    server = http.server.ThreadingHTTPServer((host, args.port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
 def say(text: str, stream=sys.stdout) -> None:
     stream.write(text + "\n")
     stream.flush()
@@ -139,6 +246,10 @@ def main(scenario: str) -> None:
         threading.Event().wait()
     elif scenario == "health-hangs":  # idle, but /health never answers; drains on SIGTERM
         serve_http(IDLE_METRICS, health_hangs=True)
+        say(READY, sys.stderr)
+        wait_for_term(drain)
+    elif scenario == "serve":  # `vllm serve MODEL ...`: the OpenAI endpoints, drains on SIGTERM
+        openai_server(serve_args(sys.argv[2:]))
         say(READY, sys.stderr)
         wait_for_term(drain)
     elif scenario == "survived-oom-then-drain":
