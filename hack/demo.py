@@ -3,17 +3,19 @@
 
 Provisions the local control plane (hack/provision.sh, skipping what is cached), starts a
 cluster with fake GPU nodes, installs the chart's CRDs, runs the operator, applies an LLMServer
-like examples/llmserver-small.yaml, starts the engine on the CPU with a tiny dummy model and
-scrapes it with a real Prometheus as if it were one of the server's pods, with the operator's
-alert rules loaded and a real Alertmanager posting to the operator's webhook. Streaming load
-fills the engine's KV cache until PagekeeperKVCacheSaturated fires; the operator evicts that pod
-through the Eviction API and the Deployment replaces it. Everything it started is stopped on
+like examples/llmserver-small.yaml, its OpenAI endpoints locked by an API key from a Secret
+(spec.apiKey), starts the engine on the CPU with a tiny dummy model and that key, and scrapes it
+with a real Prometheus as if it were one of the server's pods, with the operator's alert rules
+loaded and a real Alertmanager posting to the operator's webhook. Streaming load, sending the
+key, fills the engine's KV cache until PagekeeperKVCacheSaturated fires; the operator evicts that
+pod through the Eviction API and the Deployment replaces it. Everything it started is stopped on
 exit, Ctrl-C included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -61,6 +63,7 @@ NAMESPACE = "pagekeeper-demo"
 EXAMPLE = REPO / "examples" / "llmserver-small.yaml"
 SHAPE = EngineShape(model_name="qwen3-0.6b")
 ALERT_TIMEOUT_S = 150
+API_KEY_SECRET = "demo-openai"  # spec.apiKey's Secret; its key `api-key` (the default)
 STARTED = time.monotonic()
 
 
@@ -80,12 +83,34 @@ def run(*argv: str, timeout: float = 1800) -> str:
     return result.stdout
 
 
+def api_key_secret(key: str) -> dict[str, Any]:
+    """The Secret spec.apiKey names, holding `key` under `api-key`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": API_KEY_SECRET},
+        "type": "Opaque",
+        "stringData": {"api-key": key},
+    }
+
+
+def create_api_key(cluster: Cluster) -> str:
+    """A fresh API key in the namespace's Secret, created before any LLMServer names it (a
+    server whose Secret is missing gets no pods until it exists)."""
+    key = secrets.token_hex(24)  # hex: a key that begins with "-" would read as a flag
+    cluster.apply_yaml(api_key_secret(key), "-n", NAMESPACE)
+    say(f"Secret {API_KEY_SECRET} holds the OpenAI endpoints' API key (spec.apiKey names it)")
+    return key
+
+
 def demo_server() -> dict[str, Any]:
     """The small example, made to fit the demo: two replicas, no model volume (the engine pods
-    are KWOK's and run nothing), and remediation that acts within seconds, not minutes."""
+    are KWOK's and run nothing), remediation that acts within seconds, not minutes, and the
+    OpenAI endpoints locked by the demo's API key."""
     server: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     spec = server["spec"]
     spec["replicas"] = 2
+    spec["apiKey"] = {"secretName": API_KEY_SECRET}
     spec["model"]["loadFormat"] = "dummy"
     spec.pop("podTemplate", None)
     spec["remediation"].update(
@@ -190,14 +215,20 @@ def demo(stack: contextlib.ExitStack, workdir: Path, autoscaling: bool = False) 
     install_crd(cluster, crds / "llmservers.pagekeeper.dev.yaml")  # and wait until Established
     cluster.kubectl("create", "namespace", NAMESPACE)
     restrict_namespace(cluster, NAMESPACE)
+    api_key = create_api_key(cluster)
     if autoscaling:
-        demo_autoscaling.scene(stack, workdir, cluster, NAMESPACE, say, show)
+        demo_autoscaling.scene(
+            stack, workdir, cluster, NAMESPACE, say, show, API_KEY_SECRET, api_key
+        )
         return
 
     # The engine's imports and load take longest: start it now, wait for it later.
-    say("starting the engine on the CPU: a tiny Llama with dummy weights, 32 KV blocks of 8")
+    say(
+        "starting the engine on the CPU: a tiny Llama with dummy weights, 32 KV blocks of 8, "
+        "the API key as its pods get it (--api-key)"
+    )
     checkpoint = write_tiny_checkpoint(workdir / "model")
-    engine = spawn_engine(checkpoint, workdir / "engine", SHAPE)
+    engine = spawn_engine(checkpoint, workdir / "engine", SHAPE, ["--api-key", api_key])
     stack.callback(say, "engine stopped")
     stack.callback(stop_engine, engine)
 
@@ -209,7 +240,10 @@ def demo(stack: contextlib.ExitStack, workdir: Path, autoscaling: bool = False) 
 
     server = demo_server()
     name = server["metadata"]["name"]
-    say(f"applying LLMServer {name} (examples/llmserver-small.yaml, 2 replicas, KV alert at 50%)")
+    say(
+        f"applying LLMServer {name} (examples/llmserver-small.yaml, 2 replicas, KV alert at 50%, "
+        f"spec.apiKey from Secret {API_KEY_SECRET})"
+    )
     cluster.apply_yaml(server, "-n", NAMESPACE)
     first, second = wait_ready_pods(cluster, NAMESPACE, name, 2)
     wait_for(
@@ -237,8 +271,8 @@ def demo(stack: contextlib.ExitStack, workdir: Path, autoscaling: bool = False) 
 
     pods = PodWatch(kubeconfig, NAMESPACE).start()
     stack.callback(pods.stop)
-    say(f"driving load: {8} concurrent streaming completions of 160 tokens each")
-    load = StreamingLoad(engine.url, SHAPE.model_name).start()
+    say(f"driving load: {8} concurrent streaming completions of 160 tokens each, with the key")
+    load = StreamingLoad(engine.url, SHAPE.model_name, api_key=api_key).start()
     stack.callback(load.stop)
     evicted = drive_until_evicted(cluster, engine, prometheus, name, first)
     say(f"operator: {evicted['outcome']} {first} ({evicted['message']})")

@@ -6,7 +6,9 @@ one waiting request per pod), prometheus-adapter registered through the aggregat
 Prometheus scraping the engine on the CPU as one pod's metrics, and the operator keeping the
 pods' deletion costs. A full queue scales the server out to 3 pods; then the series come from
 the newest pod, the queue drains while one request keeps running there, and the server scales
-back to 1 pod, keeping the loaded one. `hack/demo.py` provides the cluster and the narration.
+back to 1 pod, keeping the loaded one. `hack/demo.py` provides the cluster, the narration and
+the API key's Secret, which the server's spec.apiKey names; the engine wants the key and the load
+sends it.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ STEP_TIMEOUT_S = 240
 Say = Callable[[str], None]
 
 
-def demo_server() -> dict[str, Any]:
-    """The small example with autoscaling instead of a fixed count, and no model volume."""
+def demo_server(api_key_secret: str) -> dict[str, Any]:
+    """The small example with autoscaling instead of a fixed count, no model volume, and the
+    OpenAI endpoints locked by the key in Secret `api_key_secret`."""
     server: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     spec = server["spec"]
     spec.pop("replicas", None)
     spec.pop("podTemplate", None)
     spec["model"]["loadFormat"] = "dummy"
     spec["autoscaling"] = AUTOSCALING
+    spec["apiKey"] = {"secretName": api_key_secret}
     return server
 
 
@@ -98,9 +102,12 @@ def scene(
     namespace: str,
     say: Say,
     show: Callable[[str, str], None],
+    api_key_secret: str,
+    api_key: str,
 ) -> None:
     say("starting the engine on the CPU (a tiny Llama, dummy weights, a queue behind 4 slots)")
-    engine = spawn_engine(write_tiny_checkpoint(workdir / "model"), workdir / "engine", SHAPE)
+    checkpoint = write_tiny_checkpoint(workdir / "model")
+    engine = spawn_engine(checkpoint, workdir / "engine", SHAPE, ["--api-key", api_key])
     stack.callback(stop_engine, engine)
     prometheus = Prometheus(workdir / "prometheus", [], None).start([])
     stack.callback(prometheus.stop)
@@ -126,7 +133,7 @@ def scene(
     operator.wait_ready()
     say("operator up, reading requests in flight from Prometheus for the pod-deletion costs")
 
-    server = demo_server()
+    server = demo_server(api_key_secret)
     name = server["metadata"]["name"]
     show("spec.autoscaling", yaml.safe_dump(server["spec"]["autoscaling"], sort_keys=False))
     cluster.apply_yaml(server, "-n", namespace)
@@ -149,7 +156,7 @@ def scene(
     stack.callback(pods.stop)
 
     say("driving load: 8 streaming completions at once, 4 run and 4 wait")
-    heavy = StreamingLoad(engine.url, SHAPE.model_name, num_workers=8).start()
+    heavy = StreamingLoad(engine.url, SHAPE.model_name, num_workers=8, api_key=api_key).start()
     stack.callback(heavy.stop)
     started = time.monotonic()
     three = watch_count(cluster, namespace, name, 3, say)
@@ -186,7 +193,7 @@ def scene(
     say(f"pod-deletion costs: {costs(cluster, namespace, name)}")
 
     say("the queue drains; one request at a time keeps running on the loaded pod")
-    light = StreamingLoad(engine.url, SHAPE.model_name, num_workers=1)
+    light = StreamingLoad(engine.url, SHAPE.model_name, num_workers=1, api_key=api_key)
     stack.callback(light.stop)
     light.start()
     heavy.stop_new()

@@ -162,10 +162,16 @@ class StreamingLoad:
     """
 
     def __init__(
-        self, base_url: str, model: str, num_workers: int = 8, max_tokens: int = 160
+        self,
+        base_url: str,
+        model: str,
+        num_workers: int = 8,
+        max_tokens: int = 160,
+        api_key: str = "unused",
     ) -> None:
         self.base_url = base_url
         self.model = model
+        self.api_key = api_key  # an engine without --api-key takes any
         self.num_workers = num_workers
         self.max_tokens = max_tokens
         self.num_completed = 0
@@ -199,7 +205,7 @@ class StreamingLoad:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        client = AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+        client = AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0)
         try:
             await asyncio.gather(*(self._worker(client, i) for i in range(self.num_workers)))
         finally:
