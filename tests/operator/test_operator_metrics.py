@@ -4,11 +4,12 @@ the tuning series follow status.recommendations and the tuner's decisions."""
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekeeper_operator.api.tuning import Recommendation
+from pagekeeper_operator.api.tuning import Recommendation, TuningSpec
 from pagekeeper_operator.metrics import REGISTRY, count_tuning, serve_metrics
 from pagekeeper_operator.remediation.payload import WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator
@@ -71,3 +72,13 @@ def test_tuning_series_follow_the_recommendations_and_count_decisions() -> None:
     assert REGISTRY.get_sample_value("pagekeeper_tuning_decisions_total", reason) == before + 1
     count_tuning("prod", "tuned", TuneResult([], None))  # the recommendation went away
     assert REGISTRY.get_sample_value("pagekeeper_tuning_recommendation", labels) is None
+
+
+def test_the_tuning_spec_names_only_series_the_operator_serves() -> None:
+    """`kubectl explain llmserver.spec.tuning` points at series that exist (a name that drifted
+    from `metrics.py` would send a person to query nothing)."""
+    served = {family.name for family in REGISTRY.collect()}
+    text = " ".join(str(f.description) for f in TuningSpec.model_fields.values())
+    named = set(re.findall(r"pagekeeper_[a-z_]+", text))
+    assert named == {"pagekeeper_tuning_recommendation"}
+    assert named <= served

@@ -111,7 +111,7 @@ class TuningSpec(ApiModel):
         default="Recommend",
         description=(
             "Off: no observation. Recommend (the default): status.recommendations, Events and "
-            "the pagekeeper_tuning_recommendations series; nothing running changes unless you "
+            "the pagekeeper_tuning_recommendation series; nothing running changes unless you "
             "accept one (annotation pagekeeper.dev/accept-recommendation). Apply: the top "
             "recommendation runs on a canary and is kept only when it measurably wins "
             "(docs/memory-policy.md, Tuning)."
