@@ -243,6 +243,16 @@ class TuningTrial(ApiModel):
     proposed: str = Field(max_length=64, description="Its value on the canary pods.")
     rule: str = Field(max_length=64, description="The rule that proposed it.")
     started_at: str = Field(max_length=64, description="When the canary started (RFC 3339).")
+    baseline_policy_hash: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Hash of the effective policy the other pods ran when the trial started; once it "
+            "differs (a step-down after an OOM, a spec change, an accepted recommendation) the "
+            "trial is rolled back, since its canary and baseline no longer differ by its change "
+            "alone."
+        ),
+    )
 
 
 class TrialRecord(ApiModel):

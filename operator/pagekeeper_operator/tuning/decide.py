@@ -6,6 +6,11 @@ policy plus the top recommendation, the other pods the effective policy. Each re
 - a new UTC day resets `changesToday`; hold-offs whose time has passed are dropped;
 - a trial whose mode is no longer Apply, or whose canary failed (a `failOn` signal, as
   `status.canary` records it), is rolled back;
+- a trial whose baseline moved (the effective policy without the trial is no longer the one
+  it started over: a step-down after an OOM, a spec change, an accepted recommendation) is
+  rolled back at once: its canary would run the new policy plus its change against pods on
+  the old one, so the window would measure more than its change. Its field is held like any
+  other's; the new policy then rolls as any change does, and the next trial starts over it;
 - a trial `windowSeconds` old is compared (`compare`): a win is promoted into the tuning layer
   of the effective policy, a loss or a tie is rolled back. No verdict yet (too few samples)
   waits, up to twice the window, then rolls back;
@@ -61,6 +66,15 @@ class TrialEvidence:
     canary_failure: str | None = None  # the failOn signal's message, if the canary failed
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """The policy the baseline (non-canary) pods run this reconcile: a trial records its hash
+    when it starts, and is rolled back once the hash differs (`change` says why)."""
+
+    policy_hash: str
+    change: str = "the baseline pods' effective policy changed"
+
+
 @dataclass
 class Decision:
     status: TuningStatus
@@ -84,6 +98,13 @@ def _hold(
     until = format_time(now + timedelta(seconds=spec.hold_off_seconds))
     kept = [h for h in status.hold_offs if h.field != trial.field]
     return [*kept, HoldOff(field=trial.field, value=trial.current, until=until)][-MAX_HOLD_OFFS:]
+
+
+def _has_moved(trial: TuningTrial, baseline: Baseline | None) -> bool:
+    """Whether the baseline is no longer the policy `trial` started over (a trial recorded
+    before baselines were can only be judged)."""
+    recorded = trial.baseline_policy_hash
+    return baseline is not None and recorded is not None and recorded != baseline.policy_hash
 
 
 def _finish(
@@ -163,11 +184,13 @@ def decide(
     spec_value_of: dict[str, str],
     now: datetime,
     unfit: Mapping[str, str] | None = None,
+    baseline: Baseline | None = None,
 ) -> Decision:
     """The next tuning status (see the module docstring). `recommendations` are the current
     ones, best first, held fields already left out; `spec_value_of`: field -> spec's value;
     `unfit`: field -> why the candidate with its proposed value (the trial's, or a
-    recommendation's) does not fit its GPUs."""
+    recommendation's) does not fit its GPUs; `baseline`: what the other pods run now (None:
+    unknown, so a trial is not checked against it)."""
     unfit = unfit or {}
     today = now.strftime("%Y-%m-%d")
     if status.day != today:
@@ -178,6 +201,15 @@ def decide(
     if trial is not None and spec.mode != "Apply":
         change = f"{trial.field} {trial.current} -> {trial.proposed}"
         message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    if trial is not None and _has_moved(trial, baseline):
+        assert baseline is not None, "a baseline that moved is known"
+        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        message = (
+            f"{change} rolled back: {baseline.change} while it ran, so the window would "
+            "measure more than its change"
+        )
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None and trial.field in unfit:
@@ -197,6 +229,7 @@ def decide(
             proposed=top.proposed,
             rule=top.rule,
             started_at=format_time(now),
+            baseline_policy_hash=None if baseline is None else baseline.policy_hash,
         )
         change = f"{top.field} {top.current} -> {top.proposed} ({top.rule})"
         if top.field in unfit:

@@ -8,6 +8,7 @@ only `decide`'s measured win does (`trial_canary_spec`, `promote_canary`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -36,17 +37,42 @@ FULL_COVERAGE = 0.75  # of a window's samples, for each canary pod
 MIN_REFRESH_SECONDS = 5
 
 
+def is_covered(by_pod: Mapping[str, Sequence[float]], seconds: int) -> bool:
+    """Whether every canary pod with samples in the window served (nearly) all of it.
+
+    A pod that started serving within the window would be judged on its start, so the trial
+    waits (`decide` up to twice the window). A canary pod replaced mid-trial (evicted by
+    remediation, deleted) leaves two short series, its own and its successor's: the verdict
+    waits until the replaced pod's series has left the window (a window after it went) and
+    the successor has FULL_COVERAGE of it, so an eviction in a trial's first window still gets
+    a verdict within twice the window, and no pod is judged on part of one.
+    """
+    full = FULL_COVERAGE * num_samples(seconds)
+    return bool(by_pod) and min(len(s) for s in by_pod.values()) >= full
+
+
+def canary_failure(server: LLMServer, now: datetime) -> str | None:
+    """The failOn message of the trial's canary if it failed since the trial started (an
+    eviction of a canary pod counts only through a failOn alert behind it, `canary`), else
+    None."""
+    tuning, canary = server.status.tuning, server.status.canary
+    if tuning is None or tuning.trial is None or canary is None or canary.phase != "Failed":
+        return None
+    canary_start = parse_or(canary.started_at, None)
+    if canary_start is None or canary_start < parse_or(tuning.trial.started_at, now):
+        return None
+    return canary.message
+
+
 def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence | None:
     status, spec = server.status, server.spec.tuning
     trial = status.tuning.trial if status.tuning is not None else None
     if trial is None:
         return None
     started = parse_or(trial.started_at, now)
-    canary = status.canary
-    if canary is not None and canary.phase == "Failed":
-        canary_start = parse_or(canary.started_at, None)
-        if canary_start is not None and canary_start >= started:
-            return TrialEvidence(None, canary_failure=canary.message)
+    failure = canary_failure(server, now)
+    if failure is not None:
+        return TrialEvidence(None, canary_failure=failure)
     seconds = int(min(spec.window_seconds, (now - started).total_seconds()))
     if seconds < spec.window_seconds:
         return TrialEvidence(None)  # `decide` waits for the whole window
@@ -55,10 +81,7 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     canary_scope = Scope(namespace, name, f"{name}{CANARY_SUFFIX}-.*")
     baseline_scope = Scope(namespace, name, f"{name}-[a-z0-9]+-[a-z0-9]+")
     by_pod = pod_samples(url, canary_scope, seconds)
-    # A canary pod that started serving within the window would be judged on its start:
-    # wait until every canary pod has (nearly) the whole window (`decide` waits up to twice it).
-    full = FULL_COVERAGE * num_samples(seconds)
-    if not by_pod or min(len(s) for s in by_pod.values()) < full:
+    if not is_covered(by_pod, seconds):
         return TrialEvidence(None)
     canary_samples = [v for s in by_pod.values() for v in s]
     baseline_samples = [v for s in pod_samples(url, baseline_scope, seconds).values() for v in s]

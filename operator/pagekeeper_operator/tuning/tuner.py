@@ -15,6 +15,9 @@ Apply-mode decision, and the Events to post.
 - In Apply mode `decide` starts, judges and ends trials. A candidate (with a recommendation,
   or with the change under trial) that does not fit starts no canary: the gate would hold its
   rollout, so the trial is skipped, or ended, at once instead of waiting out its window.
+- The baseline is the composed policy without the trial (`Baseline`): a trial records its hash,
+  and `baseline_change` says what moved it (the spec, a step-down and the OOM behind it, or
+  the tuning layer) for the trial's roll-back.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.tuning import (
     Evidence,
     Recommendation,
+    StepDownCaps,
     TunedChange,
     TuningStatus,
     TuningTrial,
 )
-from pagekeeper_operator.effective import compose
+from pagekeeper_operator.effective import EffectivePolicy, compose, memory_policy_hash
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.decide import (
+    Baseline,
     TrialEvidence,
     TuningEvent,
     decide,
@@ -164,6 +169,38 @@ def _unfit(
     return {name: why for name, why in found.items() if why is not None}
 
 
+def _caps_text(caps: StepDownCaps) -> str:
+    capped = [
+        f"{name} at {value:g}"
+        for name, value in (
+            ("gpuMemoryUtilization", caps.gpu_memory_utilization),
+            ("maxNumBatchedTokens", caps.max_num_batched_tokens),
+        )
+        if value is not None
+    ]
+    return " and ".join(capped)
+
+
+def baseline_change(server: LLMServer, effective: EffectivePolicy) -> str:
+    """What moved the baseline since status last recorded it (said only when a trial's
+    baseline hash differs): spec.memoryPolicy, a step-down (with the OOM behind it), or else
+    the tuning layer."""
+    status = server.status
+    recorded_spec = status.spec_memory_policy_hash
+    if recorded_spec is not None and recorded_spec != memory_policy_hash(server.spec.memory_policy):
+        return "spec.memoryPolicy changed"
+    recorded = status.tuning.step_down if status.tuning is not None else None
+    if effective.step_down is not None and effective.step_down != recorded:
+        steps = [
+            r for r in status.remediation_history
+            if r.action == "step-down" and r.outcome == "applied"
+        ]  # fmt: skip
+        # only a run-time GPU OOM steps down (`adaptive.OOMClassification.can_step_down`)
+        after = f" after pod {steps[-1].pod}'s run-time GPU OOM" if steps else ""
+        return f"a step-down{after} capped {_caps_text(effective.step_down)}"
+    return "the tuning layer changed (a change was accepted, or lapsed)"
+
+
 def _as_trial(rec: Recommendation, now: datetime) -> TuningTrial:
     return TuningTrial(
         field=rec.field,
@@ -190,7 +227,8 @@ def tune(
     layered = server.model_copy(
         update={"status": server.status.model_copy(update={"tuning": status})}
     )
-    policy = compose(layered).policy
+    effective = compose(layered)
+    policy = effective.policy
     proposals: list[Proposal] = []
     if observation.window is not None and spec.mode != "Off":
         held = held_fields(status, now)
@@ -217,7 +255,10 @@ def tune(
     spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
     if status.trial is not None:
         unfit = _unfit(layered, [status.trial], does_not_fit)
-    decision = decide(spec, status, recommendations, observation.trial, spec_values, now, unfit)
+    baseline = Baseline(memory_policy_hash(policy), baseline_change(server, effective))
+    decision = decide(
+        spec, status, recommendations, observation.trial, spec_values, now, unfit, baseline
+    )
     status = decision.status
     if decision.promoted is not None:
         recommendations = [r for r in recommendations if r.field != decision.promoted.field]

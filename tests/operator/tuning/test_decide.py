@@ -1,5 +1,6 @@
 """Apply mode's decision: start within the daily cap, promote a win, roll back a loss or a tie,
-hold the field off either way, never retry within the hold-off."""
+hold the field off either way, never retry within the hold-off, and roll back at once a trial
+whose baseline moved under it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from pagekeeper_operator.api.tuning import Recommendation, TuningSpec, TuningStatus
 from pagekeeper_operator.tuning.compare import compare
-from pagekeeper_operator.tuning.decide import TrialEvidence, decide, held_fields
+from pagekeeper_operator.tuning.decide import Baseline, TrialEvidence, decide, held_fields
 
 T0 = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
 SPEC = TuningSpec(mode="Apply", window_seconds=600, hold_off_seconds=3600, max_changes_per_day=2)
@@ -165,3 +166,70 @@ def test_a_trial_whose_candidate_stops_fitting_is_rolled_back_at_once() -> None:
     )
     assert [h.field for h in status.hold_offs] == ["enablePrefixCaching"]
     assert [(e.type, e.reason) for e in decision.events] == [("Warning", "TuningRolledBack")]
+
+
+STEPPED = Baseline(
+    "h2", "a step-down after pod qwen-1's run-time GPU OOM capped gpuMemoryUtilization at 0.85"
+)
+
+
+def started_over(policy_hash: str = "h1") -> TuningStatus:
+    decision = decide(
+        SPEC, TuningStatus(), [PREFIX_OFF], None, SPEC_VALUES, T0, baseline=Baseline(policy_hash)
+    )
+    assert decision.status.trial is not None
+    return decision.status
+
+
+def test_a_trial_records_the_baseline_it_starts_over() -> None:
+    trial = started_over().trial
+    assert trial is not None and trial.baseline_policy_hash == "h1"
+    # The same baseline later: the trial waits for its window as before.
+    same = decide(SPEC, started_over(), [], win(), SPEC_VALUES, T0 + timedelta(seconds=30),
+                  baseline=Baseline("h1"))  # fmt: skip
+    assert same.events == [] and same.status.trial == trial
+
+
+def test_a_trial_whose_baseline_moves_is_rolled_back_at_once_even_on_a_win() -> None:
+    now = T0 + timedelta(seconds=600)  # its window is over and the canary measured a win
+    decision = decide(SPEC, started_over(), [], win(), SPEC_VALUES, now, baseline=STEPPED)
+    status = decision.status
+    assert (status.trial, status.changes, decision.promoted) == (None, [], None)
+    [record] = status.history
+    assert (record.outcome, record.evidence) == ("RolledBack", [])
+    assert record.message == (
+        "enablePrefixCaching true -> false rolled back: a step-down after pod qwen-1's run-time "
+        "GPU OOM capped gpuMemoryUtilization at 0.85 while it ran, so the window would measure "
+        "more than its change"
+    )
+    assert [(e.type, e.reason, e.message) for e in decision.events] == [
+        ("Warning", "TuningRolledBack", record.message)
+    ]
+    # Held like any decided field; the trial still counts against the day's cap.
+    assert [(h.field, h.value, h.until) for h in status.hold_offs] == [
+        ("enablePrefixCaching", "true", "2026-11-29T02:10:00Z")
+    ]
+    assert status.changes_today == 1
+    assert held_fields(status, now + timedelta(seconds=3599)) == {"enablePrefixCaching"}
+
+
+def test_the_next_trial_starts_over_the_new_baseline() -> None:
+    now = T0 + timedelta(seconds=30)
+    rolled = decide(SPEC, started_over(), [], None, SPEC_VALUES, now, baseline=STEPPED).status
+    # The held field is left out of the recommendations; another one starts over "h2".
+    decision = decide(SPEC, rolled, [BIG_BUFFER], None, SPEC_VALUES, now, baseline=STEPPED)
+    trial = decision.status.trial
+    assert trial is not None
+    assert (trial.field, trial.baseline_policy_hash) == ("fragmentationBuffer", "h2")
+    assert decision.status.changes_today == 2
+
+
+def test_a_trial_without_a_recorded_baseline_is_judged_as_before() -> None:
+    """A trial started before baselines were recorded (or a caller that knows none)."""
+    legacy = started()  # no baseline given: none recorded
+    assert legacy.trial is not None and legacy.trial.baseline_policy_hash is None
+    now = T0 + timedelta(seconds=600)
+    decision = decide(SPEC, legacy, [], win(), SPEC_VALUES, now, baseline=STEPPED)
+    assert [e.reason for e in decision.events] == ["TuningPromoted"]
+    unknown = decide(SPEC, started_over(), [], win(), SPEC_VALUES, now, baseline=None)
+    assert [e.reason for e in unknown.events] == ["TuningPromoted"]

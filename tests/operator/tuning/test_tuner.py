@@ -6,13 +6,26 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
+from pagekeeper_operator.adaptive import OOMClassification
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
-from pagekeeper_operator.effective import compose
+from pagekeeper_operator.canary import decide_canary
+from pagekeeper_operator.conditions import compute_status
+from pagekeeper_operator.effective import compose, memory_policy_hash
+from pagekeeper_operator.remediation.oom import respond_to_oom
+from pagekeeper_operator.timestamps import format_time
+from pagekeeper_operator.tuning.compare import compare
+from pagekeeper_operator.tuning.decide import TrialEvidence
+from pagekeeper_operator.tuning.observe import num_samples
 from pagekeeper_operator.tuning.step import (
     TRIAL_ANALYSIS_SECONDS,
     WindowCache,
+    canary_failure,
     candidate,
+    is_covered,
     promote_canary,
     trial_canary_spec,
 )
@@ -23,10 +36,11 @@ from pagekeeper_operator.tuning.tuner import (
     TuneResult,
     tune,
 )
-from tests.operator.servers import make_server
+from tests.operator.servers import make_server, merge
 from tests.operator.tuning.test_rules import window
 
 T0 = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
+BASELINE = [1000.0, 1010.0, 990.0, 1005.0, 995.0, 1002.0, 998.0, 1001.0]
 NO_REUSE = Observation(window("no_prefix_reuse"))
 
 
@@ -158,3 +172,180 @@ def test_a_window_is_asked_for_again_after_an_eighth_of_it_or_when_its_inputs_ch
     assert cache.get(key, "an alert fired", 900, T0) is None
     assert cache.get(("ml", "other"), "inputs", 900, T0) is None
     assert cache.get(key, "inputs", 60, T0 + timedelta(seconds=7)) is None
+
+
+APPLY: dict[str, Any] = {
+    "replicas": 3,
+    "rollout": {"canary": {"enabled": True}},
+    "tuning": {"mode": "Apply", "windowSeconds": 600, "holdOffSeconds": 3600},
+}
+WON = TrialEvidence(compare([v * 1.1 for v in BASELINE], BASELINE))
+
+
+def written(server: LLMServer, result: TuneResult, now: datetime) -> LLMServer:
+    """The server once its reconcile wrote status: the step's, then the composed policy."""
+    stepped = after(server, result)
+    status = compute_status(stepped, None, format_time(now))
+    return stepped.model_copy(update={"status": status})
+
+
+def out_of_memory(server: LLMServer, pod: str, now: datetime) -> LLMServer:
+    """The server once remediation recorded a run-time GPU OOM of `pod` (`remediation.oom`)."""
+    body = server.to_api()
+    gpu_runtime = OOMClassification("gpu", "runtime", "CUDA out of memory")
+    response = respond_to_oom(body, pod, gpu_runtime, f"k-{pod}", format_time(now), now)
+    assert response is not None and response.record.outcome == "applied"
+    body["status"] = {**body["status"], **response.status}
+    return LLMServer.from_body(body)
+
+
+def trying(now: datetime = T0) -> LLMServer:
+    server = make_server(APPLY)
+    result = tune(server, NO_REUSE, now)
+    assert result.tuning is not None and result.tuning.trial is not None
+    assert result.tuning.trial.baseline_policy_hash == memory_policy_hash(compose(server).policy)
+    return written(server, result, now)
+
+
+@pytest.mark.parametrize("pod", ["qwen-7d9f8-abcde", "qwen-canary-5c6b7-fghij"])
+def test_a_step_down_during_a_trial_rolls_it_back_and_holds_the_field(pod: str) -> None:
+    """A run-time OOM of any pod (baseline or canary) steps the baseline down: the canary's
+    candidate would change with it and the window would compare more than the change."""
+    server = trying()
+    now = T0 + timedelta(seconds=30)
+    stepped = out_of_memory(server, pod, now)
+    result = tune(stepped, Observation(window("chat_steady"), TrialEvidence(None)), now)
+    tuning = result.tuning
+    assert tuning is not None and tuning.trial is None and result.promoted is None
+    [record] = tuning.history
+    assert record.outcome == "RolledBack"
+    assert record.message == (
+        f"enablePrefixCaching true -> false rolled back: a step-down after pod {pod}'s run-time "
+        "GPU OOM capped gpuMemoryUtilization at 0.85 while it ran, so the window would measure "
+        "more than its change"
+    )
+    assert [(e.type, e.reason) for e in result.events] == [("Warning", "TuningRolledBack")]
+    assert [(h.field, h.until) for h in tuning.hold_offs] == [
+        ("enablePrefixCaching", "2026-11-29T02:00:30Z")
+    ]
+    # The pods now render the stepped-down policy, without the trial's change.
+    done = written(stepped, result, now)
+    assert candidate(done) == done
+    policy = compose(done).policy
+    assert (policy.gpu_memory_utilization, policy.enable_prefix_caching) == (0.85, True)
+    assert trial_canary_spec(done).analysis_seconds == 1800  # the step-down's own canary
+    # Within the hold-off the field is neither recommended nor tried again.
+    later = tune(done, NO_REUSE, now + timedelta(seconds=600))
+    assert later.recommendations == [] and later.events == []
+    assert later.tuning is not None and later.tuning.trial is None
+
+
+def test_a_spec_change_during_a_trial_rolls_it_back() -> None:
+    server = trying()
+    body = server.to_api()
+    body["spec"] = merge(body["spec"], {"memoryPolicy": {"maxNumSeqs": 128}})
+    now = T0 + timedelta(seconds=30)
+    result = tune(LLMServer.from_body(body), Observation(window("chat_steady")), now)
+    assert result.tuning is not None and result.tuning.trial is None
+    assert result.tuning.history[0].message == (
+        "enablePrefixCaching true -> false rolled back: spec.memoryPolicy changed while it ran, "
+        "so the window would measure more than its change"
+    )
+
+
+def test_a_trial_over_a_steady_baseline_runs_its_window() -> None:
+    server = trying()
+    assert server.status.tuning is not None
+    waiting = tune(server, Observation(window("chat_steady"), WON), T0 + timedelta(seconds=599))
+    assert waiting.tuning is not None and waiting.tuning.trial == server.status.tuning.trial
+    assert waiting.events == []
+    done = tune(server, Observation(window("chat_steady"), WON), T0 + timedelta(seconds=600))
+    assert [e.reason for e in done.events] == ["TuningPromoted"]
+
+
+def test_a_promoted_value_is_not_proposed_back_until_its_hold_off_ends() -> None:
+    """A -> B -> A only after holdOffSeconds: the window that would undo a promotion is
+    ignored for that field until the hold-off ends, however often it comes."""
+    server = trying()  # T0: enablePrefixCaching true -> false on the canary
+    promoted_at = T0 + timedelta(seconds=600)
+    result = tune(server, Observation(window("chat_steady"), WON), promoted_at)
+    assert result.promoted is not None
+    server = written(server, result, promoted_at)
+    assert compose(server).policy.enable_prefix_caching is False
+    # The window now shows prompts that repeat earlier ones' blocks: prefix-caching-on.
+    reuse = Observation(window("rag_caching_off"))
+    for seconds in (1, 1800, 3599):
+        now = promoted_at + timedelta(seconds=seconds)
+        held = tune(server, reuse, now)
+        assert (held.recommendations, held.events) == ([], [])
+        assert held.tuning is not None and held.tuning.trial is None
+        server = written(server, held, now)
+    back_at = promoted_at + timedelta(seconds=3600)
+    back = tune(server, reuse, back_at)
+    assert [(r.field, r.current, r.proposed, r.rule) for r in back.recommendations] == [
+        ("enablePrefixCaching", "false", "true", "prefix-caching-on")
+    ]
+    assert back.tuning is not None and back.tuning.trial is not None
+    trial = back.tuning.trial
+    assert (trial.current, trial.proposed, trial.started_at) == (
+        "false", "true", "2026-11-29T02:10:00Z",
+    )  # fmt: skip
+    assert [e.reason for e in back.events] == ["TuningRecommendation", "TuningTrialStarted"]
+
+
+def test_a_replaced_canary_pod_makes_the_trial_wait_for_full_coverage_again() -> None:
+    """Remediation evicted a canary pod for an alert outside failOn: the Deployment replaced
+    it, and the window holds both pods' short series (16 samples a window, 12 needed)."""
+    assert num_samples(600) == 16
+    evicted, successor = "qwen-canary-5c6b7-fghij", "qwen-canary-5c6b7-klmno"
+    assert is_covered({evicted: [100.0] * 16}, 600)
+    assert not is_covered({evicted: [100.0] * 9, successor: [100.0] * 7}, 600)
+    # The successor has served three quarters of the window; the evicted pod is still in it.
+    assert not is_covered({evicted: [100.0] * 4, successor: [100.0] * 12}, 600)
+    # A window after the eviction, only the successor is left, and it covers the window.
+    assert is_covered({successor: [100.0] * 16}, 600)
+    assert not is_covered({}, 600)
+
+
+def evicted_canary(alert: str) -> CanaryStatus | None:
+    """The trial's canary once remediation evicted one of its pods for `alert`."""
+    server = trying()
+    analyzing = CanaryStatus(
+        phase="Analyzing", template_hash="c", stable_template_hash="s", started_at=format_time(T0)
+    )
+    record = RemediationRecord.model_validate(
+        {"time": "2026-11-29T01:05:00Z", "pod": "qwen-canary-5c6b7-fghij", "alert": alert,
+         "action": "evict", "outcome": "evicted"}
+    )  # fmt: skip
+    plan = decide_canary(
+        trial_canary_spec(server), replicas=3, max_surge=0, candidate="c", stable="s",
+        previous=analyzing, pods=[], history=[record], server_name="qwen",
+        now=T0 + timedelta(seconds=301),
+    )  # fmt: skip
+    return plan.status
+
+
+def test_a_canary_pod_evicted_for_a_fail_on_alert_rolls_the_trial_back() -> None:
+    server = trying()
+    failed = evicted_canary("PagekeeperFragmentationHigh")
+    assert failed is not None and failed.phase == "Failed"
+    server = server.model_copy(
+        update={"status": server.status.model_copy(update={"canary": failed})}
+    )
+    now = T0 + timedelta(seconds=330)
+    failure = canary_failure(server, now)
+    assert failure == (
+        "fragmentation: PagekeeperFragmentationHigh fired for canary pod qwen-canary-5c6b7-fghij"
+    )
+    result = tune(server, Observation(window("chat_steady"), TrialEvidence(None, failure)), now)
+    assert result.tuning is not None and result.tuning.trial is None
+    assert result.tuning.history[0].message == (
+        f"enablePrefixCaching true -> false rolled back: the canary failed ({failure})"
+    )
+    # An eviction for an alert outside failOn leaves the canary, and the trial, running.
+    backlog = evicted_canary("PagekeeperQueueBacklog")
+    assert backlog is not None and backlog.phase == "Analyzing"
+    waiting = server.model_copy(
+        update={"status": server.status.model_copy(update={"canary": backlog})}
+    )
+    assert canary_failure(waiting, now) is None
