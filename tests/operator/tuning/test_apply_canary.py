@@ -1,21 +1,28 @@
 """Apply mode through the canary, reconcile by reconcile (without a cluster): a trial runs the
 candidate on the canary only, a win rolls it to every replica, a tie takes the canary back and
-the field is not tried again within the hold-off."""
+the field is not tried again within the hold-off; under spec.autoscaling the canary comes
+beside the autoscaler's pods and their count stays the autoscaler's."""
 
 from __future__ import annotations
 
+import copy
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+import pytest
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.canary import CanaryPlan, decide_canary, template_identity
 from pagekeeper_operator.effective import compose
+from pagekeeper_operator.plan import ObjectKey, key_of
+from pagekeeper_operator.reconcile import reconcile as reconcile_server
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
 from pagekeeper_operator.tuning.step import candidate, promote_canary, trial_canary_spec
 from pagekeeper_operator.tuning.tuner import Observation, tune
-from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.operator.servers import DEFAULT_IMAGES, make_server, merge, server_body
+from tests.operator.test_reconcile_fit import MemoryKube
 from tests.operator.tuning.test_rules import window
 
 T0 = datetime(2026, 11, 29, 1, 0, tzinfo=UTC)
@@ -107,3 +114,99 @@ def test_a_tie_takes_the_canary_back_and_holds_the_field() -> None:
     server, plan = reconcile(server, Observation(window("no_prefix_reuse")), after, stable)
     assert [r.field for r in server.status.recommendations] == ["enablePrefixCaching"]
     assert plan.canary_replicas == 1
+
+
+AUTOSCALED: dict[str, Any] = {
+    **SPEC,
+    "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "targets": {"runningRequests": 12}},
+}
+MAIN: ObjectKey = ("apps/v1", "Deployment", "qwen")
+CANARY: ObjectKey = ("apps/v1", "Deployment", "qwen-canary")
+HPA: ObjectKey = ("autoscaling/v2", "HorizontalPodAutoscaler", "qwen")
+
+
+class AppliedKube(MemoryKube):
+    """The in-memory cluster, with every manifest the reconcile applied, as it applied it."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.applied: list[dict[str, Any]] = []
+        self.num_autoscaled = 5  # the HorizontalPodAutoscaler's count of the stable Deployment
+
+    def apply(self, manifest: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        self.applied.append(copy.deepcopy(manifest))
+        stored = super().apply(manifest, **kwargs)
+        if key_of(manifest) == MAIN and "replicas" not in manifest["spec"]:
+            # server-side apply without the field leaves the autoscaler's count
+            self.objects[MAIN]["spec"]["replicas"] = self.num_autoscaled
+        return stored
+
+    def applied_to(self, key: ObjectKey) -> list[dict[str, Any]]:
+        return [m for m in self.applied if key_of(m) == key]
+
+
+def engine_command(deployment: dict[str, Any]) -> list[str]:
+    command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    return command
+
+
+def reconcile_at(kube: AppliedKube, status: dict[str, Any], now: str) -> dict[str, Any]:
+    """One reconcile of the autoscaled server with `status`; the status it leaves."""
+    kube.applied.clear()
+    server = LLMServer.from_body(server_body(AUTOSCALED, status=status))
+    result = reconcile_server(kube, server, DEFAULT_IMAGES, now)  # type: ignore[arg-type]
+    assert result.error is None
+    return merge(status, result.status_patch)
+
+
+def test_an_autoscaled_servers_trial_runs_its_canary_beside_the_autoscalers_pods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The autoscaler keeps its count on the stable Deployment throughout (the operator never
+    applies `replicas` there), the canary Deployment has canary.replicas of its own, and the
+    HorizontalPodAutoscaler still scales the stable Deployment; a win rolls the candidate to
+    the autoscaler's pods, not to a count of the operator's."""
+    kube = AppliedKube()
+    status = reconcile_at(kube, {}, "2026-11-29T00:59:00Z")
+    stable = kube.objects[MAIN]["spec"]["template"]
+    hpa = kube.objects[HPA]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    # A window of the server's pods made a recommendation: Apply mode tries it.
+    server = LLMServer.from_body(server_body(AUTOSCALED))
+    made = tune(server, Observation(window("no_prefix_reuse")), T0)
+    status["recommendations"] = [r.to_api() for r in made.recommendations]
+    status = reconcile_at(kube, status, "2026-11-29T01:00:00Z")
+    assert status["tuning"]["trial"]["field"] == "enablePrefixCaching"
+    assert status["canary"]["phase"] == "Analyzing"
+    # Nothing of the stable Deployment moves: its template, and the autoscaler's 5 pods.
+    assert all("replicas" not in m["spec"] for m in kube.applied_to(MAIN))
+    assert kube.objects[MAIN]["spec"]["template"] == stable
+    assert kube.objects[MAIN]["spec"]["replicas"] == 5
+    [canary] = kube.applied_to(CANARY)
+    assert canary["spec"]["replicas"] == 1
+    assert "--no-enable-prefix-caching" in engine_command(canary)
+    assert "--enable-prefix-caching" in engine_command(kube.objects[MAIN])
+    assert kube.applied_to(HPA) == []  # unchanged: it still scales the stable Deployment
+
+    # The autoscaler moves the count mid-trial: the canary keeps its one pod.
+    kube.num_autoscaled = kube.objects[MAIN]["spec"]["replicas"] = 6
+    status = reconcile_at(kube, status, "2026-11-29T01:05:00Z")
+    assert status["tuning"]["trial"]["field"] == "enablePrefixCaching"
+    assert kube.objects[CANARY]["spec"]["replicas"] == 1
+    assert all("replicas" not in m["spec"] for m in kube.applied_to(MAIN))
+    assert kube.objects[MAIN]["spec"]["replicas"] == 6
+
+    # The trial wins: the stable Deployment takes the candidate at the autoscaler's count.
+    won = TrialEvidence(compare([v * 1.1 for v in BASELINE], BASELINE))
+    monkeypatch.setattr(
+        "pagekeeper_operator.reconcile.observe",
+        lambda *_: Observation(window("chat_steady"), won),
+    )
+    status = reconcile_at(kube, status, "2026-11-29T01:10:00Z")
+    assert status["tuning"]["history"][-1]["outcome"] == "Promoted"
+    [main] = kube.applied_to(MAIN)
+    assert "replicas" not in main["spec"]
+    assert "--no-enable-prefix-caching" in engine_command(main)
+    assert kube.objects[MAIN]["spec"]["replicas"] == 6
+    assert CANARY not in kube.objects
