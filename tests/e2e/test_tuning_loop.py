@@ -1,6 +1,7 @@
 """The tuner with real parts only: a workload that never reuses a prefix gets the
-prefix-caching recommendation within its window, and a Recommend-mode server's spec and
-Deployment are untouched until a person accepts it by annotation.
+prefix-caching recommendation within its window, and a Recommend-mode server gets 0 writes
+beyond status (every object the operator owns for it keeps its resourceVersion; the
+LLMServer's metadata and spec stay as they were) until a person accepts it by annotation.
 
 The operator runs as a subprocess on the local control plane (KWOK GPU nodes) with
 PAGEKEEPER_PROMETHEUS_URL set; one engine runs on the CPU with prefix caching on, and a real
@@ -22,6 +23,8 @@ from typing import Any
 
 from kubernetes import client
 
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.render import ClusterFeatures, render_all
 from tests.support.cluster import Cluster, wait_for
 from tests.support.cpu_engine import (
     EngineShape,
@@ -39,6 +42,7 @@ from tests.support.loop import (
     llmserver,
     restrict_namespace,
     server_events,
+    server_pods,
     wait_ready_pods,
 )
 
@@ -54,6 +58,21 @@ SPEC: dict[str, Any] = {
     "tuning": {"mode": "Recommend", "windowSeconds": 60},
 }  # fmt: skip
 WINDOW_TIMEOUT_S = 180  # the load's first window, plus a resync or two
+# Each kind `render_all` can make for a server, as kubectl names its resource; a kind whose
+# CRD is not installed is neither rendered nor listable.
+RENDERED_KINDS = {
+    "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets.policy",
+    "Deployment": "deployments.apps",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers.autoscaling",
+    "ScaledObject": "scaledobjects.keda.sh",
+    "ServiceMonitor": "servicemonitors.monitoring.coreos.com",
+    "PrometheusRule": "prometheusrules.monitoring.coreos.com",
+    "InferencePool": "inferencepools.inference.networking.k8s.io",
+}
+IMAGES = {"pagekeeper": "engine:test", "vllm": "vllm:test"}  # names only: keys are compared
+# LLMServer metadata the API server moves on a status write (only status may move it).
+STATUS_WRITE_METADATA = ("resourceVersion", "managedFields")
 
 
 class UniquePrompts:
@@ -100,6 +119,77 @@ class UniquePrompts:
             thread.join(timeout=90)
 
 
+def owned_versions(
+    cluster: Cluster, namespace: str, server: dict[str, Any]
+) -> dict[tuple[str, str], str]:
+    """(kind, name) -> resourceVersion of every object in the namespace that the LLMServer
+    owns, of each kind the operator renders; asserts they are exactly what it renders."""
+    uid = server["metadata"]["uid"]
+    owned, installed = {}, set()
+    for kind, resource in RENDERED_KINDS.items():
+        listed = cluster.kubectl("get", resource, "-n", namespace, "-o", "json", check=False)
+        if listed.returncode != 0:
+            assert "the server doesn't have a resource type" in listed.stderr, listed.stderr
+            continue
+        installed.add(kind)
+        for item in json.loads(listed.stdout)["items"]:
+            refs = item["metadata"].get("ownerReferences") or []
+            if any(ref["uid"] == uid for ref in refs):
+                owned[(kind, item["metadata"]["name"])] = item["metadata"]["resourceVersion"]
+    features = ClusterFeatures(
+        has_service_monitor="ServiceMonitor" in installed,
+        has_prometheus_rule="PrometheusRule" in installed,
+        has_inference_pool="InferencePool" in installed,
+        has_scaled_object="ScaledObject" in installed,
+    )
+    rendered = render_all(LLMServer.from_body(server), IMAGES, features)
+    assert set(owned) == {(m["kind"], m["metadata"]["name"]) for m in rendered}
+    return owned
+
+
+def wait_settled(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    """Until every writer but the tuner is done with the server: kopf recorded the spec it
+    handled, status is of this generation with the pod ready, the Deployment's rollout is
+    complete and its PodDisruptionBudget counts the pod (so neither controller writes their
+    status again). Returns the server."""
+    apps, policy = client.AppsV1Api(cluster.api), client.PolicyV1Api(cluster.api)
+
+    def settled() -> dict[str, Any] | None:
+        server = get_server(cluster, namespace, NAME)
+        meta, status = server["metadata"], server.get("status", {})
+        deployment = apps.read_namespaced_deployment(NAME, namespace)
+        conditions = {c.type: c for c in deployment.status.conditions or []}
+        progressing = conditions.get("Progressing")
+        pdb = policy.read_namespaced_pod_disruption_budget(NAME, namespace)
+        if (
+            "pagekeeper.dev/last-handled-configuration" in (meta.get("annotations") or {})
+            and status.get("observedGeneration") == meta["generation"]
+            and status.get("readyReplicas") == 1
+            and deployment.status.observed_generation == deployment.metadata.generation
+            and deployment.status.available_replicas == 1
+            and deployment.status.updated_replicas == 1
+            and progressing is not None
+            and progressing.reason == "NewReplicaSetAvailable"
+            and pdb.status.observed_generation == pdb.metadata.generation
+            and pdb.status.current_healthy == 1
+        ):
+            return server
+        return None
+
+    server: dict[str, Any] = wait_for(settled, timeout=60, what="the server's objects settled")
+    return server
+
+
+def without_status_writes(metadata: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metadata.items() if k not in STATUS_WRITE_METADATA}
+
+
+def num_writes_logged(operator: OperatorProcess, namespace: str) -> int:
+    """The operator's applies and deletions of the server's objects, from its log."""
+    log = operator.log.read_text(errors="replace")
+    return sum(log.count(f"{namespace}/{NAME}: {verb} ") for verb in ("applied", "deleted"))
+
+
 def engine_args(apps: client.AppsV1Api, namespace: str) -> list[str]:
     deployment = apps.read_namespaced_deployment(NAME, namespace)
     container = deployment.spec.template.spec.containers[0]
@@ -128,8 +218,11 @@ def test_a_server_that_never_reuses_a_prefix_is_told_to_turn_caching_off(
         operator.wait_ready()
         cluster.apply_yaml([llmserver(NAME, SPEC)], "-n", namespace)
         wait_ready_pods(cluster, namespace, NAME, 1)
-        before = get_server(cluster, namespace, NAME)
-        generation = apps.read_namespaced_deployment(NAME, namespace).metadata.generation
+        before = wait_settled(cluster, namespace)
+        versions = owned_versions(cluster, namespace, before)
+        pods = [(p.metadata.name, p.metadata.uid) for p in server_pods(cluster, namespace, NAME)]
+        num_writes = num_writes_logged(operator, namespace)
+        assert num_writes >= len(versions)  # each object was applied once at least: it counts
         assert "--enable-prefix-caching" in engine_args(apps, namespace)
         load = stack.enter_context(UniquePrompts(engine.url, SHAPE.model_name))
 
@@ -154,9 +247,14 @@ def test_a_server_that_never_reuses_a_prefix_is_told_to_turn_caching_off(
 
         # Recommend mode: nothing but status was written, and one Event said so.
         after = get_server(cluster, namespace, NAME)
+        assert after["status"]["recommendations"] != before["status"].get("recommendations")
         assert after["spec"] == before["spec"]
-        assert after["metadata"]["generation"] == before["metadata"]["generation"]
-        assert apps.read_namespaced_deployment(NAME, namespace).metadata.generation == generation
+        assert without_status_writes(after["metadata"]) == without_status_writes(before["metadata"])
+        assert owned_versions(cluster, namespace, after) == versions
+        assert [
+            (p.metadata.name, p.metadata.uid) for p in server_pods(cluster, namespace, NAME)
+        ] == pods
+        assert num_writes_logged(operator, namespace) == num_writes
         events = [
             e.message
             for e in server_events(cluster, namespace, NAME)
