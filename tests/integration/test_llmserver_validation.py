@@ -1,4 +1,5 @@
-"""The API server itself refuses bad LLMServers: schema bounds and one spec per CEL rule."""
+"""The API server itself refuses bad LLMServers: schema bounds and one spec per CEL rule, on
+create and on an update of a running server (which nothing then disturbs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes import client
 
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
@@ -28,15 +30,23 @@ from pagekeeper_operator.api.policy import (
 )
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.resync import RESYNC_DONE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
+    RESYNC_SECONDS,
+    OperatorProcess,
+    apply_server,
     get_server,
     llmserver,
+    wait_ready,
 )
-from tests.support.cluster import Cluster
+from tests.operator.servers import merge
+from tests.support.cluster import Cluster, wait_for
 
 # Fixtures shared by the LLMServer integration tests.
 llmserver_crd = operator_fixture.llmserver_crd
+operator = operator_fixture.operator
 
 CEL_CASES = [
     (
@@ -304,3 +314,100 @@ def test_vllm_accepts_what_it_can_run(
     ):
         result = _apply(cluster, namespace, spec, name=name)
         assert result.returncode == 0, result.stderr
+
+
+RUNNING: dict[str, Any] = {
+    "model": {"source": "/models/m"},
+    "resources": {"gpus": 1},
+    "memoryPolicy": {"maxNumSeqs": 64},
+    "tuning": {"bounds": {"maxNumSeqs": {"min": 32, "max": 128}}},
+}
+# Updates of a running server's tuning, each refused naming the field (a CEL rule's message,
+# or the schema's bound).
+BAD_UPDATES = [
+    (
+        {"tuning": {"bounds": {"maxNumSeqs": {"min": 128, "max": 256}}}},
+        "spec.tuning.bounds.maxNumSeqs: Invalid value",
+        BOUNDS_RULES[4]["message"],
+    ),
+    (
+        {"memoryPolicy": {"maxNumSeqs": 256}},  # the value leaves the bounds it had
+        "spec.tuning.bounds.maxNumSeqs: Invalid value",
+        BOUNDS_RULES[4]["message"],
+    ),
+    (
+        {"tuning": {"objective": "ThroughputUnderTTFT"}},
+        "spec.tuning.ttftP99Seconds: Invalid value",
+        TTFT_RULE["message"],
+    ),
+    (
+        {"tuning": {"objective": "ThroughputUnderITL"}},
+        "spec.tuning.itlP99Seconds: Invalid value",
+        ITL_RULE["message"],
+    ),
+    (
+        {"tuning": {"windowSeconds": -5}},
+        "spec.tuning.windowSeconds: Invalid value",
+        "should be greater than or equal to 60",
+    ),
+]
+
+
+def _running_state(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    """What a refused update must leave as it was: the stored server's spec and metadata (but
+    the resourceVersion and managedFields that status writes move), the Deployment's
+    resourceVersion and template, and the pods."""
+    apps, core = client.AppsV1Api(cluster.api), client.CoreV1Api(cluster.api)
+    server = get_server(cluster, namespace, "run")
+    meta = server["metadata"]
+    deployment = apps.read_namespaced_deployment("run", namespace)
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{SERVER_LABEL}=run").items
+    return {
+        "spec": server["spec"],
+        "metadata": {k: meta.get(k) for k in ("generation", "labels", "annotations", "uid")},
+        "deployment": (deployment.metadata.resource_version, deployment.spec.template.to_dict()),
+        "pods": sorted(
+            (p.metadata.name, p.metadata.uid, p.metadata.resource_version) for p in pods
+        ),
+    }
+
+
+def _rollout_complete(cluster: Cluster, namespace: str) -> bool:
+    """The Deployment's controller is done with it (Available, NewReplicaSetAvailable)."""
+    deployment = client.AppsV1Api(cluster.api).read_namespaced_deployment("run", namespace)
+    conditions = {c.type: c for c in deployment.status.conditions or []}
+    return (
+        deployment.status.observed_generation == deployment.metadata.generation
+        and deployment.status.available_replicas == 1
+        and conditions.get("Available") is not None
+        and conditions["Available"].status == "True"
+        and conditions.get("Progressing") is not None
+        and conditions["Progressing"].reason == "NewReplicaSetAvailable"
+    )
+
+
+def test_bad_tuning_on_a_running_server_is_refused_and_disturbs_nothing(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    apply_server(cluster, namespace, llmserver("run", RUNNING))
+    wait_ready(cluster, namespace, "run", 1)
+    wait_for(lambda: _rollout_complete(cluster, namespace), what="the rollout complete")
+    before = _running_state(cluster, namespace)
+    assert len(before["pods"]) == 1
+    for update, field, message in BAD_UPDATES:
+        body = llmserver("run", merge(RUNNING, update))
+        result = cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body), check=False
+        )
+        assert result.returncode != 0, update
+        assert field in result.stderr, (update, result.stderr)
+        assert message in result.stderr, (update, result.stderr)
+    # A resync after the refusals has seen the server as stored: nothing moved.
+    num_resyncs = operator.log().count(RESYNC_DONE)
+    wait_for(
+        lambda: operator.log().count(RESYNC_DONE) > num_resyncs,
+        timeout=RESYNC_SECONDS * 6,
+        what="a resync after the refusals",
+    )
+    assert _running_state(cluster, namespace) == before
+    assert "reconciled generation 2" not in operator.log()
