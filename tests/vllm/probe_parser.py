@@ -43,5 +43,6 @@ fields = [
     "kv_cache_dtype",
     "tensor_parallel_size",
     "disable_custom_all_reduce",
+    "api_key",
 ]
 print(json.dumps({name: getattr(args, name) for name in fields}))

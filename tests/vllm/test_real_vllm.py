@@ -20,6 +20,7 @@ from pagekeeper_operator.api.runtime import vllm_loads_plugin
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_vllm.plugin import PLUGIN_NAME
 from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.support.pod_env import container_argv, container_env
 from tests.vllm.conftest import HERE, clean_env, run_probe, vllm_python
 
 
@@ -97,6 +98,7 @@ SPECS: list[dict[str, Any]] = [
             "kvCacheDtype": "fp8",
         },
         "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/srv/extra"}]},
+        "apiKey": {"secretName": "chat-openai"},
     },
     {
         "runtime": "vllm",
@@ -106,6 +108,8 @@ SPECS: list[dict[str, Any]] = [
         },
     },
 ]
+API_KEY = "sk-4b1d9e"
+SECRETS = {"chat-openai": {"api-key": API_KEY}}  # the key spec.apiKey names by default
 
 
 def _pod(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -120,7 +124,8 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
 ) -> None:
     """The pod as rendered: the init container's command writes the bundle into the volume; the
     vLLM container's command, env and mount run the launcher, whose child parses the rendered
-    `vllm serve` flags with vLLM's own parser (a probe in place of the `vllm` program)."""
+    `vllm serve` flags with vLLM's own parser (a probe in place of the `vllm` program), after the
+    kubelet's expansion (spec.apiKey's `$(PAGEKEEPER_API_KEY)` from its Secret)."""
     server, pod = _pod(spec)
     [init] = pod["initContainers"]
     [container] = pod["containers"]
@@ -130,9 +135,9 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     init_command = [sys.executable, *init["command"][1:-1], str(volume)]
     assert init["command"][-1] == mount_path
     subprocess.run(init_command, check=True, capture_output=True, env={**os.environ})
-    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env = container_env(container, SECRETS)
     python_path = env["PYTHONPATH"].replace(mount_path, str(volume))
-    command = container["command"]
+    command = container_argv(container, env)
     separator = command.index("--")
     launcher = [str(vllm_python(vllm_version)), *command[1:separator]]
     vllm_args = command[separator + 1 :]
@@ -189,5 +194,7 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
         "kv_cache_dtype": policy.kv_cache_dtype,
         "tensor_parallel_size": server.spec.parallelism.tensor,
         "disable_custom_all_reduce": not server.spec.parallelism.custom_all_reduce,
+        # vLLM takes one or more keys (`--api-key A B`); the pod gives one
+        "api_key": [API_KEY] if server.spec.api_key is not None else None,
     }
     assert not (tmp_path / "log").exists()  # a clean exit writes no termination message
