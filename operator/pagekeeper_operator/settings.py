@@ -26,7 +26,9 @@ PAGEKEEPER_WEBHOOK_TOKEN_FILE (no default)
 PAGEKEEPER_WEBHOOK_TLS_CERT_FILE, PAGEKEEPER_WEBHOOK_TLS_KEY_FILE (default: unset)
     PEM certificate chain and private key: set both to serve the receiver over HTTPS, or
     neither for plain HTTP (inside the cluster network, behind the bearer token); one without
-    the other is refused.
+    the other is refused. Read again when they change (a renewed Secret applies to new
+    connections without a restart); a new pair that does not load is logged and the last
+    good one keeps serving.
 PAGEKEEPER_ENGINE_IMAGE (default: ghcr.io/pagekeeper-dev/pagekeeper-engine:0.1.0)
     Image for runtime pagekeeper when spec.image is unset, and of the init container that
     brings pagekeeper's plugin and launcher into every vLLM pod (docs/vllm.md).

@@ -1,12 +1,14 @@
 """Alertmanager posts to the operator's webhook over HTTPS with a bearer token, trusting a real
 certificate chain (a CA and a server certificate it signed, as cert-manager would issue), with
 `tls_config.ca_file` as docs/operator.md sets it up; an Alertmanager that trusts another CA
-cannot deliver. Both judged by Alertmanager's own notification counters."""
+cannot deliver. Both judged by Alertmanager's own notification counters. A certificate renewed
+by another CA in the operator's files serves the next connection, with no restart."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import socket
+import ssl
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,37 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.certificates import certificate_authority, server_certificate
 from tests.support.cluster import Cluster, wait_for
 from tests.support.loop import OperatorProcess
 from tests.support.processes import Service, start_alertmanager
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def certificate_authority(directory: Path, name: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
-        "-keyout", "ca.key", "-out", "ca.crt", cwd=directory,
-    )  # fmt: skip
-    return directory
-
-
-def server_certificate(ca: Path, directory: Path) -> tuple[Path, Path]:
-    """A key and a certificate for 127.0.0.1 that `ca` signed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pagekeeper-operator",
-        "-keyout", "tls.key", "-out", "tls.csr", cwd=directory,
-    )  # fmt: skip
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl(
-        "x509", "-req", "-in", "tls.csr", "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
-        "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "tls.crt", cwd=directory,
-    )  # fmt: skip
-    return directory / "tls.crt", directory / "tls.key"
 
 
 def notifications(alertmanager: Service) -> tuple[float, float]:
@@ -122,3 +97,41 @@ def test_alertmanager_delivers_over_tls_with_the_token_and_only_to_a_trusted_cha
     finally:
         trusted.stop()
         untrusting.stop()
+
+
+def presented(port: int, ca_file: Path) -> bytes:
+    """The certificate the webhook presents to a client that trusts `ca_file` alone."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def test_a_renewed_certificate_serves_new_connections_without_a_restart(
+    tls_operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    first = ssl.PEM_cert_to_DER_cert((tmp_path / "server" / "tls.crt").read_text())
+    assert presented(tls_operator.port, tmp_path / "ca" / "ca.crt") == first
+    renewed_ca = certificate_authority(tmp_path / "renewed-ca", "pagekeeper-renewed-ca")
+    cert, key = server_certificate(renewed_ca, tmp_path / "renewed")
+    # The operator's files rewritten in place, as a renewal rewrites the mounted Secret's.
+    (tmp_path / "server" / "tls.crt").write_bytes(cert.read_bytes())
+    (tmp_path / "server" / "tls.key").write_bytes(key.read_bytes())
+    renewed = ssl.PEM_cert_to_DER_cert(cert.read_text())
+    assert presented(tls_operator.port, renewed_ca / "ca.crt") == renewed
+    alertmanager = start_alertmanager(
+        tmp_path / "am-renewed", tls_operator.webhook_url, tls_operator.token,
+        ca_file=renewed_ca / "ca.crt",
+    )  # fmt: skip
+    try:
+        fire(alertmanager, namespace)
+        wait_for(lambda: notifications(alertmanager)[0] >= 1, timeout=60, what="a delivery")
+        assert notifications(alertmanager)[1] == 0
+    finally:
+        alertmanager.stop()
+    assert tls_operator.proc.poll() is None  # the same process throughout
+    assert "webhook TLS: loaded the new certificate" in tls_operator.log_tail(20000)

@@ -2,7 +2,8 @@
 alerts, and the out-of-memory watcher that steps the effective policy down and then reconciles
 the server at once, so the pods roll to the lowered policy without waiting for the resync.
 
-Its settings (port, token file, TLS) are `settings.OperatorSettings`' webhook fields.
+Its settings (port, token file, TLS) are `settings.OperatorSettings`' webhook fields; the TLS
+pair is read again when its files change (`tls`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from pagekeeper_operator.remediation.oom import (
     termination_key,
 )
 from pagekeeper_operator.remediation.remediator import Remediator
+from pagekeeper_operator.remediation.tls import ReloadingServerContext
 from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import ServerReconciler, ServerRegistry, server_reconciler
@@ -115,8 +116,9 @@ async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
     await runtime.runner.setup()
     ssl_context = None
     if settings.webhook_tls_cert_file is not None and settings.webhook_tls_key_file is not None:
-        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_context.load_cert_chain(settings.webhook_tls_cert_file, settings.webhook_tls_key_file)
+        # Each new connection reads the files again (`tls`): a renewed Secret needs no restart.
+        cert, key = settings.webhook_tls_cert_file, settings.webhook_tls_key_file
+        ssl_context = ReloadingServerContext(cert, key).context
     site = web.TCPSite(runtime.runner, LISTEN_HOST, settings.webhook_port, ssl_context=ssl_context)
     await site.start()
     runtime.retry_task = asyncio.create_task(_retry_loop(runtime.remediator, memo))
