@@ -170,26 +170,68 @@ FULL_KINDS = [
 ]  # fmt: skip
 
 
+def namespaces_peer(*namespaces: str) -> dict[str, Any]:
+    """A NetworkPolicy peer: every pod of these namespaces."""
+    expression = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [*namespaces]}
+    return {"namespaceSelector": {"matchExpressions": [expression]}}
+
+
+ALERTMANAGER_PODS = {"app.kubernetes.io/name": "alertmanager"}
+
+
 def check_network_policies(
-    policies: list[dict[str, Any]], namespace: str, engine_namespace: str
+    policies: list[dict[str, Any]],
+    namespace: str,
+    engine_namespace: str,
+    alertmanager_pods: dict[str, str] | None = ALERTMANAGER_PODS,
 ) -> None:
-    """The webhook open to Alertmanager alone and the metrics to Prometheus; the engines' OpenAI
+    """The webhook open to Alertmanager's pods alone (`alertmanager_pods`, both selectors in one
+    peer; None: every pod of its namespace) and the metrics to Prometheus; the engines' OpenAI
     port to their own namespace, the clients named and Prometheus, their launcher's metrics port
     to Prometheus; each selecting the pods the operator and the chart render."""
     operator, engines = policies
     assert operator["metadata"]["namespace"] == namespace
-    assert [(r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
-             r["ports"][0]["port"]) for r in operator["spec"]["ingress"]] == [
-        (["monitoring"], 8443), (["monitoring"], 9090)
-    ]  # fmt: skip
+    alertmanager = namespaces_peer("monitoring")
+    if alertmanager_pods is not None:
+        alertmanager["podSelector"] = {"matchLabels": alertmanager_pods}
+    assert operator["spec"]["ingress"] == [
+        {"from": [alertmanager], "ports": [{"protocol": "TCP", "port": 8443}]},
+        {"from": [namespaces_peer("monitoring")], "ports": [{"protocol": "TCP", "port": 9090}]},
+    ]
+    assert operator["spec"]["policyTypes"] == ["Ingress"]
     assert engines["metadata"]["namespace"] == engine_namespace
-    assert [(r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
-             r["ports"][0]["port"]) for r in engines["spec"]["ingress"]] == [
-        ([engine_namespace, "apps", "monitoring"], HTTP_PORT), (["monitoring"], METRICS_PORT)
-    ]  # fmt: skip
+    # The paged engine's /metrics is on the OpenAI port: Prometheus is let in there too.
+    assert engines["spec"]["ingress"] == [
+        {
+            "from": [namespaces_peer(engine_namespace, "apps", "monitoring")],
+            "ports": [{"protocol": "TCP", "port": HTTP_PORT}],
+        },
+        {
+            "from": [namespaces_peer("monitoring")],
+            "ports": [{"protocol": "TCP", "port": METRICS_PORT}],
+        },
+    ]
     pod_labels = render_deployment(make_server({}), DEFAULT_IMAGES)["spec"]["template"]
     selector = engines["spec"]["podSelector"]["matchLabels"]
     assert selector.items() <= pod_labels["metadata"]["labels"].items()
+
+
+def dry_run(cluster: Cluster, docs: list[dict[str, Any]]) -> None:
+    """A server-side dry run of `docs`: the API server admits each, with no warning."""
+    text = yaml.safe_dump_all(docs, sort_keys=False)
+    result = cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", input=text
+    )  # fmt: skip
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(docs)
+    assert all(line.endswith("serverside-applied (server dry run)") for line in lines), lines
+    assert "Warning" not in result.stderr, result.stderr
+
+
+NETWORK_OPTIONS = [
+    "--set", "networkPolicy.enabled=true", "--set", "metrics.enabled=true",
+    "--set", "networkPolicy.engine.clientNamespaces={apps}",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["default", "peering", "everything", "network"])
@@ -210,21 +252,12 @@ def test_template_passes_a_server_side_dry_run(
         expected = FULL_KINDS
     if variant == "network":
         options = [
-            "--set", "networkPolicy.enabled=true", "--set", "metrics.enabled=true",
-            "--set", f"networkPolicy.engine.namespaces={{{other_namespace}}}",
-            "--set", "networkPolicy.engine.clientNamespaces={apps}",
+            *NETWORK_OPTIONS, "--set", f"networkPolicy.engine.namespaces={{{other_namespace}}}"
         ]  # fmt: skip
         expected = ["NetworkPolicy", "NetworkPolicy", *DEFAULT_KINDS]
     docs = render(cluster, kube_version, namespace, *options)
     assert [doc["kind"] for doc in docs] == expected
-    text = yaml.safe_dump_all(docs, sort_keys=False)
-    result = cluster.kubectl(
-        "apply", "--server-side", "--dry-run=server", "-f", "-", input=text
-    )  # fmt: skip
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == len(docs)
-    assert all(line.endswith("serverside-applied (server dry run)") for line in lines), lines
-    assert "Warning" not in result.stderr, result.stderr
+    dry_run(cluster, docs)
     if variant == "network":
         check_network_policies(by_kind(docs, "NetworkPolicy"), namespace, other_namespace)
     if variant == "everything":
@@ -249,6 +282,34 @@ def test_template_passes_a_server_side_dry_run(
         assert env["PAGEKEEPER_PROMETHEUS_URL"] == "http://prometheus-operated.monitoring.svc:9090"
         assert env["PAGEKEEPER_DELETION_COST_SECONDS"] == "15"
         assert env["PAGEKEEPER_CANARY_NO_DATA_SECONDS"] == "600"
+
+
+@pytest.mark.parametrize(
+    ("labels", "alertmanager_pods"),
+    [
+        # A map replaces the default (Helm would merge it into a default map), not joins it.
+        ({"app": "alertmanager", "team": "sre"}, {"app": "alertmanager", "team": "sre"}),
+        ({}, None),  # every pod of Alertmanager's namespaces
+    ],
+    ids=["labels", "whole-namespace"],
+)
+def test_the_webhook_policy_admits_the_alertmanager_pods_named(
+    cluster: Cluster,
+    namespace: str,
+    other_namespace: str,
+    chart_crds: list[Path],
+    kube_version: str,
+    labels: dict[str, str],
+    alertmanager_pods: dict[str, str] | None,
+) -> None:
+    docs = render(
+        cluster, kube_version, namespace, *NETWORK_OPTIONS,
+        "--set", f"networkPolicy.engine.namespaces={{{other_namespace}}}",
+        "--set-json", f"networkPolicy.alertmanagerPodLabels={json.dumps(labels)}",
+    )  # fmt: skip
+    policies = by_kind(docs, "NetworkPolicy")
+    check_network_policies(policies, namespace, other_namespace, alertmanager_pods)
+    dry_run(cluster, policies)
 
 
 def test_rbac_cluster_wide_and_per_namespace(
@@ -325,6 +386,9 @@ def test_values_schema_rejects_bad_values(cluster: Cluster, namespace: str) -> N
         "operator.logFormat=xml": "at '/operator/logFormat': value must be one of",
         "watchNamespaces={team-*}": "at '/watchNamespaces/0': 'team-*' does not match pattern",
         "webhook.port=70000": "at '/webhook/port': maximum: got 70,000, want 65,535",
+        "networkPolicy.alertmanagerPodLabels.app=1": (
+            "at '/networkPolicy/alertmanagerPodLabels/app': got number, want string"
+        ),
     }
     release = f"bad-{uuid.uuid4().hex[:6]}"
     for value, message in cases.items():
