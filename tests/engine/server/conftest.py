@@ -17,13 +17,14 @@ import requests
 from transformers import PreTrainedModel
 
 from tests.engine.server.checkpoint import MAX_POSITIONS, write_checkpoint
+from tests.support import step_gate
 from tests.support.processes import engine_pythonpath, free_port
+from tests.support.step_gate import StepGate
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 4
-LONG_CONTEXT = 2048  # for requests that must stay in flight for seconds
 START_TIMEOUT_S = 180.0  # imports and a model load on a busy 2-core machine
 RANK_READY = re.compile(r"rank (\d+) \S+: ready \(pid (\d+)\)")
 
@@ -77,11 +78,13 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(checkpoint: Path, workdir: Path, *extra_flags: str) -> Server:
-    """Start the server and wait until /ready answers 200."""
+def start_server(
+    checkpoint: Path, workdir: Path, *extra_flags: str, module: str = "pagekeeper_engine.cli"
+) -> Server:
+    """Start the server (`python -m <module> serve`) and wait until /ready answers 200."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "pagekeeper_engine.cli", "serve", str(checkpoint),
+        sys.executable, "-m", module, "serve", str(checkpoint),
         "--served-model-name", MODEL_NAME,
         "--device", "cpu", "--dtype", "float32", "--load-format", "safetensors",
         "--host", "127.0.0.1", "--port", str(port),
@@ -110,21 +113,22 @@ def start_server(checkpoint: Path, workdir: Path, *extra_flags: str) -> Server:
     raise RuntimeError(f"engine not ready within {START_TIMEOUT_S} s:\n{server.log_tail()}")
 
 
+@pytest.fixture
+def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StepGate:
+    """A shut step gate for a server started with `module=step_gate.MODULE`: its core takes no
+    step until the test allows one (`tests/support/step_gate.py`)."""
+    gate = StepGate(tmp_path / "step-gate")
+    gate.allow(0)
+    monkeypatch.setenv(step_gate.STEP_GATE_ENV, str(gate.path))
+    return gate
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     path = tmp_path_factory.mktemp("tiny-llama")
     model = write_checkpoint(path)
     assert model.config.max_position_embeddings == MAX_POSITIONS
     return Checkpoint(path, model)
-
-
-@pytest.fixture(scope="session")
-def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same tiny model with a 2048-token context: at a few milliseconds per step, a request
-    of thousands of tokens stays in flight for seconds."""
-    path = tmp_path_factory.mktemp("long-context")
-    write_checkpoint(path, max_positions=LONG_CONTEXT)
-    return path
 
 
 @pytest.fixture(scope="session")

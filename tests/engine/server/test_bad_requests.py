@@ -18,12 +18,14 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.frontend.app import create_app
 from tests.engine.server.checkpoint import VOCAB
 from tests.engine.server.conftest import (
-    LONG_CONTEXT,
     MAX_MODEL_LEN,
     MODEL_NAME,
+    Checkpoint,
     Server,
     start_server,
 )
+from tests.support import step_gate
+from tests.support.step_gate import StepGate
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -158,26 +160,21 @@ def wait_idle(server: Server, timeout_s: float = 60) -> dict[str, float]:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def one_seq_server(
-    long_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """Runs one sequence at a time, so a request of n long choices stays in flight."""
+@pytest.fixture
+def one_seq_server(checkpoint: Checkpoint, tmp_path: Path, gate: StepGate) -> Iterator[Server]:
+    """Runs one sequence at a time, its steps behind `gate`."""
     server = start_server(
-        long_checkpoint,
-        tmp_path_factory.mktemp("one-seq"),
-        "--max-num-seqs",
-        "1",
-        "--max-model-len",
-        str(LONG_CONTEXT),
-        "--num-gpu-blocks-override",
-        "300",
-    )
+        checkpoint.path, tmp_path, "--max-num-seqs", "1", "--num-gpu-blocks-override", "300",
+        module=step_gate.MODULE,
+    )  # fmt: skip
     yield server
+    gate.open()
     assert server.stop() == 0, server.log_tail()
 
 
-def test_overload_gets_429_and_a_disconnect_frees_its_blocks(one_seq_server: Server) -> None:
+def test_overload_gets_429_and_a_disconnect_frees_its_blocks(
+    one_seq_server: Server, gate: StepGate
+) -> None:
     """n=9 fills the 1 x 9 slots; a further request is refused with 429 until the client
     disconnects, which aborts its choices in the engine and frees every block."""
     server = one_seq_server
@@ -186,10 +183,12 @@ def test_overload_gets_429_and_a_disconnect_frees_its_blocks(one_seq_server: Ser
         "model": MODEL_NAME,
         "prompt": "ab",
         "n": 9,
-        "max_tokens": LONG_CONTEXT - 3,
+        "max_tokens": 8,
         "stream": True,
         "ignore_eos": True,
     }
+    # One step, the first choice's first token; then the gate holds all nine in flight.
+    gate.allow(1)
     stream = requests.post(f"{server.url}{COMPLETIONS}", json=body, stream=True, timeout=60)
     try:
         assert stream.status_code == 200
@@ -202,16 +201,17 @@ def test_overload_gets_429_and_a_disconnect_frees_its_blocks(one_seq_server: Ser
         assert refused.headers["Retry-After"] == "1"
     finally:
         stream.close()
-    after = wait_idle(server)
+    after = wait_idle(server)  # the gate still shut: the core turns, applying the aborts
     assert after["vllm:num_requests_running"] == 0
     assert after["vllm:num_requests_waiting"] == 0
     assert after["pagekeeper_kv_blocks{state=used}"] == 0
     assert num_finished(after) - num_finished(before) == 9
     aborted = "vllm:request_success_total{finished_reason=abort}"
-    assert after[aborted] > before[aborted]
+    assert after[aborted] == before[aborted] + 9
     overloaded = "pagekeeper_requests_rejected_total{reason=overloaded}"
     assert after[overloaded] == before[overloaded] + 1
     # Capacity is back.
+    gate.open()
     accepted = post(server, COMPLETIONS, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
     assert accepted.status_code == 200
 
