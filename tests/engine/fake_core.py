@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +51,39 @@ class FakeCore:
         def hold(index: int) -> None:
             if index == call and not poller.poll(int(JOIN_TIMEOUT_S * 1000)):
                 raise AssertionError(f"no message reached the core while call {call} waited")
+
+        runner.before_execute = hold
+
+    def hold_steps_until_messages(self, first_call: int) -> None:
+        """Hold every execute from the runner's `first_call`-th (0-based) on until a message
+        waits in the core's inbox: the requests running then take one step per message the
+        front end sends (an admin call, an abort), so they stay running across a test's calls
+        however fast the core could step."""
+        runner = self.engine.runner
+        assert isinstance(runner, PagedFakeRunner)
+        poller = zmq.Poller()
+        poller.register(self.core._inbox, zmq.POLLIN)
+
+        def hold(index: int) -> None:
+            if index >= first_call and not poller.poll(int(JOIN_TIMEOUT_S * 1000)):
+                raise AssertionError(f"no message reached the core while call {index} waited")
+
+        runner.before_execute = hold
+
+    def hold_step_until(self, call: int, condition: Callable[[], bool], what: str) -> None:
+        """Hold the runner's `call`-th execute (0-based) until `condition()` (polled from the
+        core's thread), so what runs in that step is still running when `what` happens."""
+        runner = self.engine.runner
+        assert isinstance(runner, PagedFakeRunner)
+
+        def hold(index: int) -> None:
+            if index != call:
+                return
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while not condition():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"call {call} waited for {what} in vain")
+                time.sleep(0.001)
 
         runner.before_execute = hold
 

@@ -5,6 +5,7 @@ bounded queue of --max-waiting-requests."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -88,7 +89,7 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
 ) -> None:
     monkeypatch.setenv(ENV, TOKEN)
     allocator = FakeAllocator()
-    runner = PagedFakeRunner(256, step_delay_s=0.01)
+    runner = PagedFakeRunner(256)
     runner.allocator_monitor = allocator
 
     async def main() -> None:
@@ -121,8 +122,11 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
                     "num_ooms": 0,
                 },
             }
+            # After its first step the busy request takes one step per message the core gets
+            # (an admin call, at last the abort): it runs through every call below.
+            fake.hold_steps_until_messages(first_call=1)
             task = asyncio.create_task(consume(front, "busy"))
-            while (stats := front.stats()) is None or stats.num_running == 0:
+            while fake.engine.num_generation_tokens == 0:
                 await asyncio.sleep(0.01)
             response = await client.post("/admin/defragment", headers=auth())
             assert response.status == 409
@@ -149,12 +153,17 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
 
 def test_max_waiting_requests_bounds_what_is_in_flight() -> None:
     async def main() -> list[tuple[int, str | None, str | None]]:
-        engine, _ = make_engine(runner=PagedFakeRunner(256, step_delay_s=0.02))
+        engine, _ = make_engine()
         config = {"max_num_seqs": 1, "max_waiting_requests": 1}
         async with fake_core(engine, EngineConfig(model="f", **config).max_num_in_flight) as fake:
             app = serve_fake(fake, **config)
             assert app[STATE].max_num_in_flight == 2
+            # the first request's second step waits for the late one's answer: both of the
+            # first two are in flight when it comes
+            fake.hold_step_until(1, answered.is_set, "the late request's answer")
             return await overload(app)
+
+    answered = threading.Event()
 
     async def overload(app: Any) -> list[tuple[int, str | None, str | None]]:
         body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0}
@@ -163,6 +172,7 @@ def test_max_waiting_requests_bounds_what_is_in_flight() -> None:
             while app[STATE].num_in_flight < 2:
                 await asyncio.sleep(0.005)
             late = await client.post("/v1/completions", json=body)
+            answered.set()
             answers = [
                 (late.status, late.headers.get("Retry-After"), (await late.json())["error"]["code"])
             ]
