@@ -351,6 +351,15 @@ def parse_args(argv: list[str]) -> EngineConfig:
             "argument --kv-cache-memory-bytes: not allowed with --gpu-memory-utilization "
             "(the KV cache is sized either by bytes or by a fraction of the GPU, not both)"
         )
+    if namespace.api_key is not None and (
+        not namespace.api_key or namespace.api_key.strip() != namespace.api_key
+    ):
+        # An empty key would leave /v1/* open, and one with surrounding whitespace (a Secret
+        # made from a file's trailing newline) can never arrive in an HTTP header.
+        parser.error(
+            "argument --api-key: the key is empty or begins or ends with whitespace; no "
+            "request could carry it (check the Secret's value for a trailing newline)"
+        )
     if namespace.gpu_memory_utilization is None:
         namespace.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
     names = {f.name for f in fields(EngineConfig)}

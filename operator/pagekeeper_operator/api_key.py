@@ -14,12 +14,17 @@ and the key. The resync reads it again; once the key is there the rollout goes o
 | True    | SecretFound      | the Secret exists and holds the key                             |
 | False   | SecretMissing    | no Secret of that name in the server's namespace                |
 | False   | SecretKeyMissing | the Secret exists without that key                              |
+| False   | SecretKeyUnusable| the key's value is empty (the endpoint would be open) or begins |
+|         |                  | or ends with whitespace (a file's trailing newline, say: no HTTP |
+|         |                  | header can carry it, so every request would be refused)          |
 | Unknown | SecretUnreadable | the operator may not read it (RBAC) or the API server failed; the |
 |         |                  | rollout is not held, as before the check existed                |
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,6 +67,7 @@ def check_api_key(
             "missing key shows only on the pods (CreateContainerConfigError)",
         )
     held = "pods that read spec.apiKey cannot start, so the rollout is held until it exists"
+    held_unusable = "no pod should serve with it, so the rollout is held until it changes"
     if secret is None:
         return ApiKeyCheck(
             "False", SECRET_MISSING, f"{where} does not exist (key {ref.key!r}): {held}"
@@ -72,7 +78,29 @@ def check_api_key(
         return ApiKeyCheck(
             "False", "SecretKeyMissing", f"{where} has no key {ref.key!r} (keys: {keys}): {held}"
         )
+    problem = _unusable(data[ref.key])
+    if problem is not None:
+        return ApiKeyCheck(
+            "False", "SecretKeyUnusable", f"{where} key {ref.key!r} {problem}: {held_unusable}"
+        )
     return ApiKeyCheck("True", "SecretFound", f"{where} holds key {ref.key!r}")
+
+
+def _unusable(encoded: object) -> str | None:
+    """Why a key's value (base64, as the API serves a Secret's data) cannot lock an endpoint,
+    or None; the value itself is never returned, kept or logged."""
+    try:
+        value = base64.b64decode(str(encoded), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return "is not UTF-8 text"
+    if not value:
+        return "is empty, which would leave /v1/* open"
+    if value.strip() != value:
+        return (
+            "begins or ends with whitespace (a trailing newline from a file, say), which no "
+            "HTTP header can carry, so every request would be refused"
+        )
+    return None
 
 
 ApiKeyEvent = tuple[Literal["Normal", "Warning"], str, str]  # (type, reason, message)

@@ -103,6 +103,15 @@ def test_a_missing_api_key_secret_holds_the_rollout_says_why_and_recovers(
     assert "not-the-key" not in str(obj)  # values never reach status
     assert _deployment(cluster, namespace) is None
 
+    # The key with a file's trailing newline: no request could carry it, so still held.
+    _secret(cluster, namespace, "chat-key", {"api-key": "s3cret-value\n"})
+    obj = wait_for(
+        lambda: _api_key_reason(cluster, namespace, "SecretKeyUnusable"), timeout=60, what="ws"
+    )
+    message = _conditions(obj)["ApiKeyAvailable"]["message"]
+    assert message.startswith(f"Secret {namespace}/chat-key key 'api-key' begins or ends with")
+    assert "s3cret-value" not in str(obj) and _deployment(cluster, namespace) is None
+
     # The key appears: the next resync rolls the server out with no change to it.
     _secret(cluster, namespace, "chat-key", {"api-key": "s3cret-value"})
     wait_ready(cluster, namespace, NAME, 1)

@@ -3,8 +3,10 @@ reconcile holding the rollout over an in-memory Kubernetes."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import pytest
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -50,9 +52,32 @@ def test_the_verdict_names_the_secret_and_the_key_never_a_value() -> None:
     assert "could not be read (403 Forbidden)" in unreadable.message
 
 
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("", "is empty, which would leave /v1/* open"),
+        ("sk-abc\n", "begins or ends with whitespace"),
+        (" sk-abc", "begins or ends with whitespace"),
+    ],
+)
+def test_a_key_no_request_could_carry_holds_the_rollout(value: str, problem: str) -> None:
+    encoded = base64.b64encode(value.encode()).decode()
+    unusable = check_api_key(make_server(LOCKED), {"data": {"api-key": encoded}})
+    assert unusable is not None and unusable.holds_rollout
+    assert (unusable.status, unusable.reason) == ("False", "SecretKeyUnusable")
+    assert unusable.message.startswith(f"Secret ml/chat-key key 'api-key' {problem}")
+    assert unusable.message.endswith(
+        "no pod should serve with it, so the rollout is held until it changes"
+    )
+    assert "sk-abc" not in unusable.message and (not encoded or encoded not in unusable.message)
+    binary = check_api_key(make_server(LOCKED), {"data": {"api-key": "//79"}})
+    assert binary is not None and binary.reason == "SecretKeyUnusable"
+    assert "is not UTF-8 text" in binary.message
+
+
 def test_events_on_each_change_of_reason_only() -> None:
     missing = check_api_key(make_server(LOCKED), None)
-    found = check_api_key(make_server(LOCKED), {"data": {"api-key": "x"}})
+    found = check_api_key(make_server(LOCKED), {"data": {"api-key": "eA=="}})
     assert missing is not None and found is not None
 
     def previous(status: str, reason: str) -> Condition:

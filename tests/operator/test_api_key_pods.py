@@ -41,7 +41,8 @@ from tests.support.standin import standin_argv
 from tests.support.vllm_launcher import FAKE_VLLM
 
 MODEL = "tiny-llama"
-KEY = "pk-7f3a9c2e41b8d05f"
+# It begins with "-", as token_urlsafe keys may: rendered as its own argument it read as a flag.
+KEY = "-pk-7f3a9c2e41b8d05f"
 SECRETS = {"chat-openai": {"token": KEY}}
 SPEC: dict[str, Any] = {
     "model": {"source": "/models/tiny-llama", "servedModelName": MODEL, "loadFormat": "dummy"},

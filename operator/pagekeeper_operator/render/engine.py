@@ -101,8 +101,10 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
         command += stuck_timeout_flags(server)
-    if spec.api_key is not None:  # the kubelet expands $(NAME) from the container's env
-        command += ["--api-key", f"$({API_KEY_ENV})"]
+    if spec.api_key is not None:
+        # The kubelet expands $(NAME) from the container's env. One argument: a key that begins
+        # with "-" (token_urlsafe makes those) would read as a flag after a separate --api-key.
+        command.append(f"--api-key=$({API_KEY_ENV})")
     return command
 
 

@@ -10,6 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
+from pagekeeper_engine.config import parse_args
 from tests.engine.server.conftest import MODEL_NAME, Checkpoint, Server, start_server
 
 KEY = "sk-pagekeeper-test-4f1c"
@@ -71,3 +72,17 @@ def test_no_key_or_a_malformed_header_is_401_json(
 def test_probes_and_metrics_need_no_key(locked: Server) -> None:
     for path in ("/health", "/ready", "/metrics"):
         assert requests.get(f"{locked.url}{path}", timeout=30).status_code == 200, path
+
+
+@pytest.mark.parametrize("bad", ["", "sk-abc\n", " sk-abc"], ids=["empty", "newline", "space"])
+def test_a_key_no_request_could_carry_is_refused_at_start(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Empty would leave /v1/* open; surrounding whitespace can never arrive in a header.
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["/m", f"--api-key={bad}"])
+    assert exit_info.value.code == 2
+    assert "argument --api-key: the key is empty or begins or ends with whitespace" in (
+        capsys.readouterr().err
+    )
+    assert parse_args(["/m", "--api-key=-dash-first"]).api_key == "-dash-first"
