@@ -78,14 +78,12 @@ class PagedFakeRunner:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         script: dict[str, list[int]] | None = None,
-        step_delay_s: float = 0.0,
     ) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.gpu: list[list[int | None]] = [[None] * BS for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(num_cpu_blocks)]
         self.script = script
-        self.step_delay_s = step_delay_s
         self.fail_next: bool | BaseException = False  # the next execute raises (this)
         self.oom_at_steps: set[int] = set()  # calls of execute (0-based) that run out of memory
         self.num_calls = 0
@@ -133,7 +131,6 @@ class PagedFakeRunner:
             )
         if call in self.oom_at_steps:
             raise DeviceOutOfMemoryError("step", f"injected at call {call}")
-        time.sleep(self.step_delay_s)
         assert not (out.blocks_to_swap_out and out.blocks_to_swap_in)
         for gpu, cpu in out.blocks_to_swap_out:
             self.cpu[cpu] = list(self.gpu[gpu])
@@ -177,7 +174,6 @@ def make_engine(
     max_model_len: int = 128,
     min_swap_tokens: int = 512,
     script: dict[str, list[int]] | None = None,
-    step_delay_s: float = 0.0,
     max_consecutive_ooms: int = 8,
     runner: PagedFakeRunner | None = None,
     async_scheduling: bool = False,
@@ -198,7 +194,7 @@ def make_engine(
         min_swap_tokens=min_swap_tokens,
     )
     if runner is None:
-        runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script, step_delay_s)
+        runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script)
     engine = LLMEngine(config, runner, CharTokenizer().eos_token_ids, sched_config, clock=clock)
     return engine, runner
 
