@@ -247,6 +247,27 @@ def test_oom_response_without_step_down() -> None:
     assert off is not None and off.record.outcome == "disabled"
 
 
+def test_a_tuning_trials_canary_pod_running_out_of_memory_steps_nothing_down() -> None:
+    trial = {"field": "gpuMemoryUtilization", "current": "0.9", "proposed": "0.95",
+             "rule": "utilization-up", "startedAt": "2026-03-01T11:00:00Z"}  # fmt: skip
+    body = server_body({"tuning": {"trial": trial}})
+    response = respond_to_oom(body, "chat-canary-5d9f-x2", GPU_RUNTIME, "k5", "t", NOW)
+    assert response is not None and "effectiveMemoryPolicy" not in response.status
+    assert response.record.outcome == "not-applicable"
+    assert response.record.message == (
+        "GPUOutOfMemoryAtRuntime: step failed; a canary pod of the tuning trial "
+        "gpuMemoryUtilization 0.9 -> 0.95 ran out of memory: the trial is rolled back, the "
+        "policy the other pods run is not stepped down"
+    )
+    assert response.status["lastOutOfMemory"] == "2026-03-01T12:00:00Z"  # still an OOM
+    # A baseline pod of the same trial, or a canary pod with no trial (a person's change
+    # rolling out, whose template is the policy in force): stepped down as ever.
+    stable = respond_to_oom(body, "chat-5d9f-x2", GPU_RUNTIME, "k6", "t", NOW)
+    assert stable is not None and stable.record.outcome == "applied"
+    plain = respond_to_oom(server_body(), "chat-canary-5d9f-x2", GPU_RUNTIME, "k7", "t", NOW)
+    assert plain is not None and plain.record.outcome == "applied"
+
+
 def test_oom_terminations_of_a_pod() -> None:
     oom = {"reason": "OOMKilled", "finishedAt": "2026-03-01T11:00:00Z", "exitCode": 137}
     pod = {

@@ -6,8 +6,10 @@ is classified into the MemoryHealthy condition (and `lastOutOfMemory`, from whic
 recovers: see `conditions`) and recorded once in remediationHistory, identified by (pod uid,
 container, finishedAt) so a restarted operator does not step twice. A stuck engine's termination
 (`adaptive.StuckClassification`) is recorded the same way, as `stuck`, but touches neither the
-policy nor MemoryHealthy: memory was not what failed. After a step-down the handler reconciles
-the server at once, so the stepped-down policy rolls the pods.
+policy nor MemoryHealthy: memory was not what failed. Nor does the OOM of a tuning trial's
+canary pod step down: that pod ran the trial's change, which the canary's failure takes back.
+After a step-down the handler reconciles the server at once, so the stepped-down policy rolls
+the pods.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pagekeeper_operator.adaptive import Termination, classify_failure, step_dow
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
 from pagekeeper_operator.remediation.remediator import EventType
@@ -104,9 +107,20 @@ def respond_to_oom(
     remediation = server.spec.remediation
     when = format_time(now)
     patch: dict[str, Any] = {}
+    trial = server.status.tuning.trial if server.status.tuning is not None else None
     if not classification.is_memory:
         outcome = "not-applicable"
         message = "a stuck engine is restarted, never stepped down: memory was not what failed"
+    elif trial is not None and pod.startswith(f"{server.metadata.name}{CANARY_SUFFIX}-"):
+        # The canary runs the policy in force plus the trial's change: its OOM is evidence
+        # against that change (the canary fails on it, so the trial is rolled back), not
+        # against the policy the other pods run.
+        outcome = "not-applicable"
+        message = (
+            f"a canary pod of the tuning trial {trial.field} {trial.current} -> "
+            f"{trial.proposed} ran out of memory: the trial is rolled back, the policy the "
+            "other pods run is not stepped down"
+        )
     elif not classification.can_step_down:
         outcome = "not-applicable"
         message = f"{classification.label}: only run-time GPU OOMs step the policy down"

@@ -52,16 +52,29 @@ def is_covered(by_pod: Mapping[str, Sequence[float]], seconds: int) -> bool:
 
 
 def canary_failure(server: LLMServer, now: datetime) -> str | None:
-    """The failOn message of the trial's canary if it failed since the trial started (an
-    eviction of a canary pod counts only through a failOn alert behind it, `canary`), else
-    None."""
+    """Why the trial's canary failed since the trial started, else None: its failOn message
+    (an eviction of a canary pod counts only through a failOn alert behind it, `canary`), or,
+    whatever failOn lists, a canary pod that ended out of memory or stuck (remediation records
+    each termination; a tuning change must never cost one)."""
     tuning, canary = server.status.tuning, server.status.canary
-    if tuning is None or tuning.trial is None or canary is None or canary.phase != "Failed":
+    if tuning is None or tuning.trial is None:
         return None
-    canary_start = parse_or(canary.started_at, None)
-    if canary_start is None or canary_start < parse_or(tuning.trial.started_at, now):
-        return None
-    return canary.message
+    started = parse_or(tuning.trial.started_at, now)
+    if canary is not None and canary.phase == "Failed":
+        canary_start = parse_or(canary.started_at, None)
+        if canary_start is not None and canary_start >= started:
+            return canary.message
+    prefix = f"{server.metadata.name}{CANARY_SUFFIX}-"
+    for record in server.status.remediation_history:
+        recorded = parse_or(record.time, None)
+        if (
+            record.action == "step-down"
+            and record.pod.startswith(prefix)
+            and recorded is not None
+            and recorded >= started
+        ):
+            return f"canary pod {record.pod} ended ({record.alert}) at {record.time}"
+    return None
 
 
 def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence | None:

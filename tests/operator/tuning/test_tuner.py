@@ -189,12 +189,14 @@ def written(server: LLMServer, result: TuneResult, now: datetime) -> LLMServer:
     return stepped.model_copy(update={"status": status})
 
 
-def out_of_memory(server: LLMServer, pod: str, now: datetime) -> LLMServer:
+def out_of_memory(
+    server: LLMServer, pod: str, now: datetime, outcome: str = "applied"
+) -> LLMServer:
     """The server once remediation recorded a run-time GPU OOM of `pod` (`remediation.oom`)."""
     body = server.to_api()
     gpu_runtime = OOMClassification("gpu", "runtime", "CUDA out of memory")
     response = respond_to_oom(body, pod, gpu_runtime, f"k-{pod}", format_time(now), now)
-    assert response is not None and response.record.outcome == "applied"
+    assert response is not None and response.record.outcome == outcome
     body["status"] = {**body["status"], **response.status}
     return LLMServer.from_body(body)
 
@@ -207,10 +209,10 @@ def trying(now: datetime = T0) -> LLMServer:
     return written(server, result, now)
 
 
-@pytest.mark.parametrize("pod", ["qwen-7d9f8-abcde", "qwen-canary-5c6b7-fghij"])
+@pytest.mark.parametrize("pod", ["qwen-7d9f8-abcde"])
 def test_a_step_down_during_a_trial_rolls_it_back_and_holds_the_field(pod: str) -> None:
-    """A run-time OOM of any pod (baseline or canary) steps the baseline down: the canary's
-    candidate would change with it and the window would compare more than the change."""
+    """A run-time OOM of a baseline pod steps the baseline down: the canary's candidate would
+    change with it and the window would compare more than the change."""
     server = trying()
     now = T0 + timedelta(seconds=30)
     stepped = out_of_memory(server, pod, now)
@@ -349,3 +351,32 @@ def test_a_canary_pod_evicted_for_a_fail_on_alert_rolls_the_trial_back() -> None
         update={"status": server.status.model_copy(update={"canary": backlog})}
     )
     assert canary_failure(waiting, now) is None
+
+
+def test_a_canary_pod_out_of_memory_rolls_the_trial_back_and_steps_nothing_down() -> None:
+    """The canary ran the trial's change: its OOM is evidence against that change alone. The
+    trial ends on it whatever failOn lists, and the baseline keeps its policy."""
+    server = trying()
+    now = T0 + timedelta(seconds=30)
+    pod = "qwen-canary-5c6b7-fghij"
+    oom = out_of_memory(server, pod, now, outcome="not-applicable")
+    assert compose(oom).policy == compose(server).policy  # nothing stepped down
+    without = oom.spec.rollout.canary.model_copy(update={"fail_on": ["restarts"]})
+    rollout = oom.spec.rollout.model_copy(update={"canary": without})
+    oom = oom.model_copy(update={"spec": oom.spec.model_copy(update={"rollout": rollout})})
+    failure = canary_failure(oom, now)
+    assert failure == f"canary pod {pod} ended (gpu-runtime) at 2026-11-29T01:00:30Z"
+    result = tune(oom, Observation(window("chat_steady"), TrialEvidence(None, failure)), now)
+    tuning = result.tuning
+    assert tuning is not None and tuning.trial is None and result.promoted is None
+    assert tuning.history[0].outcome == "RolledBack"
+    assert tuning.history[0].message == (
+        f"enablePrefixCaching true -> false rolled back: the canary failed ({failure})"
+    )
+    assert [h.field for h in tuning.hold_offs] == ["enablePrefixCaching"]
+    # An OOM from before the trial started is no evidence against it.
+    earlier = out_of_memory(make_server(APPLY), pod, T0 - timedelta(seconds=5), "applied")
+    later = written(earlier, tune(earlier, NO_REUSE, T0), T0)
+    assert later.status.tuning is not None and later.status.tuning.trial is not None
+    assert later.status.remediation_history[0].pod == pod
+    assert canary_failure(later, now) is None
