@@ -9,9 +9,12 @@ their `up`, the pods' own, as the ServiceMonitor's relabelings do in a cluster).
   Deployment deleted, the stable replicas never replaced.
 - During autoscaling: kube-controller-manager's HorizontalPodAutoscaler on prometheus-adapter's
   custom metrics scales a server to 2 pods and the operator writes the pods' deletion costs from
-  Prometheus. Prometheus is stopped: once the autoscaler finds no metric (ScalingActive False,
-  also in status.autoscaling) and the operator has tried three cost rounds, the count is still
-  2 (no scale-down stabilization would have delayed one) and the costs keep their last values.
+  Prometheus. Prometheus is stopped, and then the pods' load drops: what they export now asks
+  for 1 pod and for other costs. Once the autoscaler finds no metric (ScalingActive False, also
+  in status.autoscaling) and the operator has tried three cost rounds, the count is still 2 (no
+  scale-down stabilization would have delayed one) and the costs keep their last values. With
+  Prometheus back the count goes to the 1 the load asks for, the less loaded pod going (by its
+  kept cost or its new one alike), and the remaining pod's cost to its new load.
 """
 
 from __future__ import annotations
@@ -190,10 +193,10 @@ def test_autoscaling_without_prometheus_holds_the_count_and_the_deletion_costs(
     apps = client.AppsV1Api(cluster.api)
     hpas = client.AutoscalingV2Api(cluster.api)
     with contextlib.ExitStack() as stack:
-        busy, _ = stack.enter_context(
+        busy, busy_series = stack.enter_context(
             exporter({"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 2})
         )
-        light, _ = stack.enter_context(
+        light, light_series = stack.enter_context(
             exporter({"vllm:num_requests_running": 1, "vllm:num_requests_waiting": 2})
         )
         prometheus = Prometheus(tmp_path / "prometheus", [], None).start([])
@@ -220,12 +223,11 @@ def test_autoscaling_without_prometheus_holds_the_count_and_the_deletion_costs(
             # Two waiting requests on one pod, target one: the autoscaler asks for 2.
             pair = wait_ready_pods(cluster, namespace, "a", 2, timeout=180)
             (second,) = set(pair) - {first}
-            prometheus.reload(
-                [
-                    pod_scrape(busy, (namespace, first, "a"), job="busy"),
-                    pod_scrape(light, (namespace, second, "a"), job="light"),
-                ]
-            )
+            scrapes = [
+                pod_scrape(busy, (namespace, first, "a"), job="busy"),
+                pod_scrape(light, (namespace, second, "a"), job="light"),
+            ]
+            prometheus.reload(scrapes)
             wait_for(
                 lambda: costs(cluster, namespace, "a") == {first: "5", second: "3"},
                 timeout=120,
@@ -240,6 +242,10 @@ def test_autoscaling_without_prometheus_holds_the_count_and_the_deletion_costs(
             )
 
             prometheus.stop()
+            # Unseen while Prometheus is away, the queues empty: the autoscaler would ask for
+            # 1 pod (no waiting request), and the costs would be 4 and 0 (running + waiting).
+            busy_series.update({"vllm:num_requests_running": 4, "vllm:num_requests_waiting": 0})
+            light_series.update({"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0})
 
             def autoscaler_blind() -> bool:
                 hpa = hpas.read_namespaced_horizontal_pod_autoscaler("a", namespace)
@@ -264,10 +270,26 @@ def test_autoscaling_without_prometheus_holds_the_count_and_the_deletion_costs(
                 timeout=120,
                 what="status.autoscaling saying the autoscaler has no metric",
             )
+            # Held while blind: not the 1 pod and the costs the load now asks for.
+            assert apps.read_namespaced_deployment("a", namespace).spec.replicas == 2
+            assert wait_ready_pods(cluster, namespace, "a", 2) == sorted(pair)
+            assert costs(cluster, namespace, "a") == {first: "5", second: "3"}
+
+            prometheus.restart(scrapes)
+            wait_for(
+                lambda: apps.read_namespaced_deployment("a", namespace).spec.replicas == 1,
+                timeout=180,
+                interval=2,
+                what="the autoscaler scaling in on the metrics once Prometheus is back",
+            )
+            # The second pod is the less loaded by its kept cost (3 against 5) and by its new
+            # one (0 against 4, or 6 while the window still holds the old samples) alike.
+            assert wait_ready_pods(cluster, namespace, "a", 1) == [first]
+            wait_for(
+                lambda: costs(cluster, namespace, "a") == {first: "4"},
+                timeout=120,
+                what="the remaining pod's cost from its new load",
+            )
         except AssertionError:
             print(operator.log_tail(8000))
             raise
-
-        assert apps.read_namespaced_deployment("a", namespace).spec.replicas == 2
-        assert wait_ready_pods(cluster, namespace, "a", 2) == sorted(pair)
-        assert costs(cluster, namespace, "a") == {first: "5", second: "3"}

@@ -315,9 +315,10 @@ class Prometheus:
         prometheus_config["scrape_configs"] = scrape_configs
         self.config_path.write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
 
-    def start(self, scrape_configs: list[dict[str, Any]]) -> Prometheus:
+    def start(self, scrape_configs: list[dict[str, Any]], port: int | None = None) -> Prometheus:
+        """Start on `port` (default: a free one) with the data of any earlier start."""
         self._write(scrape_configs)
-        port = free_port()
+        port = free_port() if port is None else port
         argv = [
             tool("prometheus"),
             f"--config.file={self.config_path}",
@@ -349,3 +350,9 @@ class Prometheus:
     def stop(self) -> None:
         if self.service is not None:
             self.service.stop()
+
+    def restart(self, scrape_configs: list[dict[str, Any]]) -> Prometheus:
+        """Start again after `stop()` at the same URL, so what was reading it (the operator,
+        prometheus-adapter) reads it again."""
+        assert self.service is not None, "start() first"
+        return self.start(scrape_configs, self.service.port)
