@@ -24,6 +24,7 @@ from typing import Any
 from pagekeeper_operator.api.autoscaling import AutoscalerKind, AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render.autoscaler import HPA_KIND, autoscaler_hpa_name, metric_keys
+from pagekeeper_operator.timestamps import parse_or
 
 HANDOVER_MANAGER = "pagekeeper-autoscaler-handover"
 # The quantity suffixes the API server writes for metric values (status.currentMetrics).
@@ -164,7 +165,7 @@ def autoscaling_status(
             kind=kind, name=name, message=f"{HPA_KIND} {name} does not exist yet"
         )
     status = hpa.get("status") or {}
-    scaled_at = status.get("lastScaleTime")
+    scaled_at = parse_or(status.get("lastScaleTime"), None)
     reason = previous.last_scale_reason if previous is not None else None
     if scaled_at and (previous is None or previous.last_scale_time != scaled_at):
         reason = scale_reason(server, hpa, uses_keda, _count_before(hpa, previous, count_before))

@@ -38,7 +38,7 @@ from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
 from pagekeeper_operator.canary_data import NO_DATA_SIGNAL, CanaryData, track_data
 from pagekeeper_operator.render.meta import POLICY_HASH_ANNOTATION
-from pagekeeper_operator.timestamps import format_time, parse_or
+from pagekeeper_operator.timestamps import format_time
 
 CANARY_LABEL = "pagekeeper.dev/canary"
 CANARY_SUFFIX = "-canary"
@@ -138,7 +138,7 @@ def decide_canary(
             phase="Analyzing",
             template_hash=candidate,
             stable_template_hash=stable,
-            started_at=format_time(now),
+            started_at=now,
             message=(
                 f"{spec.replicas} canary pod(s) run the new template for {spec.analysis_seconds}s"
             ),
@@ -151,23 +151,14 @@ def decide_canary(
         failed = previous.model_copy(
             update={
                 "phase": "Failed",
-                "finished_at": format_time(now),
+                "finished_at": now,
                 "failed_signal": signal,
                 "message": message,
             }
         )
         return _hold(replicas, failed, CanaryEvent("Warning", "CanaryFailed", message))
-    started_at = parse_or(previous.started_at, None)
-    if started_at is None:  # unreadable: the analysis starts again, and says why
-        message = (
-            f"the canary's startedAt {previous.started_at!r} is not a time stamp: its analysis "
-            f"starts again now, for {spec.analysis_seconds}s"
-        )
-        restarted = previous.model_copy(update={"started_at": format_time(now), "message": message})
-        event = CanaryEvent("Warning", "CanaryRestarted", message)
-        return CanaryPlan(False, analyzing, spec.replicas, restarted, event)
     ready = sum(p.is_ready for p in pods)
-    clean_from = started_at
+    clean_from = previous.started_at
     if data is not None and ready >= spec.replicas:
         watched, data_event, has_data = _watched(spec, previous, data, pods, now, no_data_seconds)
         if watched.phase == "Failed":
@@ -176,7 +167,7 @@ def decide_canary(
             return CanaryPlan(False, analyzing, spec.replicas, watched, data_event)
         previous = watched
         assert previous.data_since is not None, "a watched canary has data since a time"
-        clean_from = max(started_at, parse_or(previous.data_since, now))
+        clean_from = max(clean_from, previous.data_since)
     is_due = now >= clean_from + timedelta(seconds=spec.analysis_seconds)
     if is_due and ready >= spec.replicas:
         message = (
@@ -184,10 +175,14 @@ def decide_canary(
             f"rolls to all {replicas} replicas"
         )
         promoted = previous.model_copy(
-            update={"phase": "Promoted", "finished_at": format_time(now), "message": message}
+            update={"phase": "Promoted", "finished_at": now, "message": message}
         )
         return _roll(replicas, promoted, CanaryEvent("Normal", "CanaryPromoted", message))
     return CanaryPlan(False, analyzing, spec.replicas, previous)
+
+
+def _text(when: datetime | None) -> str:
+    return "?" if when is None else format_time(when)
 
 
 def _watched(
@@ -207,21 +202,22 @@ def _watched(
         if previous.data_missing_since is not None:  # back after a gap: the clock restarts
             message = (
                 f"{spec.replicas} canary pod(s) run the new template for "
-                f"{spec.analysis_seconds}s, counted from {tracked.data_since}: data resumed"
+                f"{spec.analysis_seconds}s, counted from {_text(tracked.data_since)}: data resumed"
             )
             return tracked.model_copy(update={"message": message}), None, True
         return tracked, None, True
     assert tracked.data_missing_since is not None, "missing data has a start"
-    deadline = parse_or(tracked.data_missing_since, now) + timedelta(seconds=no_data_seconds)
+    deadline = tracked.data_missing_since + timedelta(seconds=no_data_seconds)
     if now >= deadline:
         message = (
-            f"{NO_DATA_SIGNAL}: no data for the canary pods since {tracked.data_missing_since} "
+            f"{NO_DATA_SIGNAL}: no data for the canary pods since "
+            f"{format_time(tracked.data_missing_since)} "
             f"({missing}); taken back after {no_data_seconds}s rather than promoted unwatched"
         )[:1024]
         failed = tracked.model_copy(
             update={
                 "phase": "Failed",
-                "finished_at": format_time(now),
+                "finished_at": now,
                 "failed_signal": NO_DATA_SIGNAL,
                 "message": message,
             }
@@ -255,18 +251,14 @@ def _failure(
         restarts = sum(p.restarts for p in pods)
         if restarts:
             return "restarts", f"restarts: {restarts} container restart(s) of canary pods"
-    started_at = parse_or(status.started_at, None)
     prefix = f"{server_name}{CANARY_SUFFIX}-"
     alerts = {TRIGGER_BY_KEY[key].alert: key for key in _ALERT_SIGNALS if key in fail_on}
     for record in history:
-        recorded = parse_or(record.time, None)
         if (
             record.alert in alerts
             and record.pod.startswith(prefix)
             and record.action != "step-down"
-            and started_at is not None
-            and recorded is not None
-            and recorded >= started_at
+            and record.time >= status.started_at
         ):
             signal = alerts[record.alert]
             return signal, f"{signal}: {record.alert} fired for canary pod {record.pod}"

@@ -28,7 +28,6 @@ from datetime import datetime
 
 from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.prometheus import PrometheusError, query_by
-from pagekeeper_operator.timestamps import format_time
 
 NO_DATA_SIGNAL = "noData"
 MAX_ERROR_CHARS = 300
@@ -77,11 +76,7 @@ def track_data(
     if reason is None:
         if previous.data_since is not None and previous.data_missing_since is None:
             return previous, None
-        return previous.model_copy(
-            update={"data_since": format_time(now), "data_missing_since": None}
-        ), None
+        return previous.model_copy(update={"data_since": now, "data_missing_since": None}), None
     if previous.data_missing_since is not None:
         return previous, reason
-    return previous.model_copy(
-        update={"data_missing_since": format_time(now), "data_since": None}
-    ), reason
+    return previous.model_copy(update={"data_missing_since": now, "data_since": None}), reason

@@ -28,7 +28,7 @@ from pagekeeper_operator.effective import compose, effective_memory_policy, memo
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
-from pagekeeper_operator.timestamps import parse_or
+from pagekeeper_operator.timestamps import format_time, parse_time
 from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
 
@@ -162,7 +162,7 @@ def _condition(
         status=status,
         reason=reason,
         message=message,
-        last_transition_time=since or now,
+        last_transition_time=since or parse_time(now),
         observed_generation=generation,
     )
 
@@ -172,14 +172,12 @@ def memory_condition(server: LLMServer, now: str) -> Condition:
     status = server.status
     previous = status.condition(MEMORY_HEALTHY)
     generation = server.metadata.generation
-    last_text = status.last_out_of_memory
-    if last_text is None and previous is not None and previous.status == "False":
+    last = status.last_out_of_memory
+    if last is None and previous is not None and previous.status == "False":
         # Set by an operator that did not record lastOutOfMemory: the transition is the OOM.
-        last_text = previous.last_transition_time
-    last, current = parse_or(last_text, None), parse_or(now, None)
-    if last is None or current is None:
-        if previous is not None and last_text is not None:
-            return previous  # an unreadable time: leave the condition as remediation set it
+        last = previous.last_transition_time
+    current = parse_time(now)
+    if last is None:
         return _condition(
             previous, MEMORY_HEALTHY, True, "NoMemoryEvents", NO_EVENTS_MESSAGE, generation, now
         )
@@ -187,9 +185,9 @@ def memory_condition(server: LLMServer, now: str) -> Condition:
     if current < last + timedelta(seconds=window):
         if previous is not None and previous.status == "False":
             return previous
-        message = f"out-of-memory termination at {last_text}"
+        message = f"out-of-memory termination at {format_time(last)}"
         return _condition(previous, MEMORY_HEALTHY, False, "OutOfMemory", message, generation, now)
-    message = f"no out-of-memory termination for {window}s (the last at {last_text})"
+    message = f"no out-of-memory termination for {window}s (the last at {format_time(last)})"
     return _condition(
         previous, MEMORY_HEALTHY, True, "NoRecentMemoryEvents", message, generation, now
     )

@@ -37,6 +37,7 @@ _DROPPED_KEYS = {"title", "$defs"}
 # Schema keys in the order a reader wants them; field names under `properties` keep model order.
 _KEY_ORDER = (
     "type",
+    "format",
     "description",
     "nullable",
     "default",

@@ -23,11 +23,13 @@ from pydantic import ValidationError
 from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
 from pagekeeper_operator.kube import Kube, shared_kube
 from pagekeeper_operator.metrics import serve_metrics
+from pagekeeper_operator.progress import unreadable_status
 from pagekeeper_operator.reconcile import reconcile, refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
 from pagekeeper_operator.resync import ServerRegistry, resync_forever, server_reconciler
 from pagekeeper_operator.scaledown import keep_deletion_costs
 from pagekeeper_operator.settings import load_settings
+from pagekeeper_operator.timestamps import format_time, parse_or, utc_now
 
 SETTINGS = load_settings()
 # Retry delay after a failure the API may get over (conflict, throttling, unavailability).
@@ -38,12 +40,15 @@ def _kube(memo: kopf.Memo) -> Kube:
     return shared_kube(memo, os.environ)
 
 
-def _parse(body: kopf.Body) -> LLMServer:
+def _parse(body: kopf.Body, patch: kopf.Patch) -> LLMServer:
     try:
         return LLMServer.from_body(body)
     except ValidationError as exc:
-        # The CRD schema rejects such specs; this is an object stored under an older schema.
-        raise kopf.PermanentError(f"invalid LLMServer: {exc}") from exc
+        # The CRD schema rejects such objects; this one was stored under an older schema (a
+        # time stamp written before `format: date-time`, say). Say which fields, in Stalled.
+        message, conditions = unreadable_status(body, exc, format_time(utc_now()))
+        patch.setdefault("status", {})["conditions"] = conditions
+        raise kopf.PermanentError(message) from exc
 
 
 @kopf.on.startup()
@@ -92,7 +97,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 
 
 def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
-    server = _parse(body)
+    server = _parse(body, patch)
     result = reconcile(
         _kube(memo),
         server,
@@ -187,7 +192,7 @@ def autoscaler_changed(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) 
         return  # not the one the last reconcile recorded; the next reconcile looks again
     status = body.get("status") or {}
     if recorded.desired_replicas == status.get("desiredReplicas") and (
-        recorded.last_scale_time == status.get("lastScaleTime")
+        recorded.last_scale_time == parse_or(status.get("lastScaleTime"), None)
     ):
         return  # only its current metrics moved: nothing status shows
     deployment = kube.get("apps/v1", "Deployment", namespace, name)

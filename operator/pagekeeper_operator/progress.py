@@ -13,6 +13,9 @@ True, because kstatus checks Reconciling first and a stalled server must read Fa
 | PolicyDoesNotFit         | a PolicyFits condition is False: the memory plan does not fit  |
 | ProgressDeadlineExceeded | the Deployment's rollout passed spec.progressDeadlineSeconds   |
 | CanaryRolledBack         | the canary failed and was taken back; a new template is needed |
+| Unreadable               | the stored object does not validate (a time stamp that does not |
+|                          | parse, from before the CRD said `format: date-time`): the fields |
+|                          | are named; nothing is done until they are corrected             |
 
 | Reconciling reason | when (and nothing stalls)                                         |
 |--------------------|-------------------------------------------------------------------|
@@ -31,14 +34,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition
 from pagekeeper_operator.api_key import API_KEY_AVAILABLE, SECRET_MISSING
 from pagekeeper_operator.refusal import is_refused
+from pagekeeper_operator.timestamps import parse_or
 
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 POLICY_FITS = "PolicyFits"
+UNREADABLE = "Unreadable"
 
 
 def _find(conditions: Sequence[Condition], type_: str) -> Condition | None:
@@ -124,3 +131,44 @@ def progress_conditions(
         (RECONCILING, False, "Idle", "nothing is under way"),
         (STALLED, False, "AsExpected", ""),
     ]
+
+
+def unreadable_conditions(
+    conditions: Sequence[Mapping[str, Any]], message: str, now: str
+) -> list[dict[str, Any]]:
+    """The stored conditions (raw, since the object did not validate; any whose own time does
+    not parse are dropped) with Stalled True for reason Unreadable and Reconciling False."""
+    kept = [
+        dict(c)
+        for c in conditions
+        if c.get("type") not in (RECONCILING, STALLED)
+        and parse_or(c.get("lastTransitionTime"), None) is not None
+    ]
+    previous = {c.get("type"): c for c in conditions}
+
+    def since(type_: str, status: str) -> str:
+        old = previous.get(type_) or {}
+        keep = old.get("status") == status and parse_or(old.get("lastTransitionTime"), None)
+        return str(old["lastTransitionTime"]) if keep else now
+
+    return [
+        *kept,
+        {"type": RECONCILING, "status": "False", "reason": STALLED,
+         "message": "no progress is possible until the named fields are corrected",
+         "lastTransitionTime": since(RECONCILING, "False")},
+        {"type": STALLED, "status": "True", "reason": UNREADABLE, "message": message[:32768],
+         "lastTransitionTime": since(STALLED, "True")},
+    ]  # fmt: skip
+
+
+def unreadable_status(
+    body: Mapping[str, Any], error: ValidationError, now: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """For a stored LLMServer its models refuse: the message naming each refused field by its
+    path (`status.canary.startedAt: ...`) and the conditions that say it."""
+    fields = "; ".join(
+        f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()[:8]
+    )
+    message = f"the stored LLMServer does not validate: {fields}"
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return message, unreadable_conditions(conditions, message, now)

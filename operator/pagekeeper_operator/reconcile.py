@@ -332,7 +332,7 @@ def _with_tuning(
     count_tuning(server.metadata.namespace, server.metadata.name, result)
     canary = server.status.canary
     if result.promoted is not None:
-        canary = promote_canary(canary, now)
+        canary = promote_canary(canary, when)
     status = server.status.model_copy(
         update={
             "recommendations": result.recommendations,

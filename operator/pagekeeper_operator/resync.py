@@ -12,6 +12,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from pydantic import ValidationError
+
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.reconcile import reconcile
@@ -69,7 +71,12 @@ def server_reconciler(kube: Kube, settings: OperatorSettings) -> ServerReconcile
         body = await asyncio.to_thread(kube.get, API_VERSION, KIND, namespace, name)
         if body is None:
             return True
-        server = LLMServer.from_body(body)
+        try:
+            server = LLMServer.from_body(body)
+        except ValidationError as exc:
+            # The kopf handler says why in Stalled (Unreadable); nothing to re-plan until then.
+            logger.warning("%s/%s: not re-planned, it does not validate: %s", namespace, name, exc)
+            return True
         result = await asyncio.to_thread(
             reconcile,
             kube,

@@ -1,10 +1,13 @@
 """Time stamps, one way: RFC 3339 in UTC to the second (`2026-11-29T02:03:04Z`) in the API,
 timezone-aware `datetime`s in code. The operator's one formatter and one parser.
 
-A stored time stamp the parser cannot read (or one without a zone) raises `TimestampError`, a
-`failures.UnreadableDataError`: permanent (the webhook answers 4xx, never a retry loop), and
-where a state machine reads one (a canary's start, a hold-off) it says so in status and carries
-on (`parse_or`) rather than stall.
+The API models hold time stamps as `api.types.Timestamp`: an aware `datetime` read through
+`parse_time` and written through `format_time`, declared `format: date-time` in the CRD, so the
+API server refuses any other text, naming the field. A stamp the parser cannot read (or one
+without a zone) raises `TimestampError`, a `failures.UnreadableDataError`: permanent (the webhook
+answers 4xx, never a retry loop); a stored object its models refuse is reported in Stalled
+(`progress.unreadable_status`). `parse_or` reads the stamps of other objects (a pod's
+`finishedAt`, an autoscaler's `lastScaleTime`), where a missing or odd one must not stop a read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ class TimestampError(UnreadableDataError):
 def utc_now() -> datetime:
     """Now, in UTC, to the second (what `format_time` keeps)."""
     return datetime.now(UTC).replace(microsecond=0)
+
+
+def to_second(when: datetime) -> datetime:
+    """`when` in UTC to the second: what the API keeps of it, so equal once stored."""
+    assert when.tzinfo is not None, f"naive datetime {when!r}: time stamps are timezone-aware"
+    return when.astimezone(UTC).replace(microsecond=0)
 
 
 def format_time(when: datetime) -> str:

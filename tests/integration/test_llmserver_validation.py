@@ -3,6 +3,7 @@ create and on an update of a running server (which nothing then disturbs)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -411,3 +412,24 @@ def test_bad_tuning_on_a_running_server_is_refused_and_disturbs_nothing(
     )
     assert _running_state(cluster, namespace) == before
     assert "reconciled generation 2" not in operator.log()
+
+
+def test_a_status_time_stamp_that_is_not_rfc_3339_is_refused_naming_the_field(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    """Time stamps are typed (`format: date-time`): the API server refuses other text in
+    status, whoever writes it, so the operator never reads one it cannot parse."""
+    assert _apply(cluster, namespace, {}, name="stamped").returncode == 0
+    canary = {"phase": "Analyzing", "templateHash": "a", "stableTemplateHash": "b"}
+
+    def patch_status(started_at: str) -> Any:
+        patch = {"status": {"canary": {**canary, "startedAt": started_at}}}
+        return cluster.kubectl(
+            "patch", "llmserver", "stamped", "-n", namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps(patch), check=False,
+        )  # fmt: skip
+
+    refused = patch_status("yesterday")
+    assert refused.returncode != 0
+    assert "status.canary.startedAt" in refused.stderr and "date-time" in refused.stderr
+    assert patch_status("2026-11-29T01:00:00Z").returncode == 0

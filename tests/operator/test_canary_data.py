@@ -19,6 +19,7 @@ from pagekeeper_operator.canary_data import (
     observe_canary_data,
     track_data,
 )
+from pagekeeper_operator.timestamps import parse_time
 
 T0 = datetime(2026, 11, 23, 10, 0, 0, tzinfo=UTC)
 POD = "qwen-canary-7d9f-abcde"
@@ -91,7 +92,7 @@ def test_a_gap_past_the_bound_takes_the_canary_back_on_no_data() -> None:
     assert plan.main_replicas == 4  # the stable template on every replica again
     assert plan.status is not None
     assert (plan.status.phase, plan.status.failed_signal) == ("Failed", "noData")
-    assert plan.status.finished_at == "2026-11-23T10:16:40Z"
+    assert plan.status.finished_at == parse_time("2026-11-23T10:16:40Z")
     assert plan.status.message == (
         "noData: no data for the canary pods since 2026-11-23T10:11:40Z (Prometheus did not "
         "answer: http://prometheus:9090/api/v1/query?...: Connection refused); taken back "
@@ -109,7 +110,7 @@ def test_data_after_a_gap_restarts_the_clean_clock() -> None:
     assert held is not None and held.data_since is None
     resumed = decide(held, SCRAPED, 700)
     assert resumed.status is not None
-    assert resumed.status.data_since == "2026-11-23T10:11:40Z"
+    assert resumed.status.data_since == parse_time("2026-11-23T10:11:40Z")
     assert resumed.status.data_missing_since is None
     assert resumed.status.message == (
         "1 canary pod(s) run the new template for 600s, counted from 2026-11-23T10:11:40Z: "
@@ -123,7 +124,9 @@ def test_data_after_a_gap_restarts_the_clean_clock() -> None:
 def test_a_ready_canary_pod_prometheus_does_not_scrape_has_no_data() -> None:
     other = CanaryData(scraped_pods=frozenset({"qwen-canary-7d9f-zzzzz"}))
     plan = decide(ANALYZING, other, 60)
-    assert plan.status is not None and plan.status.data_missing_since == "2026-11-23T10:01:00Z"
+    assert plan.status is not None and plan.status.data_missing_since == parse_time(
+        "2026-11-23T10:01:00Z"
+    )
     assert plan.status.message.startswith(
         f"holding: Prometheus has no successful scrape of canary pod(s) {POD};"
     )
@@ -141,7 +144,7 @@ def test_without_a_prometheus_url_the_analysis_is_as_before() -> None:
 
 def test_track_data_writes_only_on_a_change() -> None:
     watched, missing = track_data(ANALYZING, SCRAPED, [POD], T0)
-    assert missing is None and watched.data_since == "2026-11-23T10:00:00Z"
+    assert missing is None and watched.data_since == T0
     assert track_data(watched, SCRAPED, [POD], T0 + timedelta(seconds=9)) == (watched, None)
 
 

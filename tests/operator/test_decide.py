@@ -88,7 +88,7 @@ def test_evicts_the_alerted_pod() -> None:
     assert decision == Decision(
         verdict=Verdict.EVICT,
         alert=KV,
-        key=("fp-chat-b-" + KV, (NOW - timedelta(minutes=5)).isoformat()),
+        key=("fp-chat-b-" + KV, NOW - timedelta(minutes=5)),
         namespace=NS,
         pod="chat-b",
         server="chat",

@@ -17,6 +17,7 @@ from pagekeeper_operator.plan import (
 )
 from pagekeeper_operator.reconcile import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
+from pagekeeper_operator.timestamps import parse_time
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
 NOW = "2025-01-02T03:04:05Z"
@@ -198,7 +199,8 @@ def test_status_ready_and_rolled_out() -> None:
         update={"gpu_memory_utilization": 0.9}
     )
     assert all(
-        c.last_transition_time == NOW and c.observed_generation == 3 for c in status.conditions
+        c.last_transition_time == parse_time(NOW) and c.observed_generation == 3
+        for c in status.conditions
     )
 
 
@@ -251,11 +253,11 @@ def test_status_keeps_transition_times_and_remediation_fields() -> None:
     # Within spec.remediation.memoryHealthyAfterSeconds (default 3600) of the OOM.
     later = compute_status(again, _deployment_status(1, 1, 1), "2025-01-02T03:34:05Z")
     assert status_patch(again, later) == {}
-    assert later.last_remediation == NOW
+    assert later.last_remediation == parse_time(NOW)
     assert _conditions(later)["MemoryHealthy"] == ("False", "RuntimeGPUOOM")
     flipped = compute_status(again, _deployment_status(0, 1, 1), "2025-01-02T03:34:05Z")
     ready = flipped.condition("Ready")
-    assert ready is not None and ready.last_transition_time == "2025-01-02T03:34:05Z"
+    assert ready is not None and ready.last_transition_time == parse_time("2025-01-02T03:34:05Z")
     patch = status_patch(again, flipped)
     assert sorted(patch) == ["conditions", "readyReplicas"]
 

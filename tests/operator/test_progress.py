@@ -9,11 +9,13 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.conditions import compute_status
+from pagekeeper_operator.progress import unreadable_status
 from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.refusal import is_refusal, is_refused, write_failure
 from pagekeeper_operator.render import ClusterFeatures
-from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.operator.servers import DEFAULT_IMAGES, make_server, server_body
 
 NOW = "2025-01-02T03:04:05Z"
 CANARY = {
@@ -296,3 +298,36 @@ def test_a_refused_apply_writes_one_sentence_and_posts_the_raw_answer_once() -> 
     again = reconcile(kube, stalled, DEFAULT_IMAGES, now=NOW)  # type: ignore[arg-type]
     assert again.status_patch == {}
     assert len(kube.events) == 1
+
+
+def test_a_stored_server_its_models_refuse_is_stalled_naming_each_field() -> None:
+    """Stored before the CRD said `format: date-time`: a time stamp that does not parse. The
+    operator cannot act on it, and says which field in Stalled (kstatus reads Failed)."""
+    body = server_body()
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "",
+             "lastTransitionTime": "2025-01-02T03:00:00Z"}  # fmt: skip
+    torn = {"type": "Degraded", "status": "False", "lastTransitionTime": "soon"}
+    body["status"] = {
+        "canary": {**CANARY, "phase": "Analyzing", "startedAt": "yesterday"},
+        "conditions": [ready, torn],
+    }
+    with pytest.raises(ValidationError) as refused:
+        LLMServer.from_body(body)
+    message, conditions = unreadable_status(body, refused.value, NOW)
+    assert message == (
+        "the stored LLMServer does not validate: status.conditions.1.lastTransitionTime: Value "
+        "error, unreadable time stamp 'soon' (RFC 3339 expected); status.canary.startedAt: "
+        "Value error, unreadable time stamp 'yesterday' (RFC 3339 expected)"
+    )
+    assert conditions == [
+        ready,  # kept as stored; the torn one is dropped, it cannot be written back
+        {"type": "Reconciling", "status": "False", "reason": "Stalled",
+         "message": "no progress is possible until the named fields are corrected",
+         "lastTransitionTime": NOW},
+        {"type": "Stalled", "status": "True", "reason": "Unreadable", "message": message,
+         "lastTransitionTime": NOW},
+    ]  # fmt: skip
+    # Said again later: the transition times stay.
+    body["status"]["conditions"] = conditions
+    _, again = unreadable_status(body, refused.value, "2025-01-02T04:00:00Z")
+    assert again == conditions

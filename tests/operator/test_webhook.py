@@ -13,8 +13,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.failures import UnreadableDataError
+from pagekeeper_operator.remediation.actions import server_info
 from pagekeeper_operator.remediation.payload import WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator, ServerInfo
 from pagekeeper_operator.remediation.webhook import is_authorized, make_app
@@ -258,20 +258,33 @@ def test_an_unexpected_exception_in_the_handler_is_500_logged_and_the_resend_act
 
 
 def test_unreadable_stored_data_in_the_handler_is_422() -> None:
-    cluster = FakeCluster(["chat-a", "chat-b"])
+    """A stored LLMServer whose history holds a time its models refuse (written before the CRD
+    said `format: date-time`): no retry can read it, so Alertmanager is told 4xx."""
     earlier = alert_json("chat-b", fingerprint="earlier")
-    cluster.history = [
-        RemediationRecord(
-            time="yesterday", pod="chat-b", alert="PagekeeperKVCacheSaturated", action="evict",
-            outcome="evicted", fingerprint="earlier", alertStartsAt=earlier["startsAt"],
-        )
-    ]  # fmt: skip
+    stored = {
+        "metadata": {"name": "chat", "namespace": "prod", "generation": 1},
+        "spec": {"model": {"source": "/models/qwen3-0.6b"}},
+        "status": {"remediationHistory": [{
+            "time": "yesterday", "pod": "chat-b", "alert": "PagekeeperKVCacheSaturated",
+            "action": "evict", "outcome": "evicted", "fingerprint": "earlier",
+            "alertStartsAt": earlier["startsAt"],
+        }]},
+    }  # fmt: skip
+
+    class StoredCluster(FakeCluster):
+        async def read_server(self, namespace: str, name: str) -> ServerInfo | None:
+            return server_info(stored, tuple(self.pods.values()))
+
+    cluster = StoredCluster(["chat-a", "chat-b"])
     remediator = Remediator(cluster, clock=Clock())
 
     async def scenario(client: TestClient[web.Request, web.Application]) -> None:
         response = await client.post("/alertmanager", data=body("chat-a"), headers=AUTH)
-        reason = "TimestampError: unreadable time stamp 'yesterday' (RFC 3339 expected)"
-        assert (response.status, await response.json()) == (422, refused(reason))
+        answer = await response.json()
+        assert response.status == 422
+        assert "LLMServer prod/chat cannot be read" in json.dumps(answer)
+        assert "status.remediationHistory.0.time" in json.dumps(answer)
+        assert "unreadable time stamp 'yesterday'" in json.dumps(answer)
 
     run(make_app(lambda: TOKEN, remediator.handle), scenario)
     assert cluster.eviction_attempts == []

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pagekeeper_operator.api.types import ApiModel, cel, validations
+from pagekeeper_operator.api.types import ApiModel, Timestamp, cel, validations
 
 AutoscalerKind = Literal["HorizontalPodAutoscaler", "ScaledObject"]
 # The HorizontalPodAutoscaler API bounds a stabilization window to one hour.
@@ -141,8 +141,8 @@ class AutoscalingStatus(ApiModel):
     desired_replicas: int | None = Field(
         default=None, description="The pods it last asked for (its status.desiredReplicas)."
     )
-    last_scale_time: str | None = Field(
-        default=None, max_length=64, description="When it last changed the count (RFC 3339)."
+    last_scale_time: Timestamp | None = Field(
+        default=None, description="When it last changed the count (RFC 3339)."
     )
     last_scale_reason: str | None = Field(
         default=None,

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagekeeper_operator.api.types import Timestamp
+
 # A Prometheus duration (`30s`, `5m`, `1h30m`, `0m`); units in descending order, each at most once.
 DURATION_PATTERN = r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$"
 # A non-negative Kubernetes quantity (`1Gi`, `512Mi`, `1073741824`, `1.5G`).
@@ -289,7 +291,7 @@ class RemediationSpec(_Model):
 class RemediationRecord(_Model):
     """One entry of status.remediationHistory: an action taken, or one deliberately not taken."""
 
-    time: str = Field(max_length=64, description="When it happened (RFC 3339, UTC).")
+    time: Timestamp = Field(description="When it happened (RFC 3339, UTC).")
     pod: str = Field(max_length=253, description="The pod acted on.")
     alert: str = Field(
         max_length=128,
@@ -320,9 +322,8 @@ class RemediationRecord(_Model):
             "repeated delivery is not acted on twice."
         ),
     )
-    alert_starts_at: str | None = Field(
+    alert_starts_at: Timestamp | None = Field(
         default=None,
-        max_length=64,
         alias="alertStartsAt",
         description=(
             "startsAt of the alert (for step-down: finishedAt of the termination), RFC 3339; "

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pagekeeper_operator.api.types import ApiModel, cel, validations
+from pagekeeper_operator.api.types import ApiModel, Timestamp, cel, validations
 
 CanarySignal = Literal[
     "oomEvents", "fragmentation", "kvCacheSaturation", "engineStalled", "restarts"
@@ -79,9 +79,9 @@ class CanaryStatus(ApiModel):
     stable_template_hash: str = Field(
         max_length=64, description="Identity of the template the other replicas keep running."
     )
-    started_at: str = Field(max_length=64, description="When the analysis started (RFC 3339).")
-    finished_at: str | None = Field(
-        default=None, max_length=64, description="When it was promoted or failed (RFC 3339)."
+    started_at: Timestamp = Field(description="When the analysis started (RFC 3339).")
+    finished_at: Timestamp | None = Field(
+        default=None, description="When it was promoted or failed (RFC 3339)."
     )
     failed_signal: str | None = Field(
         default=None,
@@ -91,18 +91,16 @@ class CanaryStatus(ApiModel):
             "the canary pods for the operator's bound (PAGEKEEPER_CANARY_NO_DATA_SECONDS)."
         ),
     )
-    data_since: str | None = Field(
+    data_since: Timestamp | None = Field(
         default=None,
-        max_length=64,
         description=(
             "Since when Prometheus has had data for every ready canary pod without a gap "
             "(RFC 3339); the analysis counts from the later of this and startedAt. Unset "
             "without PAGEKEEPER_PROMETHEUS_URL."
         ),
     )
-    data_missing_since: str | None = Field(
+    data_missing_since: Timestamp | None = Field(
         default=None,
-        max_length=64,
         description=(
             "Since when Prometheus has had no data for a ready canary pod (RFC 3339): the "
             "canary holds, and is taken back once this is older than the operator's bound."

@@ -12,7 +12,7 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.api.tuning import MAX_RECOMMENDATIONS, Recommendation, TuningStatus
-from pagekeeper_operator.api.types import ApiModel
+from pagekeeper_operator.api.types import ApiModel, Timestamp
 
 ConditionType = Literal[
     "Ready",
@@ -46,7 +46,7 @@ class Condition(ApiModel):
         default="", max_length=128, description="CamelCase reason for the last transition."
     )
     message: str = Field(default="", max_length=32768, description="Human-readable detail.")
-    last_transition_time: str | None = Field(
+    last_transition_time: Timestamp | None = Field(
         default=None, description="When status last changed (RFC 3339)."
     )
     observed_generation: int | None = Field(
@@ -179,10 +179,10 @@ class LLMServerStatus(ApiModel):
             "step-down caps) and, in Apply mode, the trial under way, outcomes and hold-offs."
         ),
     )
-    last_remediation: str | None = Field(
+    last_remediation: Timestamp | None = Field(
         default=None, description="Time of the most recent remediation (RFC 3339)."
     )
-    last_out_of_memory: str | None = Field(
+    last_out_of_memory: Timestamp | None = Field(
         default=None,
         description=(
             "When the operator last saw a pod's container end by running out of memory "

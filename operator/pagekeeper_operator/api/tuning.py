@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, BlockSize, MemoryPolicy
-from pagekeeper_operator.api.types import ApiModel, cel, validations
+from pagekeeper_operator.api.types import ApiModel, Timestamp, cel, validations
 
 TuningMode = Literal["Off", "Recommend", "Apply"]
 Objective = Literal["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"]
@@ -204,7 +204,7 @@ class Recommendation(ApiModel):
     confidence: float = Field(
         ge=0.0, le=1.0, description="How sure the rule is, from its sample counts and margin."
     )
-    since: str = Field(max_length=64, description="When first recommended (RFC 3339).")
+    since: Timestamp = Field(description="When first recommended (RFC 3339).")
     does_not_fit: str | None = Field(
         default=None,
         max_length=512,
@@ -232,7 +232,7 @@ class TunedChange(ApiModel):
         description="Accepted (by annotation) or Promoted (a canary measured a win)."
     )
     rule: str = Field(default="", max_length=64, description="The rule that proposed it.")
-    time: str = Field(max_length=64, description="When it entered the layer (RFC 3339).")
+    time: Timestamp = Field(description="When it entered the layer (RFC 3339).")
 
 
 class TuningTrial(ApiModel):
@@ -242,7 +242,7 @@ class TuningTrial(ApiModel):
     current: str = Field(max_length=64, description="Its value on the baseline pods.")
     proposed: str = Field(max_length=64, description="Its value on the canary pods.")
     rule: str = Field(max_length=64, description="The rule that proposed it.")
-    started_at: str = Field(max_length=64, description="When the canary started (RFC 3339).")
+    started_at: Timestamp = Field(description="When the canary started (RFC 3339).")
     baseline_policy_hash: str | None = Field(
         default=None,
         max_length=64,
@@ -268,7 +268,7 @@ class TrialRecord(ApiModel):
             "no canary ran)."
         )
     )
-    time: str = Field(max_length=64, description="When it was decided (RFC 3339).")
+    time: Timestamp = Field(description="When it was decided (RFC 3339).")
     evidence: list[Evidence] = Field(
         default_factory=list,
         max_length=16,
@@ -282,7 +282,7 @@ class HoldOff(ApiModel):
 
     field: str = Field(max_length=64, description="The memoryPolicy field.")
     value: str = Field(max_length=64, description="The value that was rolled back or left.")
-    until: str = Field(max_length=64, description="End of the hold-off (RFC 3339).")
+    until: Timestamp = Field(description="End of the hold-off (RFC 3339).")
 
 
 class StepDownCaps(ApiModel):

@@ -7,13 +7,27 @@ mirrored by a pydantic validator that raises the same message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Any
+from functools import cache
+from typing import Annotated, Any, Self, get_args, get_origin
 
 from kubernetes.utils import parse_quantity
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, WithJsonSchema
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    StringConstraints,
+    TypeAdapter,
+    WithJsonSchema,
+)
 from pydantic.alias_generators import to_camel
+from pydantic.fields import FieldInfo
+
+from pagekeeper_operator.timestamps import format_time, parse_time, to_second
 
 # A non-negative Kubernetes quantity as the API server accepts it ("4", "500m", "16Gi", "1.5G").
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE])?$"
@@ -46,6 +60,28 @@ Quantity = Annotated[
     ),
 ]
 """A Kubernetes resource quantity; an int in YAML is accepted and kept as its text."""
+
+
+def _timestamp(value: object) -> object:
+    """A time stamp as the API or the code gives it, to the second in UTC (what the API keeps):
+    text through the one parser (an unreadable one fails validation, naming the field)."""
+    if isinstance(value, str):
+        value = parse_time(value)
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return to_second(value)
+    return value  # a naive datetime: AwareDatetime refuses it
+
+
+Timestamp = Annotated[
+    AwareDatetime,
+    BeforeValidator(_timestamp),
+    PlainSerializer(format_time, return_type=str),
+    WithJsonSchema({"type": "string", "format": "date-time", "maxLength": 64}),
+]
+"""A time stamp: a timezone-aware `datetime` in code, RFC 3339 in UTC to the second on the wire
+(`timestamps.format_time`); the CRD's `format: date-time` has the API server refuse any other
+text, naming the field."""
+_STAMP: TypeAdapter[datetime] = TypeAdapter(Timestamp)
 
 
 def quantity_value(text: str | int) -> Decimal:
@@ -94,3 +130,28 @@ class ApiModel(BaseModel):
     def to_api(self) -> dict[str, Any]:
         """The object as the API server stores it: camelCase keys, unset optionals left out."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy, with time stamps in `update` validated as the fields' own (pydantic
+        sets an update as given): text becomes a `datetime`, unreadable text fails."""
+        if update:
+            stamps = _timestamp_fields(type(self))
+            update = {
+                k: _STAMP.validate_python(v) if k in stamps and v is not None else v
+                for k, v in update.items()
+            }
+        return super().model_copy(update=update, deep=deep)
+
+
+@cache
+def _timestamp_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that hold a `Timestamp` (or None)."""
+
+    def is_stamp(metadata: Iterable[object]) -> bool:
+        return any(isinstance(m, BeforeValidator) and m.func is _timestamp for m in metadata)
+
+    def holds(info: FieldInfo) -> bool:
+        nested = [a for a in get_args(info.annotation) if get_origin(a) is Annotated]
+        return is_stamp(info.metadata) or any(is_stamp(get_args(a)[1:]) for a in nested)
+
+    return frozenset(name for name, info in model.model_fields.items() if holds(info))

@@ -25,7 +25,7 @@ from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL, is_controlled_by
-from pagekeeper_operator.timestamps import format_time, utc_now
+from pagekeeper_operator.timestamps import format_time, parse_or, utc_now
 
 logger = logging.getLogger(__name__)
 COMPONENT = "pagekeeper-operator"
@@ -57,7 +57,7 @@ def _is_intent_of(entry: Mapping[str, Any], record: RemediationRecord) -> bool:
         and entry.get("outcome") == EVICT_INTENT
         and entry.get("pod") == record.pod
         and entry.get("fingerprint") == record.fingerprint
-        and entry.get("alertStartsAt") == record.alert_starts_at
+        and parse_or(entry.get("alertStartsAt"), None) == record.alert_starts_at
     )
 
 
@@ -202,7 +202,7 @@ class KubeClusterPort:
             history = (body.get("status") or {}).get("remediationHistory", [])
             status: dict[str, Any] = {"remediationHistory": bounded_history(history, record, limit)}
             if record.action != "skip" and record.outcome != EVICT_INTENT:
-                status["lastRemediation"] = record.time
+                status["lastRemediation"] = format_time(record.time)
             return status
 
         await self.update_server_status(namespace, server, change)

@@ -25,7 +25,7 @@ ServerKey = tuple[str, str]
 """(namespace, LLMServer name)."""
 PodKey = tuple[str, str]
 """(namespace, pod name)."""
-AlertKey = tuple[str, str]
+AlertKey = tuple[str, datetime]  # (fingerprint, startsAt to the second)
 """(fingerprint, startsAt): one firing episode of one alert."""
 
 

@@ -30,7 +30,7 @@ from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
 from pagekeeper_operator.remediation.remediator import EventType
-from pagekeeper_operator.timestamps import format_time
+from pagekeeper_operator.timestamps import format_time, parse_or
 
 CONDITION_TYPE = "MemoryHealthy"
 
@@ -147,14 +147,14 @@ def respond_to_oom(
                     patch["lastRemediation"] = when
     detail = f": {classification.detail}" if classification.detail else ""
     record = RemediationRecord(
-        time=when,
+        time=now,
         pod=pod,
         alert=classification.label,
         action="step-down",
         outcome=outcome,
         message=f"{classification.condition_reason}{detail}; {message}"[:1024],
         fingerprint=key,
-        alertStartsAt=finished_at,
+        alertStartsAt=parse_or(finished_at, None),
     )
     patch["remediationHistory"] = bounded_history(history, record, remediation.history_limit)
     event_type: EventType = "Normal" if outcome == "applied" else "Warning"

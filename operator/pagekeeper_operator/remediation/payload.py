@@ -7,11 +7,13 @@ Only what remediation reads is required; anything Alertmanager adds later is ign
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from pagekeeper_operator.failures import UnreadableDataError
+from pagekeeper_operator.timestamps import to_second
 
 AlertStatus = Literal["firing", "resolved"]
 # Alertmanager caps a group at its `max_alerts`; a body far past this is not from Alertmanager.
@@ -40,9 +42,10 @@ class WebhookAlert(_Payload):
         return self.labels.get("alertname", "")
 
     @property
-    def key(self) -> tuple[str, str]:
-        """Identity of this firing episode, stable across repeated deliveries."""
-        return (self.fingerprint, self.starts_at.isoformat())
+    def key(self) -> tuple[str, datetime]:
+        """Identity of this firing episode, stable across repeated deliveries: the start to the
+        second, as a remediation record keeps it (alertStartsAt)."""
+        return (self.fingerprint, to_second(self.starts_at))
 
 
 class WebhookMessage(_Payload):

@@ -37,7 +37,7 @@ from pagekeeper_operator.remediation.state import (
     UnwrittenRecord,
     is_intent,
 )
-from pagekeeper_operator.timestamps import format_time, utc_now
+from pagekeeper_operator.timestamps import utc_now
 
 logger = logging.getLogger(__name__)
 EventType = Literal["Normal", "Warning"]
@@ -322,7 +322,7 @@ class Remediator:
         message: str,
     ) -> RemediationRecord:
         return RemediationRecord(
-            time=format_time(now),
+            time=now,
             pod=decision.pod,
             alert=decision.alert,
             action=action,

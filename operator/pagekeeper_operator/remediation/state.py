@@ -18,7 +18,6 @@ from datetime import datetime, timedelta
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.remediation.decide import AlertKey, Memory, ServerKey
 from pagekeeper_operator.remediation.payload import WebhookAlert
-from pagekeeper_operator.timestamps import parse_time
 
 # A deferred alert not re-delivered for this long is dropped: Alertmanager re-sends firing
 # alerts every repeat_interval and resolved ones when they resolve (see docs/runbook.md).
@@ -102,7 +101,7 @@ class RemediationStore:
                 continue
             if record.fingerprint:
                 self.deferrals.pop(record.fingerprint, None)
-            when = parse_time(record.time)
+            when = record.time
             if server not in self.last_action_at or self.last_action_at[server] < when:
                 self.last_action_at[server] = when
             if record.fingerprint and record.alert_starts_at:

@@ -45,7 +45,6 @@ from pagekeeper_operator.api.tuning import (
     TuningStatus,
     TuningTrial,
 )
-from pagekeeper_operator.timestamps import format_time, parse_or
 from pagekeeper_operator.tuning.compare import Comparison
 
 EventType = Literal["Normal", "Warning"]
@@ -86,7 +85,7 @@ def held_fields(status: TuningStatus | None, now: datetime) -> set[str]:
     """Fields the rules must not propose now: on hold, or under trial."""
     if status is None:
         return set()
-    held = {h.field for h in status.hold_offs if parse_or(h.until, now) > now}
+    held = {h.field for h in status.hold_offs if h.until > now}
     if status.trial is not None:
         held.add(status.trial.field)
     return held
@@ -95,7 +94,7 @@ def held_fields(status: TuningStatus | None, now: datetime) -> set[str]:
 def _hold(
     status: TuningStatus, spec: TuningSpec, trial: TuningTrial, now: datetime
 ) -> list[HoldOff]:
-    until = format_time(now + timedelta(seconds=spec.hold_off_seconds))
+    until = now + timedelta(seconds=spec.hold_off_seconds)
     kept = [h for h in status.hold_offs if h.field != trial.field]
     return [*kept, HoldOff(field=trial.field, value=trial.current, until=until)][-MAX_HOLD_OFFS:]
 
@@ -121,7 +120,7 @@ def _finish(
         current=trial.current,
         proposed=trial.proposed,
         outcome=outcome,
-        time=format_time(now),
+        time=now,
         evidence=[Evidence(name=k, value=v) for k, v in evidence.items()],
         message=message[:1024],
     )
@@ -147,7 +146,7 @@ def _judge(
         message = f"{change} rolled back: the canary failed ({evidence.canary_failure})"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    started = parse_or(trial.started_at, now)
+    started = trial.started_at
     age = (now - started).total_seconds()
     comparison = evidence.comparison if evidence is not None else None
     if age < spec.window_seconds or (comparison is None and age < 2 * spec.window_seconds):
@@ -168,7 +167,7 @@ def _judge(
         spec_value=spec_value,
         source="Promoted",
         rule=trial.rule,
-        time=format_time(now),
+        time=now,
     )
     done = _finish(status, spec, trial, "Promoted", message, numbers, now)
     changes = [c for c in done.changes if c.field != trial.field] + [promoted]
@@ -195,7 +194,7 @@ def decide(
     today = now.strftime("%Y-%m-%d")
     if status.day != today:
         status = status.model_copy(update={"day": today, "changes_today": 0})
-    live = [h for h in status.hold_offs if parse_or(h.until, now) > now]
+    live = [h for h in status.hold_offs if h.until > now]
     status = status.model_copy(update={"hold_offs": live})
     trial = status.trial
     if trial is not None and spec.mode != "Apply":
@@ -228,7 +227,7 @@ def decide(
             current=top.current,
             proposed=top.proposed,
             rule=top.rule,
-            started_at=format_time(now),
+            started_at=now,
             baseline_policy_hash=None if baseline is None else baseline.policy_hash,
         )
         change = f"{top.field} {top.current} -> {top.proposed} ({top.rule})"

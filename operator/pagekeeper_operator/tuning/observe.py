@@ -17,7 +17,6 @@ from typing import Any
 from pagekeeper_operator.adaptive import StuckClassification
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.prometheus import query_by, query_samples
-from pagekeeper_operator.timestamps import parse_or
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FRAGMENTATION_ALERT = "PagekeeperFragmentationHigh"
@@ -111,8 +110,7 @@ def records_since(
     start = now - timedelta(seconds=seconds)
     alerts = ooms = 0
     for record in history:
-        when = parse_or(record.time, None)
-        if when is None or when < start:
+        if record.time < start:
             continue
         alerts += record.alert == FRAGMENTATION_ALERT
         # every termination is recorded as a step-down; a stuck engine's is not memory's

@@ -16,7 +16,7 @@ from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import compose
 from pagekeeper_operator.prometheus import PrometheusError
-from pagekeeper_operator.timestamps import parse_or
+from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
 from pagekeeper_operator.tuning.observe import (
@@ -59,21 +59,17 @@ def canary_failure(server: LLMServer, now: datetime) -> str | None:
     tuning, canary = server.status.tuning, server.status.canary
     if tuning is None or tuning.trial is None:
         return None
-    started = parse_or(tuning.trial.started_at, now)
-    if canary is not None and canary.phase == "Failed":
-        canary_start = parse_or(canary.started_at, None)
-        if canary_start is not None and canary_start >= started:
-            return canary.message
+    started = tuning.trial.started_at
+    if canary is not None and canary.phase == "Failed" and canary.started_at >= started:
+        return canary.message
     prefix = f"{server.metadata.name}{CANARY_SUFFIX}-"
     for record in server.status.remediation_history:
-        recorded = parse_or(record.time, None)
         if (
             record.action == "step-down"
             and record.pod.startswith(prefix)
-            and recorded is not None
-            and recorded >= started
+            and record.time >= started
         ):
-            return f"canary pod {record.pod} ended ({record.alert}) at {record.time}"
+            return f"canary pod {record.pod} ended ({record.alert}) at {format_time(record.time)}"
     return None
 
 
@@ -82,7 +78,7 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     trial = status.tuning.trial if status.tuning is not None else None
     if trial is None:
         return None
-    started = parse_or(trial.started_at, now)
+    started = trial.started_at
     failure = canary_failure(server, now)
     if failure is not None:
         return TrialEvidence(None, canary_failure=failure)
@@ -188,7 +184,7 @@ def trial_canary_spec(server: LLMServer) -> CanarySpec:
     return canary.model_copy(update={"analysis_seconds": TRIAL_ANALYSIS_SECONDS})
 
 
-def promote_canary(canary: CanaryStatus | None, now: str) -> CanaryStatus | None:
+def promote_canary(canary: CanaryStatus | None, now: datetime) -> CanaryStatus | None:
     """The canary record once a trial won: Promoted, so the Deployment takes its template."""
     if canary is None or canary.phase != "Analyzing":
         return canary

@@ -36,7 +36,6 @@ from pagekeeper_operator.api.tuning import (
     TuningTrial,
 )
 from pagekeeper_operator.effective import EffectivePolicy, compose, memory_policy_hash
-from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.decide import (
     Baseline,
     TrialEvidence,
@@ -95,7 +94,7 @@ def _accept(
             spec_value=read_field(spec.memory_policy, rec.field),
             source="Accepted",
             rule=rec.rule,
-            time=format_time(now),
+            time=now,
         )
         changes = [c for c in changes if c.field != rec.field] + [change]
         message = (
@@ -124,7 +123,7 @@ def _recommendation(
         evidence=[Evidence(name=k, value=v) for k, v in proposal.evidence],
         expected_effect=proposal.expected_effect,
         confidence=proposal.confidence,
-        since=format_time(now),
+        since=now,
     )
 
 
@@ -207,7 +206,7 @@ def _as_trial(rec: Recommendation, now: datetime) -> TuningTrial:
         current=rec.current,
         proposed=rec.proposed,
         rule=rec.rule,
-        started_at=format_time(now),
+        started_at=now,
     )
 
 

@@ -47,7 +47,7 @@ def reconcile(
     result = tune(server, observation, now)
     canary = server.status.canary
     if result.promoted is not None:
-        canary = promote_canary(canary, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        canary = promote_canary(canary, now)
     status = server.status.model_copy(
         update={"recommendations": result.recommendations, "tuning": result.tuning,
                 "canary": canary}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from pagekeeper_operator.api.tuning import Recommendation, TuningSpec, TuningStatus
+from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import Baseline, TrialEvidence, decide, held_fields
 
@@ -38,7 +39,7 @@ def test_the_top_recommendation_starts_a_trial() -> None:
     decision = decide(SPEC, TuningStatus(), [PREFIX_OFF], None, SPEC_VALUES, T0)
     trial = decision.status.trial
     assert trial is not None
-    assert (trial.field, trial.current, trial.proposed, trial.started_at) == (
+    assert (trial.field, trial.current, trial.proposed, format_time(trial.started_at)) == (
         "enablePrefixCaching", "true", "false", "2026-11-29T01:00:00Z",
     )  # fmt: skip
     assert (decision.status.day, decision.status.changes_today) == ("2026-11-29", 1)
@@ -76,7 +77,7 @@ def test_a_win_is_promoted_into_the_tuning_layer_and_held() -> None:
     assert record.outcome == "Promoted"
     numbers = {e.name: e.value for e in record.evidence}
     assert numbers["improvement"] == 0.1 and numbers["pValue"] < 0.001
-    assert [(h.field, h.until) for h in status.hold_offs] == [
+    assert [(h.field, format_time(h.until)) for h in status.hold_offs] == [
         ("enablePrefixCaching", "2026-11-29T02:10:00Z")
     ]
     assert [e.reason for e in decision.events] == ["TuningPromoted"]
@@ -133,7 +134,7 @@ def test_a_candidate_that_does_not_fit_is_skipped_held_off_and_the_next_one_star
         "fragmentationBuffer auto -> 12Gi (fragmentation-buffer) skipped: the candidate does not "
         "fit (the KV cache gets 0.22 GiB (178 blocks) a rank)"
     )
-    assert [(h.field, h.until) for h in status.hold_offs] == [
+    assert [(h.field, format_time(h.until)) for h in status.hold_offs] == [
         ("fragmentationBuffer", "2026-11-29T02:00:00Z")
     ]
     # No canary ran for it, so it is not a change of the day; the next recommendation starts.
@@ -206,7 +207,7 @@ def test_a_trial_whose_baseline_moves_is_rolled_back_at_once_even_on_a_win() -> 
         ("Warning", "TuningRolledBack", record.message)
     ]
     # Held like any decided field; the trial still counts against the day's cap.
-    assert [(h.field, h.value, h.until) for h in status.hold_offs] == [
+    assert [(h.field, h.value, format_time(h.until)) for h in status.hold_offs] == [
         ("enablePrefixCaching", "true", "2026-11-29T02:10:00Z")
     ]
     assert status.changes_today == 1

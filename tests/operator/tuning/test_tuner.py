@@ -57,7 +57,7 @@ def test_a_new_recommendation_posts_one_event_and_then_stays_quiet() -> None:
     server = make_server()
     first = tune(server, NO_REUSE, T0)
     [rec] = first.recommendations
-    assert (rec.field, rec.proposed, rec.since) == (
+    assert (rec.field, rec.proposed, format_time(rec.since)) == (
         "enablePrefixCaching",
         "false",
         "2026-11-29T01:00:00Z",
@@ -157,10 +157,13 @@ def test_a_won_trial_promotes_the_canary_record() -> None:
         phase="Analyzing", template_hash="c", stable_template_hash="s",
         started_at="2026-11-29T01:00:00Z",
     )  # fmt: skip
-    promoted = promote_canary(analyzing, "2026-11-29T01:10:00Z")
+    promoted = promote_canary(analyzing, datetime(2026, 11, 29, 1, 10, tzinfo=UTC))
     assert promoted is not None
-    assert (promoted.phase, promoted.finished_at) == ("Promoted", "2026-11-29T01:10:00Z")
-    assert promote_canary(None, "x") is None
+    assert (promoted.phase, format_time(promoted.finished_at)) == (
+        "Promoted",
+        "2026-11-29T01:10:00Z",
+    )
+    assert promote_canary(None, T0) is None
 
 
 def test_a_window_is_asked_for_again_after_an_eighth_of_it_or_when_its_inputs_change() -> None:
@@ -227,7 +230,7 @@ def test_a_step_down_during_a_trial_rolls_it_back_and_holds_the_field(pod: str) 
         "more than its change"
     )
     assert [(e.type, e.reason) for e in result.events] == [("Warning", "TuningRolledBack")]
-    assert [(h.field, h.until) for h in tuning.hold_offs] == [
+    assert [(h.field, format_time(h.until)) for h in tuning.hold_offs] == [
         ("enablePrefixCaching", "2026-11-29T02:00:30Z")
     ]
     # The pods now render the stepped-down policy, without the trial's change.
@@ -289,7 +292,7 @@ def test_a_promoted_value_is_not_proposed_back_until_its_hold_off_ends() -> None
     ]
     assert back.tuning is not None and back.tuning.trial is not None
     trial = back.tuning.trial
-    assert (trial.current, trial.proposed, trial.started_at) == (
+    assert (trial.current, trial.proposed, format_time(trial.started_at)) == (
         "false", "true", "2026-11-29T02:10:00Z",
     )  # fmt: skip
     assert [e.reason for e in back.events] == ["TuningRecommendation", "TuningTrialStarted"]
