@@ -28,7 +28,7 @@ import copy
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -79,9 +79,14 @@ class CanaryPod:
 
 @dataclass(frozen=True)
 class CanaryEvent:
+    """An Event of a transition. `key` names the transition from the record it started from,
+    which every reconcile that reads that record computes alike: two racing reconciles (a
+    resync and a handler) post it once (`reconcile._post_event`)."""
+
     type: Literal["Normal", "Warning"]
     reason: str
     message: str
+    key: str = field(default="", compare=False)  # not what the Event says: how it is posted
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ def decide_canary(
                 f"{spec.replicas} canary pod(s) run the new template for {spec.analysis_seconds}s"
             ),
         )
-        event = CanaryEvent("Normal", "CanaryStarted", started.message)
+        event = CanaryEvent("Normal", "CanaryStarted", started.message, _key(candidate, previous))
         return CanaryPlan(False, analyzing, spec.replicas, started, event)
     failure = _failure(spec, previous, pods, history, server_name)
     if failure is not None:
@@ -156,7 +161,9 @@ def decide_canary(
                 "message": message,
             }
         )
-        return _hold(replicas, failed, CanaryEvent("Warning", "CanaryFailed", message))
+        return _hold(
+            replicas, failed, CanaryEvent("Warning", "CanaryFailed", message, _key("", previous))
+        )
     ready = sum(p.is_ready for p in pods)
     clean_from = previous.started_at
     if data is not None and ready >= spec.replicas:
@@ -177,8 +184,16 @@ def decide_canary(
         promoted = previous.model_copy(
             update={"phase": "Promoted", "finished_at": now, "message": message}
         )
-        return _roll(replicas, promoted, CanaryEvent("Normal", "CanaryPromoted", message))
+        event = CanaryEvent("Normal", "CanaryPromoted", message, _key("", previous))
+        return _roll(replicas, promoted, event)
     return CanaryPlan(False, analyzing, spec.replicas, previous)
+
+
+def _key(what: str, previous: CanaryStatus | None) -> str:
+    """A transition's identity: `what` it moves to, and the analysis it moves from."""
+    if previous is None:
+        return f"{what}|none"
+    return f"{what}|{previous.template_hash}|{format_time(previous.started_at)}|{previous.phase}"
 
 
 def _text(when: datetime | None) -> str:
@@ -222,14 +237,17 @@ def _watched(
                 "message": message,
             }
         )
-        return failed, CanaryEvent("Warning", "CanaryFailed", message), False
+        return failed, CanaryEvent("Warning", "CanaryFailed", message, _key("", previous)), False
     message = (
         f"holding: {missing}; the canary is not promoted without data, and is taken back at "
         f"{format_time(deadline)} if none comes"
     )[:1024]
     held = tracked.model_copy(update={"message": message})
-    is_new_gap = previous.data_missing_since is None
-    return held, CanaryEvent("Warning", "CanaryNoData", message) if is_new_gap else None, False
+    if previous.data_missing_since is not None:
+        return held, None, False  # the gap goes on: said when it began
+    # One gap a stretch of data: the stretch that ended (none yet: the first) names it.
+    key = _key(_text(previous.data_since), previous)
+    return held, CanaryEvent("Warning", "CanaryNoData", message, key), False
 
 
 def _failure(

@@ -8,6 +8,7 @@ write, empty when nothing changed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -152,7 +153,10 @@ def reconcile(
         error_text = _prune(kube, server, unwanted, result)
         reached_canary(canary_event, "pruned")
     if result.error is None and canary_event is not None:
-        _post_event(kube, server, canary_event.type, canary_event.reason, canary_event.message)
+        _post_event(
+            kube, server, canary_event.type, canary_event.reason, canary_event.message,
+            canary_event.key,
+        )  # fmt: skip
     fit_event = _fit_event(server, fit)
     if fit_event is not None:
         _post_event(kube, server, fit_event.type, fit_event.reason, fit_event.message)
@@ -344,13 +348,27 @@ def _with_tuning(
 
 
 def _post_event(
-    kube: Kube, server: LLMServer, type_: Literal["Normal", "Warning"], reason: str, message: str
+    kube: Kube,
+    server: LLMServer,
+    type_: Literal["Normal", "Warning"],
+    reason: str,
+    message: str,
+    key: str = "",
 ) -> None:
-    """An Event on the LLMServer; best effort (status holds the record)."""
+    """An Event on the LLMServer; best effort (status holds the record). With a transition's
+    `key` the Event's name is made from it, so a second reconcile that saw the same transition
+    (a resync racing a handler) finds it there (409) and posts nothing."""
+    meta = server.metadata
+    body = event(meta.namespace, meta.name, meta.uid, type_, reason, message)
+    if key:
+        digest = hashlib.sha256(f"{meta.uid}|{reason}|{key}".encode()).hexdigest()[:16]
+        body["metadata"] = {"name": f"{meta.name}.{digest}", "namespace": meta.namespace}
     try:
-        meta = server.metadata
-        kube.create_event(event(meta.namespace, meta.name, meta.uid, type_, reason, message))
+        kube.create_event(body)
     except ApiException as exc:
+        if key and exc.status == 409:
+            logger.debug("%s of this transition was posted already", reason)
+            return
         logger.warning("could not post %s: %s %s", reason, exc.status, exc.reason)
 
 

@@ -196,3 +196,23 @@ def test_observe_reads_successful_scrapes_and_turns_errors_into_data(
     gone = observe_canary_data("http://127.0.0.1:9", "team", "qwen", "qwen-canary-")
     assert gone.scraped_pods == frozenset() and gone.error is not None
     assert gone.missing([POD]) is not None
+
+
+def test_two_reconciles_of_one_gap_name_its_event_alike_and_a_later_gap_anew() -> None:
+    """A resync and a handler racing over the same stored record start the gap at their own
+    times, so their messages differ; the transition they post is the same one."""
+    first = decide(ANALYZING, DOWN, 700).event
+    racing = decide(ANALYZING, DOWN, 703).event
+    assert first is not None and racing is not None and first.message != racing.message
+    assert first.key == racing.key == "?|new|2026-11-23T10:00:00Z|Analyzing"  # no data yet
+    # Data comes back, then a second gap: a new transition, named by the stretch that ended.
+    watched = decide(ANALYZING, SCRAPED, 10).status
+    assert watched is not None
+    held = decide(watched, DOWN, 500).status
+    assert held is not None
+    resumed = decide(held, SCRAPED, 700).status
+    assert resumed is not None
+    again = decide(resumed, DOWN, 800).event
+    assert (
+        again is not None and again.key == "2026-11-23T10:11:40Z|new|2026-11-23T10:00:00Z|Analyzing"
+    )

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.plan import ObjectKey
-from pagekeeper_operator.reconcile import ReconcileResult, reconcile
+from pagekeeper_operator.reconcile import ReconcileResult, _post_event, reconcile
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from tests.operator.servers import DEFAULT_IMAGES, merge, server_body
 from tests.operator.test_reconcile_fit import MemoryKube
@@ -113,3 +115,34 @@ def test_an_operator_killed_after_the_failure_was_recorded_takes_the_canary_back
     assert CANARY not in kube.objects
     assert kube.objects[MAIN]["spec"]["replicas"] == 3
     assert "canary" not in result.status_patch  # the outcome stands
+
+
+class EventKube:
+    """Events by name, as the API server keeps them: a second create of one name is a 409."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, dict[str, Any]] = {}
+        self.generated = 0
+
+    def create_event(self, event: dict[str, Any]) -> None:
+        name = event["metadata"].get("name")
+        if name is None:
+            self.generated += 1
+            name = f"{event['metadata']['generateName']}{self.generated}"
+        if name in self.events:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.events[name] = event
+
+
+def test_an_event_of_one_transition_is_posted_once_however_many_reconciles_see_it() -> None:
+    server = LLMServer.from_body(server_body(SPEC))
+    kube = EventKube()
+    for message in ("holding since 10:11:40", "holding since 10:11:43"):  # two racing reads
+        _post_event(kube, server, "Warning", "CanaryNoData", message, "none|new|t|Analyzing")  # type: ignore[arg-type]
+    [(name, posted)] = kube.events.items()
+    assert name.startswith("qwen.") and posted["message"] == "holding since 10:11:40"
+    _post_event(kube, server, "Warning", "CanaryNoData", "later", "t2|new|t|Analyzing")  # type: ignore[arg-type]
+    # Without a key each Event is new (generateName), as for remediation's.
+    _post_event(kube, server, "Normal", "PolicyFits", "fits")  # type: ignore[arg-type]
+    _post_event(kube, server, "Normal", "PolicyFits", "fits")  # type: ignore[arg-type]
+    assert len(kube.events) == 4
