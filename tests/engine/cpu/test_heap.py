@@ -44,7 +44,9 @@ def test_start_up_garbage_is_collected_and_the_survivors_frozen() -> None:
     kept = Node()
     assert is_walked(kept)
     frozen = freeze_startup_heap("test")
-    assert frozen == gc.get_freeze_count() > 0
+    # Nothing joins the frozen set after the freeze, but frozen objects a refcount frees (the
+    # log call's, another thread's) leave it: the count can only fall.
+    assert 0 < gc.get_freeze_count() <= frozen
     assert dead[0]() is None and dead[1]() is None  # freed before the freeze, not kept in it
     assert not is_walked(kept)
 
