@@ -196,6 +196,9 @@ def test_a_pair_that_does_not_load_keeps_the_last_good_one_logged_once(
             volume.publish(second.cert, second.key)  # the renewal, completed
             renewed = await connect(port, second.ca_file)
             assert renewed.der == second.der
+            # Served, and closed: an open connection would hold the server's shutdown for
+            # aiohttp's 60 s grace.
+            assert await renewed.healthz() == b"HTTP/1.1 200 OK"
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         run(scenario)
