@@ -1,7 +1,7 @@
 """`pagekeeper-vllm-launch -- vllm serve ...`: runs vLLM as a child and speaks for it.
 
-- Output: the child's stdout and stderr pass through byte for byte, as they come; each line is
-  also read (`output.OutputWatcher`) for readiness and memory errors.
+- Output: the child's stdout and stderr pass through byte for byte, as they come (`pipes`); each
+  line is also read (`output.OutputWatcher`) for readiness and memory errors.
 - Signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 are forwarded to the child, which
   runs in its own process group (so a terminal's Ctrl-C reaches it once); as PID 1 the launcher
   also reaps orphans.
@@ -35,11 +35,11 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from pagekeeper_engine.memory.oom import TERMINATION_LOG, write_termination_log
 from pagekeeper_engine.stuck import StuckReport, write_stuck_message
-from pagekeeper_vllm.output import LineSplitter, OOMEvent, OOMPhase, OutputWatcher
+from pagekeeper_vllm.output import OOMEvent, OOMPhase, OutputWatcher
+from pagekeeper_vllm.pipes import ChildPipe
 from pagekeeper_vllm.probe import ProbeSettings, ProgressProbe, vllm_url
 from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, read_reports
 from pagekeeper_vllm.series import OOMTally, render_metrics
@@ -127,6 +127,7 @@ class Launcher:
         self.lock = threading.RLock()  # the signal handler takes it on the main thread
         self.stop_line: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
+        self.pipes: list[ChildPipe] = []
 
     def _read_reports(self) -> list[ProcessReport]:
         """The live processes' reports, counted into the OOM tally (which keeps the dead's)."""
@@ -168,22 +169,22 @@ class Launcher:
             if signum == signal.SIGTERM:
                 logger.error("vLLM still runs %g s after SIGTERM; killing it", self.kill_grace_s)
 
-    def _pump(self, source: IO[bytes], sink: IO[bytes]) -> None:
-        splitter = LineSplitter()
-        fd = source.fileno()
-        while chunk := os.read(fd, 65536):
-            sink.write(chunk)
-            sink.flush()
-            for line in splitter.feed(chunk.decode(errors="replace")):
-                self._on_line(line)
-        for line in splitter.flush():
-            self._on_line(line)
+    def _pump(self, pipe: ChildPipe) -> None:
+        """Pass one pipe on as it fills, taking under the lock (see `pipes`)."""
+        while True:
+            pipe.wait_readable()
+            with self.lock:
+                if not pipe.take(self._on_line):
+                    return
 
     def _forward(self, signum: int, _frame: object) -> None:
         if self.child is None:
             return
         with self.lock:
             if signum in STOP_SIGNALS and self.stop_line is None:
+                # what the child printed before the stop may still be in its pipes
+                for pipe in self.pipes:
+                    pipe.take(self._on_line)
                 self.stop_line = self.watcher.num_lines
         if signum in STOP_SIGNALS and self.probe is not None:
             # a draining vLLM closes its port: no longer a sign of a hang (the kubelet's grace
@@ -206,7 +207,7 @@ class Launcher:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, self._forward)
         try:
-            self.child = subprocess.Popen(
+            child = subprocess.Popen(
                 self.argv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -216,13 +217,15 @@ class Launcher:
         except OSError as exc:
             print(f"pagekeeper-vllm-launch: cannot run {self.argv[0]}: {exc}", file=sys.stderr)
             return EXEC_FAILED
-        assert self.child.stdout is not None and self.child.stderr is not None
+        assert child.stdout is not None and child.stderr is not None
+        # the pipes before the child: a stop signal forwarded to it finds them
+        self.pipes = [
+            ChildPipe(child.stdout, sys.stdout.buffer),
+            ChildPipe(child.stderr, sys.stderr.buffer),
+        ]
+        self.child = child
         pumps = [
-            threading.Thread(target=self._pump, args=(pipe, sink), daemon=True)
-            for pipe, sink in (
-                (self.child.stdout, sys.stdout.buffer),
-                (self.child.stderr, sys.stderr.buffer),
-            )
+            threading.Thread(target=self._pump, args=(pipe,), daemon=True) for pipe in self.pipes
         ]
         for pump in pumps:
             pump.start()

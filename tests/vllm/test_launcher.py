@@ -6,6 +6,7 @@ Each test runs the launcher as its own process (as the container's PID 1 would),
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -17,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from pagekeeper_vllm.launch import Launcher
+from pagekeeper_vllm.pipes import ChildPipe
 from tests.support.cluster import wait_for
 from tests.support.processes import engine_pythonpath, free_port
 from tests.support.tools import REPO
 from tests.support.vllm_launcher import start_launcher, stop_launcher
-from tests.vllm.fake_vllm import OOM
+from tests.vllm.fake_vllm import OOM, PREFIX, READY
 
 HERE = Path(__file__).parent
 WAIT_S = 60.0
@@ -114,6 +117,31 @@ def test_an_oom_vllm_survived_is_no_cause_of_a_clean_drain(tmp_path: Path) -> No
     code, _, _ = finish(proc)
     assert code == 0
     assert not termination_log(tmp_path).exists()
+
+
+def test_an_oom_line_still_in_the_pipe_at_the_stop_comes_before_it() -> None:
+    """The stop's handler takes what the pipes hold before it marks the drain's start: a memory
+    error vLLM survived and printed before SIGTERM, unread by the pumps when the signal came, is
+    no cause of the drain's exit (no pump runs here, so the line is in the pipe for certain)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    read_end, write_end = os.pipe()
+    try:
+        sink = io.BytesIO()
+        launcher = Launcher(["vllm", "serve", "tiny"], None, "tiny")
+        launcher.pipes = [ChildPipe(os.fdopen(read_end, "rb", buffering=0), sink)]
+        launcher.child = child
+        text = f"{READY}\n{PREFIX}{OOM}\n".encode()
+        os.write(write_end, text)
+        launcher._forward(signal.SIGTERM, None)
+        assert launcher.stop_line == 2
+        assert launcher.cause() is None
+        assert sink.getvalue() == text
+        assert child.wait(timeout=WAIT_S) == -signal.SIGTERM
+    finally:
+        os.close(write_end)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def test_a_program_that_cannot_run_is_127(tmp_path: Path) -> None:

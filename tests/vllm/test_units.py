@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import os
 import subprocess
 import sys
@@ -18,9 +20,10 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
 from pagekeeper_operator.canary import canary_pod
 from pagekeeper_operator.vllm_compat import image_version, policy_verdict
-from pagekeeper_vllm import plugin
+from pagekeeper_vllm import pipes, plugin
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line
+from pagekeeper_vllm.pipes import READ_BYTES, ChildPipe
 from pagekeeper_vllm.plugin import PLUGIN_NAME
 from pagekeeper_vllm.reports import METRICS_DIR_ENV, ProcessReport, read_reports, write_report
 from pagekeeper_vllm.series import EXPORTED_SERIES, OOMTally, render_metrics
@@ -83,6 +86,49 @@ def test_lines_split_at_newlines_and_carriage_returns() -> None:
     assert splitter.feed("Loading 1/2\rLoading 2/2\r\nready") == ["Loading 1/2", "Loading 2/2"]
     assert splitter.feed("!\n") == ["ready!"]
     assert splitter.feed("tail") == [] and splitter.flush() == ["tail"]
+
+
+def test_a_child_pipe_passes_bytes_on_and_lines_out_across_reads() -> None:
+    """Bytes reach the sink as written; a line, and a character, cut between two writes comes
+    out whole; the last partial line comes out at the end, and nothing blocks between."""
+    read_end, write_end = os.pipe()
+    sink = io.BytesIO()
+    lines: list[str] = []
+    try:
+        pipe = ChildPipe(os.fdopen(read_end, "rb", buffering=0), sink)
+        assert pipe.take(lines.append) and lines == []  # empty: returns at once
+        euro = "\u20ac".encode()
+        os.write(write_end, b"first\rbar " + euro[:1])
+        assert pipe.take(lines.append) and lines == ["first"]
+        os.write(write_end, euro[1:] + b"\nlast, unterminated")
+        assert pipe.take(lines.append) and lines == ["first", "bar \u20ac"]
+        assert pipe.wait_readable(0) is False
+    finally:
+        os.close(write_end)
+    assert pipe.wait_readable(0) is True  # the end closed
+    assert pipe.take(lines.append) is False and pipe.is_closed
+    assert lines == ["first", "bar \u20ac", "last, unterminated"]
+    assert pipe.take(lines.append) is False
+    assert sink.getvalue() == b"first\rbar " + euro + b"\nlast, unterminated"
+
+
+def test_a_child_pipe_take_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flooding child: one take makes at most MAX_READS_PER_TAKE reads, the next takes on."""
+    monkeypatch.setattr(pipes, "MAX_READS_PER_TAKE", 2)
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 8 * READ_BYTES)
+    sink = io.BytesIO()
+    try:
+        os.write(write_end, b"x" * (5 * READ_BYTES))
+        pipe = ChildPipe(os.fdopen(read_end, "rb", buffering=0), sink)
+        assert pipe.take(lambda _: None)
+        assert len(sink.getvalue()) == 2 * READ_BYTES
+        assert pipe.take(lambda _: None)
+        assert len(sink.getvalue()) == 4 * READ_BYTES
+    finally:
+        os.close(write_end)
+    assert pipe.take(lambda _: None) is False
+    assert len(sink.getvalue()) == 5 * READ_BYTES
 
 
 def test_exit_codes() -> None:
