@@ -208,6 +208,10 @@ class Remediation(Scenario):
 
     def check(self, run: Run) -> str:
         alerts: dict[str, dict[str, Any]] = run.notes["alerts"]
+        # the history is the API server's; the watch may still be catching up with it
+        run.watch.wait_seen(
+            lambda w: any(w.was_deleted(p) for p in evicted_pods(w)), "the evicted pod deleted"
+        )
         evicted = evicted_pods(run.watch)
         assert len(evicted) == 1 and evicted[0] in alerts, f"evicted: {evicted}"
         [other] = set(alerts) - set(evicted)

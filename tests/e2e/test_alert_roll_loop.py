@@ -229,7 +229,7 @@ def test_memory_alert_evicts_the_pod_at_fault_and_nothing_else(
         )
         replaced = wait_ready_pods(cluster, namespace, "loop", 2)
         assert first not in replaced and second in replaced
-        assert pods.disruption_of(first) is not None
+        pods.wait_seen(lambda w: w.disruption_of(first), f"{first}'s eviction")
         reason, _ = pods.disruption_of(first) or ("", "")
         assert reason == "EvictionByEvictionAPI"
 

@@ -179,8 +179,8 @@ def test_load_scales_out_and_scale_down_removes_the_least_loaded_pod(
         assert heavy.join(), "the heavy load's requests did not finish"
         (kept,) = wait_ready_pods(cluster, namespace, "scaled", 1, timeout=2 * SCALE_TIMEOUT_S)
         assert kept == newest, f"kept {kept}, the loaded pod was {newest}"
+        pods.wait_seen(lambda w: all(w.was_deleted(p) for p in idle), f"{idle} deleted")
         assert not pods.was_deleted(newest)
-        assert all(pods.was_deleted(p) for p in idle)
         wait_for(
             lambda: re.match(r"down \d->1: waitingRequests 0/pod", last_scale(cluster, namespace)),
             timeout=60,

@@ -158,7 +158,7 @@ def test_status_write_conflicts_cause_no_extra_rollout_and_no_lost_or_doubled_re
         ] == [(target, "evict", "evicted")]
         evicted = [e for e in server_events(cluster, namespace, "m") if e.reason == "PodEvicted"]
         assert len(evicted) == 1, [e.message for e in evicted]
-        assert pods.disruption_of(target) is not None
+        pods.wait_seen(lambda w: w.disruption_of(target), f"{target}'s eviction")
         assert [p for p in rolled if pods.disruption_of(p)] == [target]
         deployment = apps.read_namespaced_deployment("m", namespace)
         assert deployment.metadata.annotations[REVISION] == "2", "exactly one rollout"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,20 @@ class PodWatch:
         self._is_stopping = True
         self._watch.stop()
         self.api.close()
+
+    def wait_seen(
+        self, condition: Callable[[PodWatch], object], what: str, timeout: float = 30
+    ) -> None:
+        """Wait until what the watch saw meets `condition`: a change the API server already
+        shows (a pod listed gone, an eviction recorded) reaches the watch's thread a moment
+        later. A broken watch fails at once."""
+        wait_for(
+            lambda: self.error is not None or condition(self),
+            timeout=timeout,
+            interval=0.1,
+            what=f"the pod watch seeing {what}",
+        )
+        assert self.error is None, f"the pod watch broke: {self.error!r}"
 
     def versions_of(self, pod: str) -> list[client.V1Pod]:
         return [obj for _, obj in list(self.seen) if obj.metadata.name == pod]
