@@ -230,6 +230,7 @@ def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> 
     policy in force (held fields excluded) and keeps it only on a win. `serve(policy, tag)`
     serves one round (`serving`: an engine over HTTP) and returns its result and window."""
     spec = cls.tuning if args.objective is None else objective_spec(args)
+    grid = serve_grid(cls, args, serve, spec) if args.grid_first else None
     policy, held = cls.start, set[str]()
     base, base_window = serve(policy, f"{cls.name}_round0")
     base["verdict"] = None  # round 0 measures the starting policy
@@ -255,12 +256,22 @@ def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> 
         rounds.append({"round": index, "trial": trial, "in_force": policy.to_api(),
                        "in_force_score": score(base, spec)})  # fmt: skip
         print(format_row(f"{cls.name} round {index}", rounds[-1], spec))
-    grid = []
-    for k, point in enumerate([] if args.no_grid else cls.grid):
-        result, _ = serve(point, f"{cls.name}_grid{k}")
-        grid.append(result)
-        print(format_row(f"{cls.name} grid", {"trial": result}, spec))
+    if grid is None:
+        grid = serve_grid(cls, args, serve, spec)
     return summarize_class(cls, spec, rounds, grid)
+
+
+def serve_grid(
+    cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve, spec: TuningSpec
+) -> list[Any]:
+    """Each grid point served anew, in the class's order or reversed (`--reverse-grid`); the
+    results keep the class's order, tagged by each point's index in it."""
+    points = [] if args.no_grid else list(enumerate(cls.grid))
+    results: dict[int, Any] = {}
+    for k, point in reversed(points) if args.reverse_grid else points:
+        results[k], _ = serve(point, f"{cls.name}_grid{k}")
+        print(format_row(f"{cls.name} grid", {"trial": results[k]}, spec))
+    return [results[k] for k in sorted(results)]
 
 
 def summarize_class(
@@ -348,6 +359,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--sample-interval", type=float, default=0.5)
     add("--enforce-eager", action="store_true")
     add("--no-grid", action="store_true")
+    add(
+        "--grid-first",
+        action="store_true",
+        help="serve the grid before the rounds (an order effect between engine starts shows)",
+    )
+    add("--reverse-grid", action="store_true", help="serve the grid's points last to first")
     add("--engine-arg", action="append", default=[])
     add("--start-timeout", type=float, default=600.0)
     add("--request-timeout", type=float, default=600.0)

@@ -193,3 +193,20 @@ def test_a_trial_is_judged_under_the_classes_objective() -> None:
     assert verdict is not None and verdict.is_win  # the bound met, the same tokens served
     plain = tt.judge(served, queued, tw.classes(0, VOCAB, 8192, quick=True)[0].tuning)
     assert plain is not None and not plain.is_win  # under plain throughput: a tie
+
+
+def test_the_grid_can_come_first_and_reversed_and_reports_in_its_own_order() -> None:
+    """`--grid-first --reverse-grid`: the grid's points are served before round 0, last to
+    first, so no point is always served after the others; the report keeps the grid's order."""
+    served: list[str] = []
+
+    def serve(policy: MemoryPolicy, tag: str) -> tuple[dict[str, Any], MetricWindow | None]:
+        served.append(tag)
+        return {**result(float(policy.max_num_seqs), 0.0, []), "policy": policy.to_api()}, None
+
+    chat = tw.classes(0, VOCAB, 8192, quick=True)[0]
+    args = tune.parse_args(["--rounds", "1", "--grid-first", "--reverse-grid"])
+    report = tune.run_class(chat, args, serve)
+    assert served == ["chat_grid2", "chat_grid1", "chat_grid0", "chat_round0"]
+    assert [g["policy"]["maxNumSeqs"] for g in report["grid"]] == [64, 128, 256]
+    assert report["grid_best_tok_s"] == 256.0
