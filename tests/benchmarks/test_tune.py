@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from benchmarks import tune
+from benchmarks import tune, tune_serve
 from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from benchmarks.serving_workload import RequestRecord
@@ -107,7 +107,7 @@ def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
 def test_a_burst_round_splits_its_arrivals_over_the_client_processes() -> None:
     burst = tw.classes(0, VOCAB, 8192, quick=True)[2]
     args = tune.parse_args(["--client-processes", "3"])
-    plans = tune.open_loop_plans("http://e", burst, args)
+    plans = tune_serve.open_loop_plans("http://e", burst, args)
     assert [p.num_streams for p in plans] == [0, 0, 0]
     assert sorted(i for p in plans for i, _ in p.arrivals) == list(range(len(burst.arrivals)))
     assert all(p.warmup == [] and p.prompts is burst.work.prompts for p in plans)
