@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.server
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from pagekeeper_engine.memory.oom import TERMINATION_LOG, write_termination_log
 from pagekeeper_engine.stuck import StuckReport, write_stuck_message
+from pagekeeper_vllm.metrics_http import serve_metrics
 from pagekeeper_vllm.output import OOMEvent, OOMPhase, OutputWatcher
 from pagekeeper_vllm.pipes import ChildPipe
 from pagekeeper_vllm.probe import ProbeSettings, ProgressProbe, vllm_url
@@ -250,28 +250,6 @@ class Launcher:
                 return os.waitstatus_to_exitcode(status)
 
 
-def serve_metrics(launcher: Launcher, host: str, port: int) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?")[0] != "/metrics":
-                self.send_error(404, "only /metrics is served here")
-                return
-            body = launcher.scrape().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="pagekeeper-metrics", daemon=True).start()
-    return server
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagekeeper-vllm-launch",
@@ -347,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kill_grace_s=args.stuck_kill_grace,
     )
     if metrics_dir is not None:
-        server = serve_metrics(launcher, args.metrics_host, args.metrics_port)
+        server = serve_metrics(launcher.scrape, args.metrics_host, args.metrics_port)
     returncode = launcher.run()
     cause = launcher.cause()
     if launcher.stuck is not None and cause is None:
