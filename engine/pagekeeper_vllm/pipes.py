@@ -36,12 +36,12 @@ class ChildPipe:
         self.is_closed = False  # the child's end is closed and every byte was taken
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._splitter = LineSplitter()
+        self._poller = select.poll()
+        self._poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
 
     def wait_readable(self, timeout_s: float | None = None) -> bool:
         """Block until the pipe has bytes or its end closed (True), or `timeout_s` passed."""
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
+        return bool(self._poller.poll(None if timeout_s is None else timeout_s * 1000))
 
     def take(self, on_line: Callable[[str], None]) -> bool:
         """Pass on what the pipe holds now (at most `MAX_READS_PER_TAKE` reads) and feed each
