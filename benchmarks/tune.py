@@ -221,25 +221,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def chosen_classes(args: argparse.Namespace, vocab_size: int) -> list[tw.WorkloadClass]:
+    """The classes `--classes` names, in their own order, each closed-loop class's requests cut
+    to `--num-requests`."""
+    chosen = []
+    for cls in tw.classes(
+        args.seed, vocab_size, args.max_model_len, quick=args.quick, scale=args.scale
+    ):
+        if cls.name not in args.classes:
+            continue
+        if args.num_requests is not None and cls.concurrency is not None:
+            n = args.num_requests
+            work = wl.ChatWorkload(cls.work.prompts[:n], cls.work.output_lens[:n])
+            chosen.append(dataclasses.replace(cls, work=work))
+        else:
+            chosen.append(cls)
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         model_dir = serving_server.prepare_model_dir(args, tmp)
-        vocab = serving_server.model_config(args)["vocab_size"]
-        classes = tw.classes(
-            args.seed, vocab, args.max_model_len, quick=args.quick, scale=args.scale
-        )
         results = []
-        for chosen in classes:
-            if chosen.name not in args.classes:
-                continue
-            cls = chosen
-            if args.num_requests is not None and cls.concurrency is not None:
-                n = args.num_requests
-                work = wl.ChatWorkload(cls.work.prompts[:n], cls.work.output_lens[:n])
-                cls = dataclasses.replace(cls, work=work)
+        for cls in chosen_classes(args, serving_server.model_config(args)["vocab_size"]):
             print(f"# {cls.name}: from {json.dumps(cls.start.to_api())} ({cls.why})")
             results.append(run_class(cls, args, serving(model_dir, cls, args, tmp)))
     report["classes"] = results
