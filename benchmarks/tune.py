@@ -211,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--start-timeout", type=float, default=600.0)
     add("--request-timeout", type=float, default=600.0)
     add("--fixtures", default=None, help="save each round's window here as a JSON fixture")
+    add("--metrics-dir", default=None, help="save each round's /metrics before and after here")
     add("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:  # eager engines start fastest

@@ -91,6 +91,17 @@ def readings_of(
     ]
 
 
+def scrape_text(url: str, args: argparse.Namespace, log: Path, when: str) -> str:
+    """The engine's /metrics text; under `--metrics-dir` also saved there as `<round>.<when>.prom`
+    (every series the engine exports, beyond what the window reads)."""
+    text = serving_server.http_get(f"{url}/metrics")[1]
+    if args.metrics_dir is not None:
+        directory = Path(args.metrics_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{log.stem}.{when}.prom").write_text(text)
+    return text
+
+
 def serve_round(
     model_dir: Path,
     cls: tw.WorkloadClass,
@@ -110,7 +121,7 @@ def serve_round(
         return {"policy": policy.to_api(), "error": str(exc)[-2000:]}
     try:
         before_s = time.monotonic()
-        before = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
+        before = tw.Scrape.parse(scrape_text(server.url, args, log, "before"))
         started = time.monotonic()
         with Sampler(server.url, args.sample_interval) as sampler:
             if cls.concurrency is not None:
@@ -121,7 +132,7 @@ def serve_round(
             else:
                 records = serving_client.run_plans(open_loop_plans(server.url, cls, args))
         seconds = time.monotonic() - started
-        after = tw.Scrape.parse(serving_server.http_get(f"{server.url}/metrics")[1])
+        after = tw.Scrape.parse(scrape_text(server.url, args, log, "after"))
         after_s = time.monotonic()
     finally:
         code = server.stop()

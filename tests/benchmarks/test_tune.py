@@ -92,7 +92,7 @@ def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
         "--device", "cpu", "--model-dir", str(model_dir), "--classes", "chat", "--rounds", "2",
         "--scale", "0.05", "--num-requests", "12", "--no-grid", "--client-processes", "1",
         "--max-model-len", "512", "--sample-interval", "0.2", "--start-timeout", "180",
-        "--fixtures", str(tmp_path / "fixtures"),
+        "--fixtures", str(tmp_path / "fixtures"), "--metrics-dir", str(tmp_path / "metrics"),
     ])  # fmt: skip
     [chat] = report["classes"]
     [first] = chat["rounds"]  # 12 requests are too few for any rule: no change, no second round
@@ -102,6 +102,12 @@ def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
     assert len(first["trial"]["figures"]["samples"]) == tt.SAMPLES
     saved = MetricWindow.from_json((tmp_path / "fixtures" / "chat_round0.json").read_text())
     assert saved.num_requests == 12.0
+    before, after = (
+        tw.Scrape.parse((tmp_path / "metrics" / f"chat_round0.{when}.prom").read_text())
+        for when in ("before", "after")
+    )
+    generated = "vllm:generation_tokens_total"
+    assert (after.get(generated) or 0) - (before.get(generated) or 0) > 0
 
 
 def test_a_burst_round_splits_its_arrivals_over_the_client_processes() -> None:
