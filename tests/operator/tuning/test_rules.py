@@ -286,9 +286,9 @@ GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
     # The chat grid served first and last to first (run 43). At 64 sequences the cap binds half
     # the window with 43 waiting on average: raised, and 128 measured 3,216 -> 5,917 tok/s.
     ("order_chat_grid0", ("maxNumSeqs", "64", "128", "max-num-seqs-up")),
-    # At 128 the cap binds 11% of the window, the queue only the prefill budget's at the start:
-    # no cap change, and 256 (served first) measured 4,747 against this window's 5,917. Caching
-    # off measured -19.2% next in the same run: a loss, rolled back.
+    # At 128 the cap is reached in 11% of the window, the queue only the prefill budget's at the
+    # start: no rule raises it (256 served 14% more in alternating pairs, runs 44-45, for a cause
+    # not yet known). Caching off measured -19.2% next in the same run: a loss, rolled back.
     ("order_chat_grid1", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
 ]  # fmt: skip
 
@@ -308,13 +308,3 @@ def test_windows_recorded_on_a_gpu_give_the_measured_winner_first(
         "pagekeeper",
     )
     assert (changes(proposals)[0] if proposals else None) == top
-
-
-def test_a_cap_no_window_shows_binding_is_not_raised() -> None:
-    """Run 43's window at 128 sequences for 128 streams: 256 measured 20% less when served
-    first, where runs 41 and 42, serving it last, measured it 7% and 15% more; the window shows
-    no request held by the cap, so no proposal may touch maxNumSeqs."""
-    name = "order_chat_grid1"
-    window = MetricWindow.from_json((GPU_FIXTURES / f"{name}.json").read_text())
-    proposals = recommend(window, recorded_policy(name), TuningSpec(), "pagekeeper")
-    assert proposals and all(p.field != "maxNumSeqs" for p in proposals)
