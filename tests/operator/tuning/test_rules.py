@@ -287,7 +287,7 @@ GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
     # the window with 43 waiting on average: raised, and 128 measured 3,216 -> 5,917 tok/s.
     ("order_chat_grid0", ("maxNumSeqs", "64", "128", "max-num-seqs-up")),
     # At 128 the cap is reached in 11% of the window, the queue only the prefill budget's at the
-    # start: no rule raises it (256 served 14% more in alternating pairs, runs 44-45, for a cause
+    # start: no rule raises it (256 served 12% more in alternating pairs, runs 44-46, for a cause
     # not yet known). Caching off measured -19.2% next in the same run: a loss, rolled back.
     ("order_chat_grid1", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
 ]  # fmt: skip
