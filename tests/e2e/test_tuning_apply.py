@@ -9,9 +9,9 @@ canary's engine runs the canary's policy. Every engine of a server gets the same
 and each outcome rests on the work a step does, not on the machine's speed:
 
 - `seqs`: maxNumSeqs 2 under 8 requests in flight, short prompts and 32 tokens each, the KV pool
-  nearly empty. The cap binds, so the tuner proposes about the demand (7 or 8); the canary's
-  engine decodes that many sequences a step where the baseline's decodes 2 (about 1.8x the
-  tokens/s on 2 busy cores) -> promoted.
+  nearly empty, the cap bounded at 8. The cap binds, so the tuner proposes about the demand
+  (7 or 8); the canary's engine decodes that many sequences a step where the baseline's
+  decodes 2 (about 1.8x the tokens/s on 2 busy cores) -> promoted.
 - `prefix`: each prompt one of four shared 255-token prefixes and a fresh 700-token suffix, so a
   quarter of the looked-up tokens hit (a fact of the token layout), under the rule's 0.3: the
   tuner proposes caching off. The canary's engine then prefills every prompt token where the
@@ -76,6 +76,11 @@ SERVERS = {
 
 
 def spec(policy: dict[str, Any]) -> dict[str, Any]:
+    # one candidate field per workload; seqs' cap may reach the 8 in flight and no further, so
+    # once the trial's value runs, the headroom rule has nothing left to add
+    bounds: dict[str, Any] = {"blockSizes": [16]}
+    if "maxNumSeqs" in policy:
+        bounds["maxNumSeqs"] = {"min": 1, "max": 8}
     return {
         "model": {"source": "/models/tiny-llama", "servedModelName": MODEL, "loadFormat": "dummy"},
         "replicas": 2,
@@ -84,7 +89,7 @@ def spec(policy: dict[str, Any]) -> dict[str, Any]:
         "rollout": {"canary": {"enabled": True, "replicas": 1, "analysisSeconds": 3600}},
         "tuning": {
             "mode": "Apply", "windowSeconds": WINDOW_S, "holdOffSeconds": 3600,
-            "bounds": {"blockSizes": [16]},  # one candidate field per workload
+            "bounds": bounds,
         },
     }  # fmt: skip
 
