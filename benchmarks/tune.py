@@ -26,6 +26,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -240,25 +241,38 @@ def chosen_classes(args: argparse.Namespace, vocab_size: int) -> list[tw.Workloa
     return chosen
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def serve_classes(
+    args: argparse.Namespace, run: Callable[[tw.WorkloadClass, Serve], dict[str, Any]]
+) -> dict[str, Any]:
+    """The report: `run(cls, serve)` for each class `--classes` names, served over real engines
+    from one model directory, written to `--json` when given."""
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         model_dir = serving_server.prepare_model_dir(args, tmp)
-        results = []
-        for cls in chosen_classes(args, serving_server.model_config(args)["vocab_size"]):
-            print(f"# {cls.name}: from {json.dumps(cls.start.to_api())} ({cls.why})")
-            results.append(run_class(cls, args, serving(model_dir, cls, args, tmp)))
-    report["classes"] = results
-    for r in results:
+        vocab_size = serving_server.model_config(args)["vocab_size"]
+        report["classes"] = [
+            run(cls, serving(model_dir, cls, args, tmp)) for cls in chosen_classes(args, vocab_size)
+        ]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+
+    def run(cls: tw.WorkloadClass, serve: Serve) -> dict[str, Any]:
+        print(f"# {cls.name}: from {json.dumps(cls.start.to_api())} ({cls.why})")
+        return run_class(cls, args, serve)
+
+    report = serve_classes(args, run)
+    for r in report["classes"]:
         print(
             f"# {r['class']}: grid best {r['grid_best_tok_s']:,.0f} tok/s; 90% reached in round "
             f"{r['round_reaching_90pct']}; rounds >5% worse than the one before: "
             f"{r['rounds_more_than_5pct_worse']}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return report
 
 

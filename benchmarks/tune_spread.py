@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving_server, tune
+from benchmarks import tune
 from benchmarks import tune_workload as tw
-from benchmarks.tune_serve import Serve, serving
+from benchmarks.tune_serve import Serve
 
 
 def serving_order(points: list[int], repeats: int) -> list[tuple[int, int]]:
@@ -108,21 +107,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "engine_arg"}}
-    with tempfile.TemporaryDirectory() as name:
-        tmp = Path(name)
-        model_dir = serving_server.prepare_model_dir(args, tmp)
-        results = []
-        for cls in tune.chosen_classes(args, serving_server.model_config(args)["vocab_size"]):
-            result = run_class(cls, args, serving(model_dir, cls, args, tmp))
-            print(f"# {cls.name}, output tok/s under {json.dumps(result['objective'])}:")
-            for s in result["points"]:
-                print(format_point(s))
-            results.append(result)
-    report["classes"] = results
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-    return report
+
+    def run(cls: tw.WorkloadClass, serve: Serve) -> dict[str, Any]:
+        result = run_class(cls, args, serve)
+        print(f"# {cls.name}, output tok/s under {json.dumps(result['objective'])}:")
+        for s in result["points"]:
+            print(format_point(s))
+        return result
+
+    return tune.serve_classes(args, run)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from benchmarks import tune_workload as tw
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.tuning.window import MetricWindow
 from tests.benchmarks.test_tune import VOCAB, result
+from tests.support.cpu_engine import write_tiny_checkpoint
 
 
 def test_passes_alternate_direction_so_no_point_always_follows_another() -> None:
@@ -76,3 +79,20 @@ def test_points_outside_the_grid_and_no_passes_are_refused() -> None:
         tune_spread.run_class(chat, tune_spread.parse_args(["--points", "1", "3"]), serve)
     with pytest.raises(SystemExit):
         tune_spread.parse_args(["--repeats", "0"])
+
+
+def test_a_smoke_pass_on_the_cpu(tmp_path: Path) -> None:
+    """Two grid points, one pass, over real CPU engines: both served, the report written."""
+    model_dir = write_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "spread.json"
+    report = tune_spread.main([
+        "--device", "cpu", "--model-dir", str(model_dir), "--classes", "chat",
+        "--points", "0", "1", "--repeats", "1", "--scale", "0.05", "--num-requests", "12",
+        "--client-processes", "1", "--max-model-len", "512", "--sample-interval", "0.2",
+        "--start-timeout", "180", "--json", str(out),
+    ])  # fmt: skip
+    [chat] = report["classes"]
+    assert [(s["pass"], s["point"]) for s in chat["servings"]] == [(0, 0), (0, 1)]
+    assert all(s["trial"]["failures"] == {} for s in chat["servings"])
+    assert [p["differs"] for p in chat["points"]] == [{"maxNumSeqs": 64}, {"maxNumSeqs": 128}]
+    assert json.loads(out.read_text())["classes"][0]["servings"][0]["point"] == 0
