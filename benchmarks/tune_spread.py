@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import tune
 from benchmarks import tune_workload as tw
 from benchmarks.tune_serve import Serve
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.tuning import TuningSpec
 
 
 def serving_order(points: list[int], repeats: int) -> list[tuple[int, int]]:
@@ -38,14 +40,16 @@ def serving_order(points: list[int], repeats: int) -> list[tuple[int, int]]:
     ]
 
 
-def summarize(servings: list[dict[str, Any]], grid: list[Any], spec: Any) -> list[dict[str, Any]]:
+def summarize(
+    servings: list[dict[str, Any]], grid: list[MemoryPolicy], spec: TuningSpec
+) -> list[dict[str, Any]]:
     """Per point served: its policy, each serving's score under the class's objective in the
     order served, their mean, range and spread, the share of the best point's mean, and whether
     its range overlaps the best point's."""
     by_point: dict[int, list[float]] = {}
     for s in servings:
         by_point.setdefault(s["point"], []).append(tune.score(s["trial"], spec))
-    stats = {
+    stats: dict[int, dict[str, Any]] = {
         k: {"point": k, "policy": grid[k].to_api(), "scores": v, "mean": mean(v),
             "lowest": min(v), "highest": max(v)}
         for k, v in sorted(by_point.items())
