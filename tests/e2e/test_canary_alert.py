@@ -30,6 +30,7 @@ from tests.support.loop import (
     rules_file,
     server_events,
     server_pods,
+    wait_beside_canary,
     wait_ready_pods,
 )
 from tests.support.processes import exporter as static_exporter
@@ -88,7 +89,7 @@ def test_a_fragmentation_alert_on_the_canary_pod_fails_the_canary(
             return ready[0] if ready else None
 
         canary = wait_for(canary_pod, timeout=120, what="a ready canary pod")
-        survivors = {p.metadata.name for p in server_pods(cluster, namespace, "frag")} - {canary}
+        survivors = wait_beside_canary(cluster, namespace, "frag", canary, 1)
 
         exporter, _ = stack.enter_context(static_exporter(FRAGMENTED))
         rules = rules_file(cluster, namespace, "frag", tmp_path / "rules.yml")

@@ -38,6 +38,7 @@ from tests.support.loop import (
     restrict_namespace,
     server_events,
     server_pods,
+    wait_beside_canary,
     wait_ready_pods,
 )
 from tests.support.processes import exporter
@@ -107,8 +108,9 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
 
         try:
             canary = wait_for(ready_canary, timeout=120, what="a ready canary pod")
-            # With maxSurge 0 the canary took one stable pod's place; the others stay.
-            survivors = {p.metadata.name for p in server_pods(cluster, namespace, "c")} - {canary}
+
+            # with maxSurge 0 the canary took one stable pod's place; the other stays
+            survivors = wait_beside_canary(cluster, namespace, "c", canary, 1)
             targets = [(namespace, pod, "c") for pod in (*stable, canary)]
             prometheus.reload([pod_scrape(port, *targets, job="pods")])
             watched = wait_for(

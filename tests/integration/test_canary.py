@@ -100,7 +100,12 @@ def test_an_oom_on_the_canary_takes_it_back_and_a_restart_resumes_the_analysis(
     canary = wait_analyzing(cluster, namespace, "qwen")
     assert canary.spec.template.metadata.annotations[POLICY_HASH] != stable_hash
     assert template_hash(apps, namespace, "qwen") == stable_hash  # the others keep theirs
-    survivors = stable_pods(cluster, namespace, "qwen")
+
+    def two_stable() -> set[str] | None:  # the canary can be Ready before the third pod goes
+        pods = stable_pods(cluster, namespace, "qwen")
+        return pods if len(pods) == 2 else None
+
+    survivors = wait_for(two_stable, what="two stable pods beside the canary")
     record = canary_status(cluster, namespace, "qwen")
     assert record["stableTemplateHash"] != record["templateHash"]
 

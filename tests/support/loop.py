@@ -176,6 +176,26 @@ def wait_ready_pods(
     return names
 
 
+def wait_beside_canary(
+    cluster: Cluster, namespace: str, name: str, canary: str, num_stable: int, timeout: float = 120
+) -> set[str]:
+    """Until the server runs exactly `num_stable` pods beside the pod `canary`, all Ready and none
+    terminating; their names. With maxSurge 0 the canary takes a stable pod's place, and it can
+    be Ready before the ReplicaSet has let that pod go."""
+
+    def settled() -> set[str] | None:
+        pods = server_pods(cluster, namespace, name)
+        others = {pod.metadata.name for pod in pods} - {canary}
+        if len(others) == num_stable and all(is_pod_ready(pod) for pod in pods):
+            return others
+        return None
+
+    names: set[str] = wait_for(
+        settled, timeout=timeout, what=f"{num_stable} stable pod(s) of {name} beside the canary"
+    )
+    return names
+
+
 def history(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = (get_server(cluster, namespace, name).get("status") or {}).get(
         "remediationHistory", []
