@@ -108,7 +108,6 @@ def test_a_canary_without_prometheus_holds_and_is_taken_back_never_promoted(
 
         try:
             canary = wait_for(ready_canary, timeout=120, what="a ready canary pod")
-
             # with maxSurge 0 the canary took one stable pod's place; the other stays
             survivors = wait_beside_canary(cluster, namespace, "c", canary, 1)
             targets = [(namespace, pod, "c") for pod in (*stable, canary)]

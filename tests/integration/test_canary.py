@@ -23,6 +23,7 @@ from tests.integration.operator_fixture import (
     wait_ready,
 )
 from tests.support.cluster import Cluster, wait_for
+from tests.support.loop import wait_beside_canary
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator
@@ -100,12 +101,8 @@ def test_an_oom_on_the_canary_takes_it_back_and_a_restart_resumes_the_analysis(
     canary = wait_analyzing(cluster, namespace, "qwen")
     assert canary.spec.template.metadata.annotations[POLICY_HASH] != stable_hash
     assert template_hash(apps, namespace, "qwen") == stable_hash  # the others keep theirs
-
-    def two_stable() -> set[str] | None:  # the canary can be Ready before the third pod goes
-        pods = stable_pods(cluster, namespace, "qwen")
-        return pods if len(pods) == 2 else None
-
-    survivors = wait_for(two_stable, what="two stable pods beside the canary")
+    [canary_pod] = canary_pods(cluster, namespace, "qwen")
+    survivors = wait_beside_canary(cluster, namespace, "qwen", canary_pod.metadata.name, 2)
     record = canary_status(cluster, namespace, "qwen")
     assert record["stableTemplateHash"] != record["templateHash"]
 
