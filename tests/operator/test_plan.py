@@ -15,7 +15,7 @@ from pagekeeper_operator.plan import (
     prune,
     stamp,
 )
-from pagekeeper_operator.reconcile import refresh_status
+from pagekeeper_operator.refresh import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.timestamps import parse_time
 from tests.operator.servers import DEFAULT_IMAGES, make_server
