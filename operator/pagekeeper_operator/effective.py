@@ -1,7 +1,7 @@
 """The memory policy pods actually run with: the spec and the layers over it, and its hash.
 
 `spec.memoryPolicy` is what a person (or Git) declared; the operator never writes it. `compose`
-is the one function that builds what pods run (ARCHITECTURE.md, "The policy's layers"):
+is the one function that builds what pods run (docs/memory-policy.md, "The layers"):
 
 1. the spec;
 2. the tuning layer (`status.tuning.changes`): recommendations accepted by annotation or

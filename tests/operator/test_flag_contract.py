@@ -158,7 +158,7 @@ def test_every_rendered_flag_is_one_the_engine_defines() -> None:
 
 
 def test_every_contract_row_is_rendered() -> None:
-    # ARCHITECTURE.md's table: each memoryPolicy field maps to exactly one flag.
+    # docs/memory-policy.md's table of fields: each memoryPolicy field maps to exactly one flag.
     flags = policy_flags(
         make_server({"memoryPolicy": {"maxModelLen": 4096}}).spec.memory_policy, is_pagekeeper=True
     )

@@ -18,7 +18,8 @@ from typing import Any, Generic, TypeVar
 
 # torch >= 2.9 reads PYTORCH_ALLOC_CONF and falls back to the older CUDA-specific name.
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-# The options the memory policy sets (ARCHITECTURE.md, allocator.*); exported as info labels.
+# The options the memory policy sets (docs/memory-policy.md, allocator.*), exported as info
+# labels.
 REPORTED_OPTIONS = ("expandable_segments", "garbage_collection_threshold", "max_split_size_mb")
 
 T = TypeVar("T")

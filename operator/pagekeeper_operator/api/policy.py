@@ -1,4 +1,4 @@
-"""`LLMServer.spec.memoryPolicy`: the operator -> engine contract (ARCHITECTURE.md's table).
+"""`LLMServer.spec.memoryPolicy`: the operator -> engine contract (docs/memory-policy.md).
 
 Each field maps one-to-one onto an engine flag (or, for `allocator`, onto
 `PYTORCH_CUDA_ALLOC_CONF`). Cross-field rules are CEL in the CRD and the same checks here.

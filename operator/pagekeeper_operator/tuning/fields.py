@@ -30,7 +30,8 @@ TUNABLE: dict[str, Kind] = {
     "allocator.expandableSegments": "bool",
     "allocator.garbageCollectionThreshold": "float",
 }
-# What a vLLM pod honours of them: vLLM has no --fragmentation-buffer (ARCHITECTURE.md's table).
+# What a vLLM pod honours of them: vLLM has no --fragmentation-buffer
+# (docs/memory-policy.md, "Fields").
 VLLM_TUNABLE: frozenset[str] = frozenset(TUNABLE) - {"fragmentationBuffer"}
 
 
