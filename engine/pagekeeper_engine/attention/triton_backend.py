@@ -27,7 +27,7 @@ _MAX_SPLIT_COUNTERS = 4096
 # The one-launch decode saves a launch a layer, which pays where launches dominate: at 1-64
 # sequences it was 0.04-1.6 us a layer faster than the rotary write and the decode in a row, at
 # 128-256 it was 0.9-3.1 us slower (each program norms and rotates its heads before its first
-# load; docs/benchmarks.md, run 21).
+# load; docs/benchmarks-archive.md, "rotary, KV write and attention in one launch").
 ONE_LAUNCH_MAX_SEQS = 64
 
 
@@ -193,12 +193,12 @@ class TritonAttentionBackend(AttentionBackend):
         return {
             "num_splits": num_splits,
             "split_counters": self._counters(k_cache.device) if num_splits > 1 else None,
-            # FP8 tiles spend their time widening to fp16, not loading: where the sequences
-            # alone fill the GPU (one split), two warps per program keep more programs resident;
-            # where they do not (the launch is split to fill it), four warps finish each split
-            # sooner (a lone request 0.89 -> 0.74 ms a token on the 0.6B). Five stages
-            # double-buffer the tiles so the next one loads while this one widens
-            # (docs/benchmarks.md, FP8 KV cache, runs 15 and 35)
+            # FP8 tiles spend their time widening to fp16, not loading: where the sequences alone
+            # fill the GPU (one split), two warps per program keep more programs resident; where
+            # they do not (the launch is split to fill it), four warps finish each split sooner (a
+            # lone request 0.89 -> 0.74 ms a token on the 0.6B). Five stages double-buffer the tiles
+            # so the next one loads while this one widens (docs/benchmarks-archive.md,
+            # "double-buffered FP8 decode tiles" and "whole-row GEMV tiles")
             "num_warps": 2 if is_fp8 and num_splits == 1 else 4,
             "num_stages": 5 if is_fp8 else 3,
         }

@@ -51,16 +51,18 @@ DISABLE_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # few MiB each rank reading all the others' bytes loses to NCCL's ring on four GPUs.
 DEFAULT_CAPACITY_BYTES = 8 * 2**20
 ONE_SHOT_WAYS: tuple[OneShotWay, ...] = ("push", "pull")
-# The most a push launch sums: pushing wins only the small messages (docs/benchmarks.md, run 27),
-# and each rank holds two receiving regions of it per peer.
+# The most a push launch sums: pushing wins only the small messages (docs/benchmarks-archive.md,
+# "small all-reduces pushed, larger ones pulled"), and each rank holds two receiving regions of it
+# per peer.
 PUSH_CAPACITY_BYTES = 8 * 2**20
 
 
 def capacity_bytes(num_ranks: int, max_tokens: int, hidden_size: int, itemsize: int) -> int:
-    """The one-shot buffer's size. At two ranks each reads one peer's rows, and the fused
-    launch beat NCCL and the norm through 2,048 rows of 4,096 (docs/benchmarks.md, run 25): the
-    buffer holds a whole step's rows, so that the prefill chunks' sums may go one-shot too
-    (the start-up timing decides). At more ranks, the decode steps' messages."""
+    """The one-shot buffer's size. At two ranks each reads one peer's rows, and the fused launch
+    beat NCCL and the norm through 2,048 rows of 4,096 (docs/benchmarks-archive.md, "the sum, the
+    residual add and the norm in one launch"): the buffer holds a whole step's rows, so that the
+    prefill chunks' sums may go one-shot too (the start-up timing decides). At more ranks, the
+    decode steps' messages."""
     if num_ranks == 2:
         return max(DEFAULT_CAPACITY_BYTES, max_tokens * hidden_size * itemsize)
     return DEFAULT_CAPACITY_BYTES
@@ -156,7 +158,7 @@ class OneShotAllReduce:
             raise RuntimeError("the mapped buffer does not start at this rank's tensor")
         device = self.memory.device
         # One program an SM at most: past that the meetings cost more than the rows they share
-        # (docs/benchmarks.md, run 25).
+        # (docs/benchmarks-archive.md, "the sum, the residual add and the norm in one launch").
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         pad_programs = PeerBuffers.pad_programs(signal_pad_bytes(symm_mem), world)
         if pad_programs < 1:

@@ -26,14 +26,14 @@ FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 NOISE_FLOOR = torch.finfo(torch.float32).tiny
 
 
-# Triton compiles a variant of a kernel for each new combination of "pointer is 16-byte aligned"
-# and "integer is 1 / a multiple of 16" among its arguments. The per-step metadata (block
-# tables, sequence lengths, slot mappings, positions) is sliced from staging buffers at offsets
-# that change with the batch, and the sampler's scratch with the row count, so those flags
-# changed from step to step and compiled new variants while serving: 13 compiles, 4.9 s inside
-# the first W-nano run after a start with an empty cache (docs/benchmarks.md, run 12). The
-# kernels read these arguments a few scalars per program, so the hints buy nothing: each kernel
-# lists them in `do_not_specialize`.
+# Triton compiles a variant of a kernel for each new combination of "pointer is 16-byte aligned" and
+# "integer is 1 / a multiple of 16" among its arguments. The per-step metadata (block tables,
+# sequence lengths, slot mappings, positions) is sliced from staging buffers at offsets that change
+# with the batch, and the sampler's scratch with the row count, so those flags changed from step to
+# step and compiled new variants while serving: 13 compiles, 4.9 s inside the first W-nano run after
+# a start with an empty cache (docs/benchmarks-archive.md, "no compiles while serving"). The kernels
+# read these arguments a few scalars per program, so the hints buy nothing: each kernel lists them
+# in `do_not_specialize`.
 
 
 def is_interpreter() -> bool:

@@ -31,10 +31,10 @@ def decode_program(
     seq_len, live, start, end), where live is how many splits the sequence uses and
     start..end this split's tokens.
 
-    The KV heads vary fastest, so a sequence's programs start together and a step whose
-    decodes lead longest first (`runner/step_inputs.py`) hands out its longest programs first:
-    the last wave then holds short ones, not a long one that runs on alone (docs/benchmarks.md,
-    run 36).
+    The KV heads vary fastest, so a sequence's programs start together and a step whose decodes lead
+    longest first (`runner/step_inputs.py`) hands out its longest programs first: the last wave then
+    holds short ones, not a long one that runs on alone (docs/benchmarks-archive.md, "a decode
+    launch's last wave").
 
     Each split covers a whole number of BLOCK_N tiles, an even share of the context over the
     launch's splits. With the reduce fused, a sequence shorter than the splits were chosen for

@@ -73,12 +73,12 @@ class GemvConfig:
         return f"{self.block_n}x{self.block_k}, {self.num_warps} warps"
 
 
-# What the start-up choice tries against cuBLAS (`model/gemv_choice.py`): the two best of a
-# sweep over block_n 2-16, block_k 256-1024, 4-8 warps and 1-4 stages on the Llama-3.1-8B
-# projections on an H200 (docs/benchmarks.md, run 11), and two wide tiles of 16,384 elements
-# that hold a whole row of K <= 2,048 or 4,096, so that a program loads all of its weights
-# before it waits for the kernel ahead (the Qwen3-0.6B's o and down projections: batch-1 ITL
-# 0.778 -> 0.720 ms, run 35).
+# What the start-up choice tries against cuBLAS (`model/gemv_choice.py`): the two best of a sweep
+# over block_n 2-16, block_k 256-1024, 4-8 warps and 1-4 stages on the Llama-3.1-8B projections on
+# an H200 (docs/benchmarks-archive.md, "a batch-1 GEMV chosen at start-up"), and two wide tiles of
+# 16,384 elements that hold a whole row of K <= 2,048 or 4,096, so that a program loads all of its
+# weights before it waits for the kernel ahead (the Qwen3-0.6B's o and down projections: batch-1 ITL
+# 0.778 -> 0.720 ms; docs/benchmarks-archive.md, "whole-row GEMV tiles").
 CANDIDATES = (
     GemvConfig(8, 512),
     GemvConfig(8, 1024),

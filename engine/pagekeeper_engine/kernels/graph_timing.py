@@ -13,11 +13,11 @@ runner, a graph dropped in a reference cycle), and CUDA invalidates a capture du
 another graph is destroyed. The capture then fails, and the generator it registered stays in
 capture mode, so every later random draw in the process fails too.
 
-The call before a capture runs on the current stream, as the step graphs' warm-up does. cuBLAS
-keeps a workspace (32 MiB on Hopper) for every stream it has run on, allocated from the caching
-allocator and never freed, so each further stream would hold 32 MiB more for the process's life
-(docs/benchmarks.md, Tensor parallelism, run 32). With the current stream and the graphs' own
-capture stream, a process holds two.
+The call before a capture runs on the current stream, as the step graphs' warm-up does. cuBLAS keeps
+a workspace (32 MiB on Hopper) for every stream it has run on, allocated from the caching allocator
+and never freed, so each further stream would hold 32 MiB more for the process's life
+(docs/benchmarks-archive.md, "what the start-up choices left outside the budget"). With the current
+stream and the graphs' own capture stream, a process holds two.
 """
 
 from __future__ import annotations

@@ -50,13 +50,13 @@ class SplitRule:
     (`decode_core.decode_program`): at least `short_tokens` while the context fits `SHORT_SPLITS`
     of them, else at least `long_tokens`.
 
-    A split's serial tiles are each a chain of dependent loads from DRAM, and more splits run
-    those chains side by side; the combine then passes over more partials. In the engine at
-    batch 1 on an H200, 64-token splits took 45-50 us off a Qwen3-0.6B step and ~20 us off a
-    Llama-3.1-8B one at 128-428-token contexts, against 128; at 1,700-2,000 tokens 32 splits of
-    64 cost 55-80 us a step against 16 of 128 (docs/benchmarks.md, run 22; run 21's sweep, which
-    favoured 128 everywhere, timed a KV cache that stayed in L2). So the short splits stop at 8
-    of them, within what was measured."""
+    A split's serial tiles are each a chain of dependent loads from DRAM, and more splits run those
+    chains side by side; the combine then passes over more partials. In the engine at batch 1 on an
+    H200, 64-token splits took 45-50 us off a Qwen3-0.6B step and ~20 us off a Llama-3.1-8B one at
+    128-428-token contexts, against 128; at 1,700-2,000 tokens 32 splits of 64 cost 55-80 us a step
+    against 16 of 128 (docs/benchmarks-archive.md, "decode splits sized for a KV cache in DRAM"; an
+    earlier sweep, which favoured 128 everywhere, timed a KV cache that stayed in L2). So the short
+    splits stop at 8 of them, within what was measured."""
 
     short_tokens: int = 64
     long_tokens: int = LAUNCH_TOKENS_PER_SPLIT

@@ -2,15 +2,15 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Decode attention with the layer's rotary embedding and KV write in the same launch.
 
-At a decode step `rotate_and_write_kv` (kv_write.py) is a launch of its own before the
-attention, and at small batches a launch costs more than its work: ~3 us of a batch-1 layer's
-~28 us on Qwen3-0.6B (docs/benchmarks.md, run 21). Here each decode program norms (Qwen3) and
-rotates its own group of query heads in registers, and the one split of a (sequence, KV head)
-that reads the newest position first stores that token's rotated key and value in the cache,
-waits for its own threads (a barrier), and then reads its tiles as `paged_decode` does
-(`decode_core.py`). The arithmetic is the two launches': q and k are rounded to the model's
-dtype after the rotation, as the in-place rotation stores them, so the output and the cache's
-bytes are theirs.
+At a decode step `rotate_and_write_kv` (kv_write.py) is a launch of its own before the attention,
+and at small batches a launch costs more than its work: ~3 us of a batch-1 layer's ~28 us on
+Qwen3-0.6B (docs/benchmarks-archive.md, "rotary, KV write and attention in one launch"). Here each
+decode program norms (Qwen3) and rotates its own group of query heads in registers, and the one
+split of a (sequence, KV head) that reads the newest position first stores that token's rotated key
+and value in the cache, waits for its own threads (a barrier), and then reads its tiles as
+`paged_decode` does (`decode_core.py`). The arithmetic is the two launches': q and k are rounded to
+the model's dtype after the rotation, as the in-place rotation stores them, so the output and the
+cache's bytes are theirs.
 
 Launched as a programmatic dependent of the qkv projection (the batch-1 layer), a program
 starts its chain of dependent loads (length, block table, first KV tile) before it waits for

@@ -8,14 +8,15 @@ one rank and in two around the ranks' exchange under tensor parallelism (the ker
 all in fp32, whatever the dtypes the operands are stored in: the logits may be read in the
 model's dtype (bf16 / fp16), widened in registers, so that no step copies them to fp32 first.
 
-Without noise it is the greedy argmax. With scale = 1 / T and noise E ~ Exp(1) it is the
-exponential race (the Gumbel-max trick: -log E is Gumbel-distributed), which samples exactly
-from softmax(scores / T). Given `sample_key` instead of draws, the one-rank pick samples the
-same distribution by inverting each row's CDF at one uniform draw (`pick_kernels._sample_row`,
-Philox keyed by `sample_key` and the row): one draw a row instead of one a row and column. At
-256 rows of a 151,936-entry vocabulary the race's draws are 156 MB, written by one kernel and
-read by the pick, and the race cost an H100 2.6x a greedy pick (200 against 77 us); W-nano on
-an H200 ran 1.2-1.3% faster greedy than at temperature 0.6 (docs/benchmarks.md, run 38).
+Without noise it is the greedy argmax. With scale = 1 / T and noise E ~ Exp(1) it is the exponential
+race (the Gumbel-max trick: -log E is Gumbel-distributed), which samples exactly from
+softmax(scores / T). Given `sample_key` instead of draws, the one-rank pick samples the same
+distribution by inverting each row's CDF at one uniform draw (`pick_kernels._sample_row`, Philox
+keyed by `sample_key` and the row): one draw a row instead of one a row and column. At 256 rows of a
+151,936-entry vocabulary the race's draws are 156 MB, written by one kernel and read by the pick,
+and the race cost an H100 2.6x a greedy pick (200 against 77 us); W-nano on an H200 ran 1.2-1.3%
+faster greedy than at temperature 0.6 (docs/benchmarks-archive.md, "a pick that draws one number a
+row").
 
 Why: on an H200, at batch 1, torch's sampler cost ~120 us of a ~4.6 ms decode step of an 8B
 model. Its softmax over a 128,256-entry vocabulary runs one thread block per row (33 us at one
@@ -27,7 +28,7 @@ log-probabilities] the runner copies to the host. On one rank that is one launch
 each chunk's program counts itself in on its row's counter after its stores, and the program
 that counts last merges the row and zeroes the counter again. A Triton launch costs the host
 more than the merge costs the device (~45 us of a batch-1 step's ~0.6 ms of host work on an
-H200's host; docs/benchmarks.md, run 34).
+H200's host; docs/benchmarks-archive.md, "the batch-1 host step, as long as the device's").
 
 Under tensor parallelism each rank holds a shard of the vocabulary's logits: the first kernel
 runs over the shard alone (its chunks' indices offset to the whole vocabulary's), the ranks

@@ -1,24 +1,24 @@
 """Which projections run the Triton GEMV at batch 1: measured at start-up, in the model.
 
-A batch-1 decode step is a chain of matrix-vector products whose time is the weight's bytes
-over memory bandwidth plus a ramp at either end. cuBLAS reaches 60-72% of the copy rate on the
-small square projections of an 8B model and ~95% on the wide gate/up one; the Triton GEMV
+A batch-1 decode step is a chain of matrix-vector products whose time is the weight's bytes over
+memory bandwidth plus a ramp at either end. cuBLAS reaches 60-72% of the copy rate on the small
+square projections of an 8B model and ~95% on the wide gate/up one; the Triton GEMV
 (`kernels/gemv.py`) is ahead on the former, and where the line falls depends on the GPU and the
-shapes. Timing a projection alone does not settle it: on an H200 the gate/up GEMV and cuBLAS
-tied alone (56.8 against 56.0 us) while in the model the GEMV made the whole step 0.15 ms
-faster and its other tile 0.13 ms slower (docs/benchmarks.md, run 12). So the runner times
-what runs: for each projection group in turn, a CUDA graph of the whole batch-1 forward with
-cuBLAS and with each GEMV tile, replays interleaved, and keeps the GEMV where the step is at
+shapes. Timing a projection alone does not settle it: on an H200 the gate/up GEMV and cuBLAS tied
+alone (56.8 against 56.0 us) while in the model the GEMV made the whole step 0.15 ms faster and its
+other tile 0.13 ms slower (docs/benchmarks-archive.md, "the GEMV chosen in the model"). So the
+runner times what runs: for each projection group in turn, a CUDA graph of the whole batch-1 forward
+with cuBLAS and with each GEMV tile, replays interleaved, and keeps the GEMV where the step is at
 least `1 - MARGIN` faster. Results are equal to rounding either way.
 
 Then the same timing decides the fused one-token layer (`model/row_fusion.py`: the norms, the
-residual adds and SwiGLU inside the GEMVs), with and without programmatic dependent launch
-where the GPU has it, against the layer as chosen above; a near-tie goes to the fused layer
-(`decide_fusion`). The fused layer runs the GEMV in every projection, and the tile that serves
-it best is not the one that serves the unfused layer best (on an H200 the wide tiles won the
-8B's unfused layer and made its fused layer 8% slower, so the start-up kept the unfused one;
-docs/benchmarks.md, run 35): its tiles are timed in it (`choose_tiles`), and each variant is
-timed with its own.
+residual adds and SwiGLU inside the GEMVs), with and without programmatic dependent launch where the
+GPU has it, against the layer as chosen above; a near-tie goes to the fused layer (`decide_fusion`).
+The fused layer runs the GEMV in every projection, and the tile that serves it best is not the one
+that serves the unfused layer best (on an H200 the wide tiles won the 8B's unfused layer and made
+its fused layer 8% slower, so the start-up kept the unfused one; docs/benchmarks-archive.md,
+"whole-row GEMV tiles"): its tiles are timed in it (`choose_tiles`), and each variant is timed with
+its own.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
     from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
 
     groups = _groups(model)
-    # The groups interact (run 12: from all-cuBLAS, one pass kept cuBLAS for gate/up and qkv,
+    # The groups interact (on an H200: from all-cuBLAS, one pass kept cuBLAS for gate/up and qkv,
     # each a tie or a loss alone, and the step took 4.46 ms; both on the GEMV gave 4.34 ms),
     # so the pass starts from every group on the first tile.
     for linears in groups.values():
@@ -229,11 +229,11 @@ def _set_tiles(groups: dict[tuple[str, int, int], list[Linear]], tiles: Tiles) -
 
 
 def decide_fusion(seconds: dict[RowFusion | None, float]) -> RowFusion | None:
-    """The fastest fused variant (keys other than None), unless the unfused layer's forward
-    (None) is at least `1 - MARGIN` faster than it. A near-tie goes to the fused layer: the
-    timed forward understates what it saves in serving (an H200, the same process re-captured
-    each way: the 8B's batch-1 forward 55 us faster fused with PDL, its inter-token latency
-    4.07 against 4.23 ms; docs/benchmarks.md, run 33)."""
+    """The fastest fused variant (keys other than None), unless the unfused layer's forward (None)
+    is at least `1 - MARGIN` faster than it. A near-tie goes to the fused layer: the timed forward
+    understates what it saves in serving (an H200, the same process re-captured each way: the 8B's
+    batch-1 forward 55 us faster fused with PDL, its inter-token latency 4.07 against 4.23 ms;
+    docs/benchmarks-archive.md, "a layer's projections after its attention")."""
     unfused = seconds[None]
     fused = [(s, fusion) for fusion, s in seconds.items() if fusion is not None]
     if not fused:

@@ -1,9 +1,9 @@
 """A one-token decoder layer in four projections: the batch-1 decode step's launch count.
 
-A batch-1 step reads every weight once, and its small kernels cost more than their bytes: on
-an H200 a Qwen3-0.6B step launched 322 kernels, of which 113 RMSNorms at 1.4 us each against a
-floor of 0.28 ms for the whole step's weights (docs/benchmarks.md, run 17). Here each
-projection runs the GEMV (`kernels/gemv.py`) with the work around it folded in:
+A batch-1 step reads every weight once, and its small kernels cost more than their bytes: on an H200
+a Qwen3-0.6B step launched 322 kernels, of which 113 RMSNorms at 1.4 us each against a floor of
+0.28 ms for the whole step's weights (docs/benchmarks-archive.md, "fewer launches a step"). Here
+each projection runs the GEMV (`kernels/gemv.py`) with the work around it folded in:
 
     qkv      = GEMV(norm(residual))                  input_layernorm in the prologue
     attn     = attention(qkv)                        q/k norm and rotary in the KV write

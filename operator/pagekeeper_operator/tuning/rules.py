@@ -75,7 +75,7 @@ MAX_SEQS_GROWTH = 8.0
 SEQ_CAP_BINDS = 0.25  # share of the window at the cap for max-num-seqs-up
 # max-num-seqs-headroom: a cap the load reaches (in this share of the window) with no request
 # seen waiting still costs throughput on the H200: 128 streams at a cap of 128 served less
-# than at 256 in every alternating pair of runs 44-46, +17% on average over the steady span
+# than at 256 in all nine alternating pairs measured, +17% on average over the steady span
 # (docs/benchmarks.md, W-tune). The cap doubles where the KV peak, doubled, stays under 90%;
 # the gain was a measured win by the trial rule in five of nine pairs and a tie in
 # the rest, so it is offered at half confidence and kept only where its trial wins.
