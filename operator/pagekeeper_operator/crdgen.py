@@ -251,6 +251,12 @@ def _printer_columns() -> list[dict[str, Any]]:
             "jsonPath": ".status.lastRemediation",
             "description": "When a pod was last remediated.",
         },
+        {
+            "name": "Oldest-Pod",
+            "type": "date",
+            "jsonPath": ".status.lifecycle.oldestPodCreatedAt",
+            "description": "Age of the oldest serving pod (under spec.lifecycle.maxPodAge).",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

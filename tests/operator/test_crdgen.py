@@ -11,6 +11,8 @@ import yaml
 
 from pagekeeper_operator import crdgen
 from pagekeeper_operator.api.autoscaling import MIN_MAX_RULE, TARGET_RULE
+from pagekeeper_operator.api.lifecycle import BOUNDS_RULE as AGE_BOUNDS_RULE
+from pagekeeper_operator.api.lifecycle import FORMAT_RULE as AGE_FORMAT_RULE
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
     AUTOSCALING_CANARY_RULE,
@@ -117,6 +119,7 @@ def test_names_scope_and_subresources(crd: dict[str, Any]) -> None:
         "Last-Scale": ("string", ".status.autoscaling.lastScaleReason"),
         "Recommendation": ("string", ".status.recommendations[0].field"),
         "Last-Remediation": ("date", ".status.lastRemediation"),
+        "Oldest-Pod": ("date", ".status.lifecycle.oldestPodCreatedAt"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
 
@@ -232,6 +235,8 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
     autoscaling = spec["properties"]["autoscaling"]
     assert autoscaling["x-kubernetes-validations"] == [MIN_MAX_RULE]
     assert autoscaling["properties"]["targets"]["x-kubernetes-validations"] == [TARGET_RULE]
+    lifecycle = spec["properties"]["lifecycle"]
+    assert lifecycle["x-kubernetes-validations"] == [AGE_FORMAT_RULE, AGE_BOUNDS_RULE]
     env = spec["properties"]["podTemplate"]["properties"]["env"]
     assert env["maxItems"] == 64 and env["items"]["properties"]["name"]["maxLength"] == 253
     rules = [
@@ -239,7 +244,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 22 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
+    assert len(rules) == 24 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

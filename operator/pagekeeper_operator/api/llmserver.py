@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
 from pagekeeper_operator.api.gateway import GatewaySpec
+from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
@@ -242,6 +243,10 @@ class LLMServerSpec(ApiModel):
             "Self-tuning of the memory policy: recommend (the default) or try on a canary and "
             "keep better values, within bounds; never written to spec (docs/memory-policy.md)."
         ),
+    )
+    lifecycle: LifecycleSpec = Field(
+        default_factory=LifecycleSpec,
+        description="How long a pod may serve before the operator replaces it (maxPodAge).",
     )
     shutdown_grace_period_seconds: int = Field(
         default=30,

@@ -7,6 +7,7 @@ from typing import Literal, get_args
 from pydantic import Field
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
+from pagekeeper_operator.api.lifecycle import LifecycleStatus
 from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
@@ -177,6 +178,13 @@ class LLMServerStatus(ApiModel):
         description=(
             "The tuner's layers of the effective policy (accepted and promoted changes, the "
             "step-down caps) and, in Apply mode, the trial under way, outcomes and hold-offs."
+        ),
+    )
+    lifecycle: LifecycleStatus | None = Field(
+        default=None,
+        description=(
+            "Under spec.lifecycle.maxPodAge: the oldest pod's creation time, the pod last "
+            "replaced for its age and when, and the pod that waits and why."
         ),
     )
     last_remediation: Timestamp | None = Field(

@@ -1,6 +1,7 @@
 """kopf wiring of remediation: the Alertmanager webhook server, the retry loop for deferred
-alerts, and the out-of-memory watcher that steps the effective policy down and then reconciles
-the server at once, so the pods roll to the lowered policy without waiting for the resync.
+alerts, the pod-age loop of spec.lifecycle.maxPodAge (`pod_age_loop`), and the out-of-memory
+watcher that steps the effective policy down and then reconciles the server at once, so the
+pods roll to the lowered policy without waiting for the resync.
 
 Its settings (port, token file, TLS) are `settings.OperatorSettings`' webhook fields; the TLS
 pair is read again when its files change (`tls`).
@@ -24,6 +25,7 @@ from pagekeeper_operator.adaptive import Termination
 from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.kube import shared_kube
 from pagekeeper_operator.metrics import count_remediation
+from pagekeeper_operator.pod_age_loop import AGE_INTERVAL_SECONDS, PodAgeLoop
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod
 from pagekeeper_operator.remediation.oom import (
     OOMResponse,
@@ -61,6 +63,7 @@ class RemediationRuntime:
     reconcile_server: ServerReconciler
     runner: web.AppRunner | None = None
     retry_task: asyncio.Task[None] | None = None
+    age_task: asyncio.Task[None] | None = None
     seen_terminations: set[str] = field(default_factory=set)
 
 
@@ -105,6 +108,11 @@ async def start_remediation(memo: kopf.Memo, **_: Any) -> None:
         reconcile_server=server_reconciler(kube, settings),
     )
     memo[MEMO_KEY] = runtime
+    # spec.lifecycle.maxPodAge acts whether or not the webhook is on.
+    ages = PodAgeLoop(port, runtime.remediator)
+    runtime.age_task = asyncio.create_task(
+        ages.run_forever(lambda: _known_servers(memo), AGE_INTERVAL_SECONDS)
+    )
     token_file = settings.webhook_token_file
     if token_file is None:
         logger.warning("PAGEKEEPER_WEBHOOK_TOKEN_FILE is not set: the Alertmanager webhook is off")
@@ -130,10 +138,11 @@ async def stop_remediation(memo: kopf.Memo, **_: Any) -> None:
     runtime = memo.get(MEMO_KEY)
     if not isinstance(runtime, RemediationRuntime):
         return
-    if runtime.retry_task is not None:
-        runtime.retry_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await runtime.retry_task
+    for task in (runtime.retry_task, runtime.age_task):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if runtime.runner is not None:
         await runtime.runner.cleanup()
 

@@ -99,6 +99,12 @@ class Remediator:
         # Servers whose history this process has read, so intents left open before it settled.
         self._resumed: set[ServerKey] = set()
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held by each batch; another loop that evicts the same servers' pods (`pod_age_loop`)
+        holds it too, so their decisions see each other's evictions."""
+        return self._lock
+
     async def handle(self, message: WebhookMessage) -> dict[str, Any]:
         """Act on one notification; the summary is the webhook's response body."""
         async with self._lock:
