@@ -1,5 +1,5 @@
 """Memory safety on the GPU: KV capacity against the budget arithmetic, the W-burst OOM
-reproducer, and the W-soak fragmentation series (BENCHMARKS.md).
+reproducer, and the W-soak fragmentation series (docs/benchmarks.md).
 
     PYTHONPATH=engine python benchmarks/memory.py capacity
     PYTHONPATH=engine python benchmarks/memory.py burst --duration 600

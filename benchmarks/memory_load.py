@@ -334,7 +334,7 @@ def rank_memory(
 
 
 def workload_failures(result: dict[str, Any]) -> list[str]:
-    """What makes a W-burst or W-soak run fail its goals (BENCHMARKS.md): a lost request, an
+    """What makes a W-burst or W-soak run fail its goals (docs/benchmarks.md): a lost request, an
     OOM event of any kind, a rank whose GPU went past its budget or could not be read, a server
     that did not exit 0. Empty when it passed."""
     failures = []

@@ -1,5 +1,5 @@
-"""The engine offline under W-nano (BENCHMARKS.md): the workload, its physical floor, the engine
-built at W-nano's settings from a written checkpoint (random weights at the real shape), one
+"""The engine offline under W-nano (docs/benchmarks.md): the workload, its physical floor, the
+engine built at W-nano's settings from a written checkpoint (random weights at the real shape), one
 timed pass, and a lone request's inter-token latency. `throughput.py` reports them; the other
 benchmarks and the GPU tests build on them.
 
@@ -51,7 +51,8 @@ class Workload:
 
 
 def w_nano(num_requests: int = 256) -> Workload:
-    """256 random prompts of 100..1024 tokens, outputs of 100..1024, as BENCHMARKS.md draws them."""
+    """256 random prompts of 100..1024 tokens, outputs of 100..1024, as docs/benchmarks.md draws
+    them."""
     random.seed(0)
     prompts = [
         [random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
@@ -193,7 +194,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     # specialisation it has not compiled. Triton specialises integer arguments (== 1, % 16),
     # and the mixed steps of a full run meet specialisations that a short warm-up does not: in
     # a fresh process with an empty Triton cache they compiled inside the timed run and cost
-    # Qwen3 2.3 s of 8.5 s (runs 1-8 below were measured that way).
+    # Qwen3 2.3 s of 8.5 s.
     for i, (prompt, sampling) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"warm-{i}", prompt, sampling)
     while engine.has_work():

@@ -1,4 +1,4 @@
-"""Operator scale on the local control plane (BENCHMARKS.md, "Operator scale").
+"""Operator scale on the local control plane (docs/benchmarks.md, "Operator scale").
 
 For each N: apply N LLMServers at once and time until every Deployment is Available (KWOK makes
 the pods Ready); then let the operator resync twice with nothing to change and count the API

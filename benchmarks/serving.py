@@ -1,5 +1,6 @@
-"""W-chat online serving (BENCHMARKS.md): streaming completions over HTTP from client processes,
-beside the same requests at the same concurrency through the offline engine in the same run.
+"""W-chat online serving (docs/benchmarks.md): streaming completions over HTTP from client
+processes, beside the same requests at the same concurrency through the offline engine in the same
+run.
 
 The server (`pagekeeper_engine.cli serve`, random weights at the real shape) runs as a
 subprocess, or `--url` names one already running. Each `--concurrency` level keeps C streams in

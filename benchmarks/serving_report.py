@@ -138,7 +138,7 @@ def decode_step_time(steps: Sequence[StepSample], concurrency: int) -> tuple[flo
 
 
 def compare(online: dict[str, Any], offline: dict[str, Any]) -> dict[str, float | None]:
-    """The level's two targets (BENCHMARKS.md): online / offline output tokens per second
+    """The level's two targets (docs/benchmarks.md): online / offline output tokens per second
     (goal >= 0.85), and ITL p50 / the offline decode step at that batch (goal <= 1.5)."""
     itl, step = online["itl_ms"]["p50"], offline["decode_step_ms"]
     return {

@@ -1,8 +1,8 @@
-"""W-chat (BENCHMARKS.md), its pure parts: each level's seeded requests, the engine settings the
-server and the offline engine share, each client process's share of a level, and what a client
-records of one stream. The summary, the /metrics figures, the offline decode-step selection and
-the printed lines and table are `serving_report.py`. No I/O, no torch: `benchmarks/serving.py`
-does the rest.
+"""W-chat (docs/benchmarks.md), its pure parts: each level's seeded requests, the engine settings
+the server and the offline engine share, each client process's share of a level, and what a client
+records of one stream. The summary, the /metrics figures, the offline decode-step selection and the
+printed lines and table are `serving_report.py`. No I/O, no torch: `benchmarks/serving.py` does the
+rest.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model shapes the benchmarks run at: each a Hugging Face `config.json` as a dict.
 
 With `--load-format dummy` the engine builds random weights at exactly this shape, which costs
-what real weights cost (BENCHMARKS.md).
+what real weights cost (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Where a decode step's time goes (docs/benchmarks.md, runs 20-21): W-nano's step intervals by
-the number of running requests, then the kernels of decode steps at chosen batch sizes.
+"""Where a decode step's time goes (docs/benchmarks-archive.md, "where a decode step's time goes"):
+W-nano's step intervals by the number of running requests, then the kernels of decode steps at
+chosen batch sizes.
 
 With asynchronous scheduling a step's interval (from one `step()` return to the next) is its
 device time wherever the device is the bottleneck, so the intervals split W-nano's wall time by

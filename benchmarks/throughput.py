@@ -1,4 +1,4 @@
-"""W-nano offline throughput (see BENCHMARKS.md) of the engine, beside its physical floor and
+"""W-nano offline throughput (see docs/benchmarks.md) of the engine, beside its physical floor and
 the Hugging Face transformers continuous-batching peer, on the same GPU in the same run.
 
 Weights are random at the real shape (`--load-format dummy` from a written config.json); the
@@ -52,7 +52,7 @@ LONG_ITL_PROMPT_TOKENS = 1700
 
 
 def run_peer(shape: str, work: Workload, time_limit: float) -> dict[str, Any]:
-    """HF transformers continuous batching, configured as BENCHMARKS.md prescribes."""
+    """HF transformers continuous batching, configured as docs/benchmarks.md says."""
     cfg = AutoConfig.for_model(**SHAPES[shape])
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         cfg, dtype=torch.bfloat16

@@ -1,4 +1,4 @@
-"""W-tune (BENCHMARKS.md): does the memory policy tune itself? For each workload class, from a
+"""W-tune (docs/benchmarks.md): does the memory policy tune itself? For each workload class, from a
 deliberately poor policy, serve a round over HTTP, read the engine's /metrics into a metric
 window, run the operator's recommender on it and try its top recommendation as Apply mode does
 (`tune_trial`): the next round serves the candidate, the operator's rule judges it against the

@@ -1,4 +1,4 @@
-"""W-tune's pure parts (BENCHMARKS.md, W-tune): the three workload classes, their poor starting
+"""W-tune's pure parts (docs/benchmarks.md, W-tune): the three workload classes, their poor starting
 policies and grids, and a metric window from the engine's /metrics read during a round.
 
 The window is the operator's `tuning.window.MetricWindow`, so the recommender sees on the GPU

@@ -7,7 +7,7 @@ Measures, on the current GPU, with a realistic allocator state (many segments li
   daemon thread's work every 5 s; with and without the sampled allocator snapshot;
 - `scrape`: the launcher's answer to one Prometheus scrape (read every process's report, render
   the exposition), for 1 and 8 GPU processes.
-Results are medians in microseconds; docs/benchmarks.md has the figures.
+Results are medians in microseconds (docs/benchmarks-archive.md, "The vLLM exporter").
 """
 
 from __future__ import annotations

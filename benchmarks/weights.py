@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bandwidth, rate = measure_copy_bandwidth(), measure_matmul_rate()
         report["device"] = torch.cuda.get_device_name()
         report["copy_bandwidth"], report["matmul_rate"] = bandwidth, rate
-        # bf16's floor (BENCHMARKS.md): FP8 weights lower its weight term, not its KV term.
+        # bf16's floor (docs/benchmarks.md): FP8 weights lower its weight term, not its KV term.
         report["floor_s"] = physical_floor(SHAPES[args.shape], work, bandwidth, rate)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (

@@ -57,7 +57,8 @@ def test_a_tie_keeps_nccl_and_a_tie_between_the_ways_pulls() -> None:
 
 
 def test_push_for_the_small_sizes_pull_for_the_middle_and_nccl_above() -> None:
-    # run 27's 2 x H200 figures, rounded: push wins to 1 MiB, pull to 8 MiB, then NCCL
+    # 2 x H200 figures (docs/benchmarks-archive.md, "small all-reduces pushed"), rounded: push wins
+    # to 1 MiB, pull to 8 MiB, then NCCL
     measured = [
         AllReduceTiming(2**20, 16.8, 9.7, 10.8),
         AllReduceTiming(2 * 2**20, 30.1, 14.2, 14.0),

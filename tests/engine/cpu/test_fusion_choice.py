@@ -14,7 +14,7 @@ def test_the_fastest_fused_variant_is_kept() -> None:
 
 
 def test_a_near_tie_goes_to_the_fused_layer() -> None:
-    # The 8B's forwards at one start (run 33): unfused 17 us ahead, inside the margin.
+    # The 8B's forwards at one start on an H200: unfused 17 us ahead, inside the margin.
     assert decide_fusion({None: 3729e-6, FUSED: 3880e-6, PDL: 3746e-6}) == PDL
     # Exactly at the margin the fused layer stays; beyond it the unfused one is kept.
     assert decide_fusion({None: MARGIN * 1e-3, PDL: 1e-3}) == PDL

@@ -72,7 +72,7 @@ def test_a_ready_runner_holds_no_more_than_its_budget_measured(tmp_path: Path) -
     # Once ready, the caching allocator holds the weights, the KV pool and the peak activations
     # (the workspace, the sampler's rows, cuBLAS's workspaces and the graphs' pool among them),
     # nothing beside them: what start-up's kernel timing leaves allocated is in the budget
-    # (docs/benchmarks.md, run 32).
+    # (docs/benchmarks-archive.md, "what the start-up choices left outside the budget").
     runner = budgeted_runner(tmp_path, 0.3)
     assert runner.graphs is not None and runner.gemv_choices
     assert runner.memory_budget is not None
@@ -102,11 +102,11 @@ def test_a_prefill_forward_allocates_nothing_beside_its_workspace(tmp_path: Path
 
 
 def test_start_up_leaves_no_large_free_block_in_the_cache(tmp_path: Path) -> None:
-    # Dummy weights are drawn at their checkpoint size, then cut to the rank's slice. At
-    # W-burst's settings the sampler's rows were carved from a cached draw of the 8B shape, and
-    # the rest of it (689 MiB) stayed reserved where nothing could use it (docs/benchmarks.md,
-    # FP8 KV cache, run 15). One layer keeps the shape's vocabulary and hidden size; without
-    # the release after loading, the largest free block here is 401 MiB.
+    # Dummy weights are drawn at their checkpoint size, then cut to the rank's slice. At W-burst's
+    # settings the sampler's rows were carved from a cached draw of the 8B shape, and the rest of it
+    # (689 MiB) stayed reserved where nothing could use it (docs/benchmarks-archive.md,
+    # "double-buffered FP8 decode tiles"). One layer keeps the shape's vocabulary and hidden size;
+    # without the release after loading, the largest free block here is 401 MiB.
     (tmp_path / "config.json").write_text(
         json.dumps({**SHAPES["llama-3.1-8b"], "num_hidden_layers": 1})
     )

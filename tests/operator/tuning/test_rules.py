@@ -252,8 +252,8 @@ def recorded_policy(name: str) -> MemoryPolicy:
 
 
 GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
-    # W-tune on an H200 (docs/benchmarks.md, W-tune): 128 chat streams held to 16 running.
-    # Measured next: 912 -> 5,136 tok/s at 128 sequences (run 41).
+    # W-tune on an H200 (docs/benchmarks-archive.md, W-tune): 128 chat streams held to 16 running.
+    # Measured next: 912 -> 5,136 tok/s at 128 sequences.
     ("chat_round0", ("maxNumSeqs", "16", "128", "max-num-seqs-up")),
     # 128 streams at a cap of 128: reached in 8% of the window, nothing waiting. The run's grid
     # served 5,485 tok/s at 256 against 5,136 at 128 (+6.8%); caching off, tried next, -4.7%.
@@ -269,8 +269,8 @@ GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
     ("burst_round1", ("blockSize", "16", "32", "block-size-up")),
     # The last burst round: waste 3.2% at 32-token blocks, nothing held back: no change.
     ("burst_round2", None),
-    # W-tune's rounds as Apply mode runs them, on an H200 (docs/benchmarks.md, run 42), each
-    # next trial judged by the operator's rule. Chat from 16 sequences: kept, 864 -> 4,707
+    # W-tune's rounds as Apply mode runs them, on an H200 (docs/benchmarks-archive.md, W-tune),
+    # each next trial judged by the operator's rule. Chat from 16 sequences: kept, 864 -> 4,707
     # tok/s (+484%, noise 104%, p < 0.001).
     ("apply_chat_round0", ("maxNumSeqs", "16", "128", "max-num-seqs-up")),
     # At 128, reached in 19% of the window: the grid served 5,642 at 256 against 4,680 at 128
@@ -286,15 +286,15 @@ GPU_CASES: list[tuple[str, tuple[str, str, str, str] | None]] = [
     ("apply_burst_round0", ("gpuMemoryUtilization", "0.1", "0.95", "utilization-up")),
     # At 0.95 the two marginal rules, each measured a tie next (-5.5%, -6.1%).
     ("apply_burst_round1", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
-    # The chat grid served first and last to first (run 43). At 64 sequences the cap binds half
+    # The chat grid served first and last to first. At 64 sequences the cap binds half
     # the window with 43 waiting on average: raised, and 128 measured 3,216 -> 5,917 tok/s.
     ("order_chat_grid0", ("maxNumSeqs", "64", "128", "max-num-seqs-up")),
     # At 128, reached in 11% of the window: the one pair of all measured where 256 lost (4,747,
     # served first, against this window's 5,917; -18.4% by the trial rule, rolled back).
     ("order_chat_grid1", ("maxNumSeqs", "128", "256", "max-num-seqs-headroom")),
-    # Runs 44-46's pairs, 128 then 256 (docs/benchmarks.md): at 128, reached in 10% of the
-    # window, nothing waiting; 256 next served 6,181 against 4,777 (+35.6% by the trial rule,
-    # p < 0.001: kept). 256 beat 128 in nine of nine such pairs over the steady span.
+    # The alternating pairs, 128 then 256 (docs/benchmarks-archive.md, W-tune): at 128, reached in
+    # 10% of the window, nothing waiting; 256 next served 6,181 against 4,777 (+35.6% by the trial
+    # rule, p < 0.001: kept). 256 beat 128 in nine of nine such pairs over the steady span.
     ("spread_chat_cap128", ("maxNumSeqs", "128", "256", "max-num-seqs-headroom")),
     # At 256 the same 128 streams never reach the cap: no headroom to add.
     ("spread_chat_cap256", ("enablePrefixCaching", "true", "false", "prefix-caching-off")),
@@ -319,7 +319,7 @@ def test_windows_recorded_on_a_gpu_give_the_measured_winner_first(
 
 
 def test_a_cap_the_load_never_reaches_gets_no_headroom() -> None:
-    """Run 45's window at 256 sequences for 128 streams: the cap was never reached, so no
+    """A window at 256 sequences for 128 streams: the cap was never reached, so no
     proposal touches it (the rule raises a cap only where the load meets it)."""
     name = "spread_chat_cap256"
     window = MetricWindow.from_json((GPU_FIXTURES / f"{name}.json").read_text())
