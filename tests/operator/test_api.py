@@ -24,7 +24,15 @@ from pagekeeper_operator.api.llmserver import (
     LLMServer,
 )
 from pagekeeper_operator.api.pod import ENV_RULE
-from pagekeeper_operator.api.policy import BATCHED_TOKENS_RULE, NUM_SEQS_RULE, SPLIT_SIZE_RULE
+from pagekeeper_operator.api.policy import (
+    BATCHED_TOKENS_RULE,
+    KV_OFFLOAD_BACKEND_RULE,
+    KV_OFFLOAD_PREFIX_RULE,
+    KV_OFFLOAD_SIZE_RULE,
+    NUM_SEQS_RULE,
+    SPLIT_SIZE_RULE,
+    KVOffloadPolicy,
+)
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from tests.operator.servers import make_server, server_body
@@ -151,6 +159,16 @@ def _error_messages(spec: dict[str, Any]) -> str:
             CANARY_CAPACITY_RULE["message"],
         ),
         ({"replicas": 2, "tuning": {"mode": "Apply"}}, APPLY_RULE["message"]),
+        ({"memoryPolicy": {"kvOffload": {"size": "0"}}}, KV_OFFLOAD_SIZE_RULE["message"]),
+        ({"memoryPolicy": {"kvOffload": {"size": "0Gi"}}}, KV_OFFLOAD_SIZE_RULE["message"]),
+        (
+            {"memoryPolicy": {"enablePrefixCaching": False, "kvOffload": {"size": "8Gi"}}},
+            KV_OFFLOAD_PREFIX_RULE["message"],
+        ),
+        (
+            {"memoryPolicy": {"kvOffload": {"size": "8Gi", "backend": "lmcache"}}},
+            KV_OFFLOAD_BACKEND_RULE["message"],
+        ),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
@@ -187,6 +205,13 @@ def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], mes
         ),
         ({"tuning": {"windowSeconds": -5}}, "spec.tuning.windowSeconds"),
         ({"tuning": {"mode": "Auto"}}, "spec.tuning.mode"),
+        ({"memoryPolicy": {"kvOffload": {"size": "lots"}}}, "spec.memoryPolicy.kvOffload.size"),
+        ({"memoryPolicy": {"kvOffload": {"size": "-1Gi"}}}, "spec.memoryPolicy.kvOffload.size"),
+        ({"memoryPolicy": {"kvOffload": {}}}, "spec.memoryPolicy.kvOffload.size"),
+        (
+            {"memoryPolicy": {"kvOffload": {"size": "1Gi", "backend": "disk"}}},
+            "spec.memoryPolicy.kvOffload.backend",
+        ),
     ],
 )
 def test_single_field_bounds_name_the_field(spec: dict[str, Any], field: str) -> None:
@@ -241,6 +266,49 @@ def test_rules_allow_what_they_should() -> None:
     assert autoscaled.spec.is_autoscaled and not make_server().spec.is_autoscaled
     only_running = {"kvCacheUsage": 0, "waitingRequests": 0, "runningRequests": 8}
     make_server({"autoscaling": {"maxReplicas": 1, "targets": only_running}})
+
+
+def test_kv_offload_is_unset_by_default_and_kept_as_written() -> None:
+    assert make_server().spec.memory_policy.kv_offload is None
+    policy = make_server({"memoryPolicy": {"kvOffload": {"size": "32Gi"}}}).spec.memory_policy
+    assert policy.to_api()["kvOffload"] == {"size": "32Gi", "backend": "native"}
+    # An int in YAML is bytes, kept as its text.
+    tier = make_server({"memoryPolicy": {"kvOffload": {"size": 2**31}}}).spec.memory_policy
+    assert tier.kv_offload is not None and tier.kv_offload.size == "2147483648"
+    assert tier.kv_offload.size_bytes == 2**31
+
+
+def test_kv_offload_and_swap_may_both_be_set_on_the_paged_engine() -> None:
+    """Separate host pools: the tier keeps prefixes, swap keeps preempted sequences."""
+    both = {"swapSpaceGiB": 4, "kvOffload": {"size": "16Gi"}}
+    policy = make_server({"memoryPolicy": both}).spec.memory_policy
+    assert (policy.swap_space_gib, policy.kv_offload) == (4.0, KVOffloadPolicy(size="16Gi"))
+    # Under vllm the tier may use either backend; swap stays 0 there (SWAP_RULE).
+    for backend in ("native", "lmcache"):
+        tier = {"kvOffload": {"size": "16Gi", "backend": backend}}
+        vllm = make_server({"runtime": "vllm", "memoryPolicy": tier}).spec.memory_policy
+        assert vllm.kv_offload is not None and vllm.kv_offload.backend == backend
+
+
+@pytest.mark.parametrize(
+    ("size", "gib"),
+    [
+        ("32Gi", "32"),
+        ("1536Mi", "1.5"),
+        ("1Ti", "1024"),
+        ("1Mi", "0.0009765625"),
+        ("1G", "0.931322574615478515625"),
+        ("1", "0.000000000931322574615478515625"),
+        ("1.5Gi", "1.5"),
+        ("100Gi", "100"),
+        (str(3 * 2**40 + 1), "3072.000000000931322574615478515625"),
+    ],
+)
+def test_the_tier_size_renders_in_exact_gib(size: str, gib: str) -> None:
+    """The text is the exact quotient: a float parse of it times 2**30 gives the bytes back."""
+    tier = KVOffloadPolicy(size=size)
+    assert tier.size_gib_text == gib
+    assert float(gib) * 2**30 == tier.size_bytes
 
 
 def test_autoscaling_defaults() -> None:

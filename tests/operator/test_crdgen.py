@@ -31,6 +31,9 @@ from pagekeeper_operator.api.policy import (
     BATCHED_TOKENS_RULE,
     BUDGETS_RULE,
     KV_CACHE_MEMORY_RULE,
+    KV_OFFLOAD_BACKEND_RULE,
+    KV_OFFLOAD_PREFIX_RULE,
+    KV_OFFLOAD_SIZE_RULE,
     NUM_SEQS_RULE,
     SPLIT_SIZE_RULE,
 )
@@ -211,6 +214,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
     allocator = policy["properties"]["allocator"]
     assert spec["x-kubernetes-validations"] == [
         SWAP_RULE,
+        KV_OFFLOAD_BACKEND_RULE,
         BLOCK_SIZE_RULE,
         ADAPTIVE_FLOOR_RULE,
         OFFLOAD_MEMORY_RULE,
@@ -230,7 +234,10 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         NUM_SEQS_RULE,
         BUDGETS_RULE,
         KV_CACHE_MEMORY_RULE,
+        KV_OFFLOAD_PREFIX_RULE,
     ]
+    kv_offload = policy["properties"]["kvOffload"]
+    assert kv_offload["x-kubernetes-validations"] == [KV_OFFLOAD_SIZE_RULE]
     assert allocator["x-kubernetes-validations"] == [SPLIT_SIZE_RULE]
     autoscaling = spec["properties"]["autoscaling"]
     assert autoscaling["x-kubernetes-validations"] == [MIN_MAX_RULE]
@@ -244,7 +251,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 24 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
+    assert len(rules) == 27 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

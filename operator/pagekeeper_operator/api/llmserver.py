@@ -14,7 +14,11 @@ from pagekeeper_operator.api.autoscaling import AutoscalingSpec
 from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
-from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, MemoryPolicy
+from pagekeeper_operator.api.policy import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KV_OFFLOAD_BACKEND_RULE,
+    MemoryPolicy,
+)
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.rollout import RolloutSpec
 from pagekeeper_operator.api.runtime import (
@@ -153,6 +157,7 @@ class LLMServerSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra=validations(
             SWAP_RULE,
+            KV_OFFLOAD_BACKEND_RULE,
             BLOCK_SIZE_RULE,
             ADAPTIVE_FLOOR_RULE,
             OFFLOAD_MEMORY_RULE,
@@ -305,6 +310,9 @@ class LLMServerSpec(ApiModel):
         policy, remediation = self.memory_policy, self.remediation
         if self.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
             raise ValueError(SWAP_RULE["message"])
+        violation = policy.runtime_violation(self.runtime)
+        if violation is not None:
+            raise ValueError(violation)
         if (info.context or {}).get(STORED_CONTEXT):
             # The API server enforces the rules below on every write. An object it stored under
             # an earlier schema may break them; it is still reconciled as written (alerts follow

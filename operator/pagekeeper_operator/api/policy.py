@@ -6,6 +6,7 @@ Each field maps one-to-one onto an engine flag (or, for `allocator`, onto
 
 from __future__ import annotations
 
+from decimal import Decimal, localcontext
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -39,6 +40,26 @@ KV_CACHE_MEMORY_RULE = cel(
     "!has(self.kvCacheMemory) || quantity(string(self.kvCacheMemory)).isGreaterThan(quantity('0'))",
     "spec.memoryPolicy.kvCacheMemory must be above 0 (bytes of KV cache per GPU)",
     ".kvCacheMemory",
+)
+KV_OFFLOAD_SIZE_RULE = cel(
+    "quantity(string(self.size)).isGreaterThan(quantity('0'))",
+    "spec.memoryPolicy.kvOffload.size must be above 0 (host memory of the KV tier per pod; "
+    "leave kvOffload unset for no tier)",
+    ".size",
+)
+KV_OFFLOAD_PREFIX_RULE = cel(
+    "!has(self.kvOffload) || self.enablePrefixCaching",
+    "spec.memoryPolicy.kvOffload needs enablePrefixCaching true (the host KV tier holds blocks "
+    "the prefix cache evicts; without prefix caching nothing could be found there again)",
+    ".kvOffload",
+)
+# A spec-level rule (it reads spec.runtime); LLMServerSpec carries it.
+KV_OFFLOAD_BACKEND_RULE = cel(
+    "self.runtime != 'pagekeeper' || !has(self.memoryPolicy.kvOffload)"
+    " || self.memoryPolicy.kvOffload.backend == 'native'",
+    "spec.memoryPolicy.kvOffload.backend must be native when spec.runtime is pagekeeper (the "
+    "paged engine has its own host tier only; lmcache is vLLM's)",
+    ".memoryPolicy.kvOffload.backend",
 )
 SPLIT_SIZE_RULE = cel(
     "!(self.expandableSegments && has(self.maxSplitSizeMb))",
@@ -112,12 +133,74 @@ class WeightsPolicy(ApiModel):
     )
 
 
+GIB = 2**30
+
+
+def gib_text(num_bytes: Decimal) -> str:
+    """Bytes as GiB in the shortest exact decimal text (32Gi -> "32", 1536Mi -> "1.5").
+
+    Exact for every quantity: a quantity is a decimal fraction, and dividing one by 2**30
+    terminates within 30 more digits, which the context's precision holds.
+    """
+    with localcontext() as context:
+        context.prec = 80
+        gib = (num_bytes / GIB).normalize()  # normalize rounds to the context's precision too
+    return format(gib, "f")
+
+
+KVOffloadBackend = Literal["native", "lmcache"]
+
+
+class KVOffloadPolicy(ApiModel):
+    """A second tier of the prefix cache in the pod's host memory."""
+
+    model_config = ConfigDict(json_schema_extra=validations(KV_OFFLOAD_SIZE_RULE))
+
+    size: Quantity = Field(
+        description=(
+            "--kv-offloading-size (rendered in GiB): host memory of the KV tier per pod, total "
+            "over the tensor-parallel ranks (each rank holds its shard of every block), e.g. "
+            "32Gi. Size it to the reusable prefixes the GPU cannot keep (sessions x context x "
+            "KV bytes per token) and within what the node can spare: the memory plan adds it to "
+            "the pod's memory request and limit, and PolicyFits is False when no candidate "
+            "node's allocatable memory holds the pod."
+        ),
+    )
+    backend: KVOffloadBackend = Field(
+        default="native",
+        description=(
+            "--kv-offloading-backend: native (the engine's own tier; the only one of runtime "
+            "pagekeeper) or lmcache (vLLM's LMCache connector, runtime vllm only; the image "
+            "must have LMCache installed)."
+        ),
+    )
+
+    @property
+    def size_bytes(self) -> int:
+        return int(quantity_value(self.size))
+
+    @property
+    def size_gib_text(self) -> str:
+        """The flag's value: the size in GiB, exact."""
+        return gib_text(quantity_value(self.size))
+
+    @model_validator(mode="after")
+    def _check_size(self) -> KVOffloadPolicy:
+        if quantity_value(self.size) <= 0:
+            raise ValueError(KV_OFFLOAD_SIZE_RULE["message"])
+        return self
+
+
 class MemoryPolicy(ApiModel):
     """How the engine may use GPU memory; each field is one engine flag of the same name."""
 
     model_config = ConfigDict(
         json_schema_extra=validations(
-            BATCHED_TOKENS_RULE, NUM_SEQS_RULE, BUDGETS_RULE, KV_CACHE_MEMORY_RULE
+            BATCHED_TOKENS_RULE,
+            NUM_SEQS_RULE,
+            BUDGETS_RULE,
+            KV_CACHE_MEMORY_RULE,
+            KV_OFFLOAD_PREFIX_RULE,
         )
     )
 
@@ -209,6 +292,17 @@ class MemoryPolicy(ApiModel):
             "Runtime pagekeeper only; not passed to vllm."
         ),
     )
+    kv_offload: KVOffloadPolicy | None = Field(
+        default=None,
+        description=(
+            "A host-memory tier of the prefix cache: KV blocks the GPU evicts are kept in "
+            "pinned host memory and loaded back on a later prefix hit instead of recomputed. "
+            "Use it for multi-turn chats and agents whose reusable prefixes outgrow the GPU's "
+            "KV cache; it does nothing for unique single-shot prompts. Needs "
+            "enablePrefixCaching. Independent of swapSpaceGiB (a separate host pool for "
+            "preempted sequences; both count in the pod's memory). Unset: no tier."
+        ),
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         default="auto",
         description=(
@@ -263,4 +357,13 @@ class MemoryPolicy(ApiModel):
             raise ValueError(BATCHED_TOKENS_RULE["message"])
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(NUM_SEQS_RULE["message"])
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            raise ValueError(KV_OFFLOAD_PREFIX_RULE["message"])
         return self
+
+    def runtime_violation(self, runtime: str) -> str | None:
+        """The message of the policy rule `runtime` breaks, if any (KV_OFFLOAD_BACKEND_RULE)."""
+        tier = self.kv_offload
+        if runtime == "pagekeeper" and tier is not None and tier.backend != "native":
+            return KV_OFFLOAD_BACKEND_RULE["message"]
+        return None
