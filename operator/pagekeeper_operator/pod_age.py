@@ -147,6 +147,8 @@ def decide_age(ages: ServerAges, now: datetime) -> AgeDecision:
         )
         return wait(HoldReason.MAX_UNAVAILABLE, why)
     message = f"replacing {what}"
+    # What serves once it is gone: the oldest of the others, and the next of them due.
+    oldest = min((p.created_at for p in by_due[1:]), default=None)
     return AgeDecision(
         AgeVerdict.REPLACE, pod, due, None, message, oldest, min(later, default=None)
     )

@@ -314,3 +314,15 @@ def test_status_after_a_replacement_a_wait_and_a_refusal() -> None:
         "a budget said no",
     )
     assert lifecycle_status(status, decide_age(ages(max_age=None), now)) is None
+
+
+def test_a_replacement_reports_the_oldest_of_the_pods_that_stay() -> None:
+    pods = (
+        pod("uid-a", created_at=CREATED - timedelta(hours=2)),
+        pod("uid-b", created_at=CREATED + timedelta(hours=1)),
+        pod("uid-c", created_at=CREATED + timedelta(hours=3)),
+    )
+    decision = decide_age(ages(pods=pods), CREATED + DAY)
+    assert decision.verdict is AgeVerdict.REPLACE
+    assert decision.pod is not None and decision.pod.name == "chat-a"
+    assert decision.oldest_created_at == CREATED + timedelta(hours=1)
