@@ -8,7 +8,9 @@ fire. Expressions select a server's series by the `namespace` and
 `llmserver` labels. Scrapes must carry `namespace`, `pod`
 and `llmserver` (the ServiceMonitor relabels the pod label `pagekeeper.dev/llmserver` to
 `llmserver`); each expression aggregates `by (namespace, pod, llmserver)`, so every alert names
-exactly one pod, which is what the remediation webhook acts on.
+exactly one pod, which is what the remediation webhook acts on. The host-memory alert reads
+the cluster's own series (cAdvisor, kube-state-metrics), which carry `namespace`, `pod` and
+`container` but not `llmserver`: it takes that label from the pod's scrape target (`up`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import Any
 import yaml
 
 from pagekeeper_operator.api.remediation import RemediationSpec
-from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY, TRIGGERS, Runtime
+from pagekeeper_operator.api.runtime import CLUSTER_SERIES, TRIGGER_BY_KEY, TRIGGERS, Runtime
 from pagekeeper_operator.api.types import quantity_value
 from pagekeeper_operator.triggers import is_active
 
 # The engine metrics these alerts read; a contract test checks the engine exports each one.
 ENGINE_METRICS_USED: tuple[str, ...] = tuple(
-    dict.fromkeys(name for trigger in TRIGGERS for name in trigger.series)
+    dict.fromkeys(
+        name for trigger in TRIGGERS for name in trigger.series if name not in CLUSTER_SERIES
+    )
 )
 
 ALERT_FRAGMENTATION = TRIGGER_BY_KEY["fragmentation"].alert
@@ -34,6 +38,8 @@ ALERT_KV_CACHE_SATURATED = TRIGGER_BY_KEY["kvCacheSaturation"].alert
 ALERT_QUEUE_BACKLOG = TRIGGER_BY_KEY["queueBacklog"].alert
 ALERT_ENGINE_STALLED = TRIGGER_BY_KEY["engineStalled"].alert
 ALERT_OOM_EVENTS = TRIGGER_BY_KEY["oomEvents"].alert
+ALERT_HOST_MEMORY = TRIGGER_BY_KEY["hostMemory"].alert
+ALERT_KV_OFFLOAD_OVER_CAPACITY = TRIGGER_BY_KEY["kvOffloadOverCapacity"].alert
 ALERT_NAMES: tuple[str, ...] = tuple(trigger.alert for trigger in TRIGGERS)
 
 # Alertmanager routes alerts carrying this label (value "true") to the operator's webhook.
@@ -41,6 +47,9 @@ REMEDIATE_LABEL = "pagekeeper_remediate"
 RUNBOOK_BASE = "docs/runbook.md"
 # The window over which OOM-event increases are counted; the alert stays firing this long.
 OOM_WINDOW = "5m"
+# The engine's container in the pod (`render.meta.ENGINE_CONTAINER`, which imports this package's
+# renderer, so the name is pinned by tests/operator/test_alerts_render.py instead of imported).
+ENGINE_CONTAINER = "engine"
 # Range selectors need a positive window; shorter stall windows are read as this one.
 MIN_STALL_WINDOW = "1m"
 
@@ -232,7 +241,60 @@ def render_alert_rules(
                 runbook_base,
             )
         )
+
+    host = triggers.host_memory
+    if active("hostMemory"):
+        rules.append(
+            _rule(
+                ALERT_HOST_MEMORY,
+                f"{_working_set_ratio(namespace, sel)} > {host.threshold}",
+                host.for_,
+                "critical",
+                remediation,
+                f"Engine container memory near its limit on {pod}",
+                "The engine container's memory working set is {{ $value | humanizePercentage }} "
+                f"of its memory limit (threshold {host.threshold}) for {host.for_}; at the "
+                "limit the kernel kills it (OOMKilled).",
+                runbook_base,
+            )
+        )
+
+    over = triggers.kv_offload_over_capacity
+    if active("kvOffloadOverCapacity"):
+        used = f"sum {_BY} (pagekeeper_kv_offload_bytes_used{sel})"
+        capacity = f"sum {_BY} (pagekeeper_kv_offload_bytes_capacity{sel})"
+        rules.append(
+            _rule(
+                ALERT_KV_OFFLOAD_OVER_CAPACITY,
+                f"{used}\n> {_ON}\n{capacity}",
+                over.for_,
+                "critical",
+                remediation,
+                f"Host KV tier above its capacity on {pod}",
+                # A full tier is an LRU cache's steady state, so fullness alone is not alarmed
+                # on; holding more than its capacity breaks the bound the pod's memory limit was
+                # sized on, and the container is on its way to an OOM kill.
+                "The host KV tier holds {{ $value | humanize1024 }}B, more than its capacity, "
+                f"for {over.for_}: the tier's bound, which the pod's memory limit counts on, "
+                "does not hold.",
+                runbook_base,
+            )
+        )
     return rules
+
+
+def _working_set_ratio(namespace: str, server_sel: str) -> str:
+    """The engine container's working set over its memory limit, per pod, labelled with the
+    pod's `llmserver` from its scrape target (`group` is 1 per pod, whatever its endpoints)."""
+    container = f'{{namespace="{namespace}", container="{ENGINE_CONTAINER}"}}'
+    limit = f'{{namespace="{namespace}", container="{ENGINE_CONTAINER}", resource="memory"}}'
+    return (
+        f"max by (namespace, pod) (container_memory_working_set_bytes{container})\n"
+        f"/ on (namespace, pod)\n"
+        f"max by (namespace, pod) (kube_pod_container_resource_limits{limit} > 0)\n"
+        f"* on (namespace, pod) group_left (llmserver)\n"
+        f"group by (namespace, pod, llmserver) (up{server_sel})"
+    )
 
 
 def rule_group_name(name: str, namespace: str) -> str:

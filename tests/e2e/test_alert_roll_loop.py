@@ -151,6 +151,8 @@ def check_rendered_monitoring(cluster: Cluster, namespace: str, rules: Path) -> 
     assert [r["alert"] for r in rule["spec"]["groups"][0]["rules"]] == [
         ALERT,
         "PagekeeperOOMEvents",
+        "PagekeeperHostMemoryNearLimit",
+        "PagekeeperKVOffloadOverCapacity",
     ]
     monitor = custom.get_namespaced_custom_object(
         "monitoring.coreos.com", "v1", namespace, "servicemonitors", "loop"

@@ -10,6 +10,7 @@ import yaml
 
 from pagekeeper_operator.alerts import (
     ALERT_NAMES,
+    ENGINE_CONTAINER,
     ENGINE_METRICS_USED,
     duration_seconds,
     quantity_bytes,
@@ -18,7 +19,8 @@ from pagekeeper_operator.alerts import (
     render_rules_file,
 )
 from pagekeeper_operator.api.remediation import RemediationSpec
-from pagekeeper_operator.api.runtime import TRIGGERS
+from pagekeeper_operator.api.runtime import CLUSTER_SERIES, TRIGGERS
+from pagekeeper_operator.render.meta import CONTAINER_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 SEL = '{namespace="prod", llmserver="chat"}'
@@ -63,6 +65,24 @@ def test_default_rules_exactly() -> None:
     assert rules[3]["labels"]["severity"] == "critical"
     assert rules[4]["expr"] == f"sum {BY} (increase(pagekeeper_oom_events_total{SEL}[5m])) > 0"
     assert rules[4]["for"] == "0m"
+    assert rules[5]["expr"] == (
+        'max by (namespace, pod) (container_memory_working_set_bytes{namespace="prod", '
+        'container="engine"})\n/ on (namespace, pod)\n'
+        'max by (namespace, pod) (kube_pod_container_resource_limits{namespace="prod", '
+        'container="engine", resource="memory"} > 0)\n'
+        "* on (namespace, pod) group_left (llmserver)\n"
+        f"group by (namespace, pod, llmserver) (up{SEL}) > 0.9"
+    )
+    assert (rules[5]["for"], rules[5]["labels"]["severity"]) == ("2m", "critical")
+    assert rules[6]["expr"] == (
+        f"sum {BY} (pagekeeper_kv_offload_bytes_used{SEL})\n> on (namespace, pod, llmserver)\n"
+        f"sum {BY} (pagekeeper_kv_offload_bytes_capacity{SEL})"
+    )
+    assert (rules[6]["for"], rules[6]["labels"]["severity"]) == ("1m", "critical")
+
+
+def test_the_host_memory_alert_selects_the_engine_container() -> None:
+    assert ENGINE_CONTAINER == CONTAINER_NAME
 
 
 def test_thresholds_and_durations_come_from_the_spec() -> None:
@@ -74,6 +94,8 @@ def test_thresholds_and_durations_come_from_the_spec() -> None:
                 "queueBacklog": {"ratio": 5, "for": "10m"},
                 "engineStalled": {"for": "15m"},
                 "oomEvents": {"for": "1m"},
+                "hostMemory": {"threshold": 0.8, "for": "30s"},
+                "kvOffloadOverCapacity": {"for": "5m"},
             }
         }
     )
@@ -88,6 +110,9 @@ def test_thresholds_and_durations_come_from_the_spec() -> None:
     assert rules["PagekeeperEngineStalled"]["expr"].count("[15m]") == 2
     assert "offset 15m" in rules["PagekeeperEngineStalled"]["expr"]
     assert rules["PagekeeperOOMEvents"]["for"] == "1m"
+    assert rules["PagekeeperHostMemoryNearLimit"]["expr"].endswith(") > 0.8")
+    assert rules["PagekeeperHostMemoryNearLimit"]["for"] == "30s"
+    assert rules["PagekeeperKVOffloadOverCapacity"]["for"] == "5m"
 
 
 def test_stall_window_has_a_minimum() -> None:
@@ -116,6 +141,8 @@ def test_disabled_triggers_and_remediation() -> None:
                     "queueBacklog",
                     "engineStalled",
                     "oomEvents",
+                    "hostMemory",
+                    "kvOffloadOverCapacity",
                 )
             }
         }
@@ -179,7 +206,7 @@ def test_rules_file_round_trips() -> None:
 
 
 def _series_read(expr: str) -> set[str]:
-    return set(re.findall(r"\b((?:vllm:|pagekeeper_)[a-z_:]+)\{", expr))
+    return set(re.findall(r"\b([a-z_:][a-z0-9_:]*)\{", expr))
 
 
 def test_each_alert_reads_exactly_the_series_its_trigger_lists() -> None:
@@ -187,12 +214,17 @@ def test_each_alert_reads_exactly_the_series_its_trigger_lists() -> None:
     assert {r["alert"]: _series_read(r["expr"]) for r in rules} == {
         t.alert: set(t.series) for t in TRIGGERS
     }
-    assert set().union(*(_series_read(r["expr"]) for r in rules)) == set(ENGINE_METRICS_USED)
+    engine_series = set().union(*(_series_read(r["expr"]) for r in rules)) - set(CLUSTER_SERIES)
+    assert engine_series == set(ENGINE_METRICS_USED)
+    assert "pagekeeper_kv_offload_bytes_used" in ENGINE_METRICS_USED
 
 
-def test_vllm_gets_every_alert_through_pagekeepers_plugin() -> None:
+def test_vllm_gets_every_alert_but_the_host_tiers_through_pagekeepers_plugin() -> None:
+    # vLLM's own offloading exports no tier series; the container's memory is the cluster's.
     pagekeeper = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
-    assert render_alert_rules("chat", "prod", RemediationSpec(), "vllm") == pagekeeper
+    assert render_alert_rules("chat", "prod", RemediationSpec(), "vllm") == [
+        r for r in pagekeeper if r["alert"] != "PagekeeperKVOffloadOverCapacity"
+    ]
 
 
 def test_vllm_without_the_plugin_gets_only_the_alerts_whose_series_it_exports() -> None:
@@ -201,8 +233,13 @@ def test_vllm_without_the_plugin_gets_only_the_alerts_whose_series_it_exports() 
         "PagekeeperKVCacheSaturated",
         "PagekeeperQueueBacklog",
         "PagekeeperEngineStalled",
+        "PagekeeperHostMemoryNearLimit",
     ]
-    assert all(name.startswith("vllm:") for r in rules for name in _series_read(r["expr"]))
+    assert all(
+        name.startswith("vllm:") or name in CLUSTER_SERIES
+        for r in rules
+        for name in _series_read(r["expr"])
+    )
     # The same thresholds as for the paged engine: only the missing series decide.
     pagekeeper = render_alert_rules("chat", "prod", RemediationSpec(), "pagekeeper")
     assert rules == [r for r in pagekeeper if r["alert"] in {r["alert"] for r in rules}]

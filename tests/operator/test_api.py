@@ -244,15 +244,26 @@ def test_rules_allow_what_they_should() -> None:
         {"shutdownGracePeriodSeconds": 60, "remediation": {"drainTimeoutSeconds": 60}}
     )
     assert grace.spec.remediation.drain_timeout_seconds == 60
-    # pagekeeper's vLLM plugin feeds every trigger under either runtime.
-    on = {"fragmentation": {"enabled": True}, "oomEvents": {"enabled": True}}
+    # pagekeeper's vLLM plugin feeds every trigger under either runtime but the host tier's,
+    # and the cluster feeds the host-memory one.
+    on = {
+        "fragmentation": {"enabled": True},
+        "oomEvents": {"enabled": True},
+        "hostMemory": {"enabled": True},
+    }
     make_server({"remediation": {"triggers": on}})
     make_server({"runtime": "vllm", "remediation": {"triggers": on}})
+    tier_alert = {"kvOffloadOverCapacity": {"enabled": True}}
+    make_server({"remediation": {"triggers": tier_alert}})
+    with pytest.raises(ValueError, match=r"kvOffloadOverCapacity\.enabled must not be true"):
+        make_server({"runtime": "vllm", "remediation": {"triggers": tier_alert}})
     # A literal PYTHONPATH under vllm is kept behind the plugin's.
     make_server(
         {"runtime": "vllm", "podTemplate": {"env": [{"name": "PYTHONPATH", "value": "/x"}]}}
     )
-    assert TRIGGER_RULES == ()
+    assert [rule["fieldPath"] for rule in TRIGGER_RULES] == [
+        ".remediation.triggers.kvOffloadOverCapacity.enabled"
+    ]
     # The GPU count follows the tensor-parallel size, given or derived; 0 is the CPU.
     assert make_server({"parallelism": {"tensor": 4}}).spec.num_gpus == 4
     tp = make_server({"parallelism": {"tensor": 4}, "resources": {"gpus": 4}})

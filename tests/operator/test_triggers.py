@@ -28,9 +28,36 @@ def test_pagekeeper_runtime_feeds_every_trigger() -> None:
     ]
 
 
-def test_vllm_with_the_plugin_feeds_every_trigger() -> None:
-    assert all(not missing_series("vllm", t) for t in TRIGGERS)
-    assert _status("vllm") == _status("pagekeeper")
+def test_vllm_with_the_plugin_feeds_every_trigger_but_the_host_tiers() -> None:
+    assert [t.key for t in TRIGGERS if missing_series("vllm", t)] == ["kvOffloadOverCapacity"]
+    pagekeeper, vllm = _status("pagekeeper"), _status("vllm")
+    assert vllm[:-1] == pagekeeper[:-1]
+    assert vllm[-1] == {
+        "name": "kvOffloadOverCapacity",
+        "alert": "PagekeeperKVOffloadOverCapacity",
+        "active": False,
+        "reason": "SeriesNotExported",
+        "message": "runtime vllm does not export pagekeeper_kv_offload_bytes_used, "
+        "pagekeeper_kv_offload_bytes_capacity",
+    }
+
+
+def test_the_host_memory_trigger_reads_the_clusters_series_under_both_runtimes() -> None:
+    for runtime in ("pagekeeper", "vllm"):
+        for has_plugin in (True, False):
+            [host] = [
+                entry.to_api()
+                for entry in trigger_status(runtime, RemediationSpec(), has_plugin=has_plugin)
+                if entry.name == "hostMemory"
+            ]
+            assert host == {
+                "name": "hostMemory",
+                "alert": "PagekeeperHostMemoryNearLimit",
+                "active": True,
+                "reason": "Active",
+                "message": "reads container_memory_working_set_bytes, "
+                "kube_pod_container_resource_limits, up",
+            }
 
 
 def test_vllm_plugins_without_pagekeeper_leaves_the_allocator_triggers_unfed() -> None:
@@ -43,6 +70,7 @@ def test_vllm_plugins_without_pagekeeper_leaves_the_allocator_triggers_unfed() -
         "kvCacheSaturation",
         "queueBacklog",
         "engineStalled",
+        "hostMemory",
     }
     assert status["fragmentation"] == {
         "name": "fragmentation",
@@ -76,4 +104,5 @@ def test_enabled_true_cannot_feed_an_alert_the_runtime_lacks() -> None:
     # VLLM_PLUGINS may leave the plugin out of a server whose spec asks for the OOM alert.
     remediation = RemediationSpec.model_validate({"triggers": {"oomEvents": {"enabled": True}}})
     status = trigger_status("vllm", remediation, has_plugin=False)
-    assert status[-1].active is False and status[-1].reason == "SeriesNotExported"
+    [oom] = [entry for entry in status if entry.name == "oomEvents"]
+    assert oom.active is False and oom.reason == "SeriesNotExported"

@@ -134,6 +134,46 @@ class OOMEventsTrigger(_Trigger):
     )
 
 
+class HostMemoryTrigger(_Trigger):
+    """The engine container's memory working set nears its memory limit: past the limit the
+    kernel kills the container (OOMKilled), with every request in flight."""
+
+    threshold: float = Field(
+        default=0.9,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "Fire when the engine container's working set (cAdvisor's "
+            "container_memory_working_set_bytes) exceeds this fraction of its memory limit "
+            "(kube-state-metrics' kube_pod_container_resource_limits). A container without a "
+            "memory limit never fires."
+        ),
+    )
+    for_: str = Field(
+        default="2m",
+        alias="for",
+        pattern=DURATION_PATTERN,
+        min_length=1,
+        description=(
+            "Prometheus duration the condition must hold before the alert fires; long enough "
+            "to pass over the page cache of a checkpoint being read at start-up."
+        ),
+    )
+
+
+class KVOffloadOverCapacityTrigger(_Trigger):
+    """The host KV tier holds more bytes than its capacity: the bound the pod's memory was
+    sized on no longer holds (a full tier is its steady state and no alarm)."""
+
+    for_: str = Field(
+        default="1m",
+        alias="for",
+        pattern=DURATION_PATTERN,
+        min_length=1,
+        description="Prometheus duration the condition must hold before the alert fires.",
+    )
+
+
 class RemediationTriggers(_Model):
     """The alerts rendered for this server, with their thresholds and durations."""
 
@@ -160,6 +200,22 @@ class RemediationTriggers(_Model):
         default_factory=OOMEventsTrigger,
         alias="oomEvents",
         description="Out-of-memory events (PagekeeperOOMEvents).",
+    )
+    host_memory: HostMemoryTrigger = Field(
+        default_factory=HostMemoryTrigger,
+        alias="hostMemory",
+        description=(
+            "The engine container's memory near its limit (PagekeeperHostMemoryNearLimit); "
+            "both runtimes, from the cluster's cAdvisor and kube-state-metrics series."
+        ),
+    )
+    kv_offload_over_capacity: KVOffloadOverCapacityTrigger = Field(
+        default_factory=KVOffloadOverCapacityTrigger,
+        alias="kvOffloadOverCapacity",
+        description=(
+            "The host KV tier above its capacity (PagekeeperKVOffloadOverCapacity); runtime "
+            "pagekeeper only."
+        ),
     )
 
     def by_key(self, key: str) -> _Trigger:

@@ -29,6 +29,15 @@ VLLM_PLUGIN_SERIES: tuple[str, ...] = (
     "pagekeeper_allocator_alloc_retries_total",
     "pagekeeper_oom_events_total",
 )
+# Series the cluster exports for every pod whatever runs in it: the kubelet's cAdvisor (the
+# container's memory working set, which the kubelet's OOM kill and eviction judge),
+# kube-state-metrics (the container's limits) and Prometheus's own `up` of each scraped target,
+# which carries the ServiceMonitor's `llmserver` label to series that lack it.
+CLUSTER_SERIES: tuple[str, ...] = (
+    "container_memory_working_set_bytes",
+    "kube_pod_container_resource_limits",
+    "up",
+)
 # The plugin's entry-point name (`pagekeeper_vllm.plugin.PLUGIN_NAME`) and the variable vLLM
 # reads to choose its plugins: unset loads all, else a comma-separated list of names to load.
 VLLM_PLUGIN_NAME = "pagekeeper"
@@ -69,6 +78,12 @@ TRIGGERS: tuple[Trigger, ...] = (
         ("vllm:num_requests_waiting", "vllm:request_success_total"),
     ),
     Trigger("oomEvents", "PagekeeperOOMEvents", ("pagekeeper_oom_events_total",)),
+    Trigger("hostMemory", "PagekeeperHostMemoryNearLimit", CLUSTER_SERIES),
+    Trigger(
+        "kvOffloadOverCapacity",
+        "PagekeeperKVOffloadOverCapacity",
+        ("pagekeeper_kv_offload_bytes_used", "pagekeeper_kv_offload_bytes_capacity"),
+    ),
 )
 TRIGGER_BY_KEY: dict[str, Trigger] = {trigger.key: trigger for trigger in TRIGGERS}
 TRIGGER_BY_ALERT: dict[str, Trigger] = {trigger.alert: trigger for trigger in TRIGGERS}
@@ -77,6 +92,8 @@ TRIGGER_BY_ALERT: dict[str, Trigger] = {trigger.alert: trigger for trigger in TR
 def exports(runtime: Runtime, name: str, *, has_plugin: bool = True) -> bool:
     """Whether pods of `runtime` export the series `name`; `has_plugin`: under vllm, whether
     pagekeeper's plugin runs in vLLM's processes."""
+    if name in CLUSTER_SERIES:
+        return True
     if name.startswith(RUNTIME_METRIC_PREFIXES[runtime]):
         return True
     return runtime == "vllm" and has_plugin and name in VLLM_PLUGIN_SERIES
