@@ -41,12 +41,23 @@ class IgnoredField:
     effect: str = "ignores"  # what a version before `honored_from` does with it
 
 
+# vLLM's parser has --kv-offloading-size and --kv-offloading-backend from 0.11.1 (its
+# arg_utils.py; 0.11.0's parser refuses them, 0.33.0's takes them: tests/vllm/test_real_vllm.py).
+# Before it the flags are left out of the command, so the pod starts without the tier.
+KV_OFFLOAD_FROM: Version = (0, 11, 1)
 IGNORED_FIELDS: tuple[IgnoredField, ...] = (
     IgnoredField(
         "spec.memoryPolicy.enableChunkedPrefill: false",
         lambda policy: not policy.enable_chunked_prefill,
         (0, 11, 1),
         "its V1 engine turns chunked prefill back on for generative models",
+    ),
+    IgnoredField(
+        "spec.memoryPolicy.kvOffload",
+        lambda policy: policy.kv_offload is not None,
+        KV_OFFLOAD_FROM,
+        "its parser has no --kv-offloading-size, so the operator leaves the flags out and the "
+        "pods run without a host KV tier",
     ),
 )
 
@@ -91,6 +102,13 @@ def image_version(image: str) -> Version | None:
     if match is None:
         return None
     return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def has_kv_offload_flags(image: str) -> bool:
+    """Whether the vLLM of `image` parses --kv-offloading-size and --kv-offloading-backend:
+    from 0.11.1, and assumed where the tag names no version (the newest have them)."""
+    version = image_version(image)
+    return version is None or version >= KV_OFFLOAD_FROM
 
 
 def _text(version: Version) -> str:

@@ -14,7 +14,7 @@ from pagekeeper_engine.config import DEFAULT_STUCK_TIMEOUT_S, build_parser, pars
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.engine import policy_flags
 from pagekeeper_vllm import launch
-from tests.operator.servers import DEFAULT_IMAGES, make_server
+from tests.operator.servers import DEFAULT_IMAGES, make_server, merge
 
 SPECS: list[dict[str, Any]] = [
     {},
@@ -159,9 +159,8 @@ def test_every_rendered_flag_is_one_the_engine_defines() -> None:
 
 def test_every_contract_row_is_rendered() -> None:
     # docs/memory-policy.md's table of fields: each memoryPolicy field maps to exactly one flag.
-    flags = policy_flags(
-        make_server({"memoryPolicy": {"maxModelLen": 4096}}).spec.memory_policy, is_pagekeeper=True
-    )
+    tier = {"maxModelLen": 4096, "kvOffload": {"size": "8Gi"}}
+    flags = policy_flags(make_server({"memoryPolicy": tier}).spec.memory_policy, is_pagekeeper=True)
     names = [f for f in flags if f.startswith("--")]
     assert names == [
         "--gpu-memory-utilization",
@@ -171,6 +170,8 @@ def test_every_contract_row_is_rendered() -> None:
         "--max-model-len",
         "--enable-chunked-prefill",
         "--enable-prefix-caching",
+        "--kv-offloading-size",
+        "--kv-offloading-backend",
         "--swap-space",
         "--prefix-cache-max-fraction",
         "--fragmentation-buffer",
@@ -267,3 +268,63 @@ def test_the_stuck_timeout_reaches_the_paged_engine_and_the_vllm_launcher(
     args = launch.build_parser().parse_args(launcher)
     assert args.stuck_timeout == (launch.DEFAULT_STUCK_TIMEOUT_S if seconds is None else expected)
     assert args.command[1:3] == ["vllm", "serve"]
+
+
+KV_OFFLOAD_FLAGS = {"--kv-offloading-size", "--kv-offloading-backend"}
+
+
+@pytest.mark.parametrize(
+    ("size", "gib"), [("32Gi", "32"), ("1536Mi", "1.5"), ("1G", "0.931322574615478515625")]
+)
+def test_the_host_tier_reaches_the_engine_in_gib(size: str, gib: str) -> None:
+    """The engine reads the size back as the spec's bytes over 2**30, exactly, with the
+    swap space beside it (a separate host pool)."""
+    spec = {"parallelism": {"tensor": 2}, "memoryPolicy": {"kvOffload": {"size": size}}}
+    command = _command(merge(spec, {"memoryPolicy": {"swapSpaceGiB": 4}}))
+    assert command[command.index("--kv-offloading-size") + 1] == gib
+    assert command[command.index("--kv-offloading-backend") + 1] == "native"
+    config = parse_args(command[2:])
+    tier = make_server(spec).spec.memory_policy.kv_offload
+    assert tier is not None
+    assert config.kv_offloading_size * 2**30 == tier.size_bytes
+    assert (config.kv_offloading_backend, config.swap_space) == ("native", 4.0)
+
+
+def test_the_host_tier_flags_are_the_engines() -> None:
+    assert KV_OFFLOAD_FLAGS <= _ENGINE_FLAGS, KV_OFFLOAD_FLAGS - _ENGINE_FLAGS
+    for action in build_parser()._actions:
+        if "--kv-offloading-backend" in action.option_strings:
+            # What the CRD allows under runtime pagekeeper (KV_OFFLOAD_BACKEND_RULE).
+            assert action.choices is not None and list(action.choices) == ["native"]
+
+
+@pytest.mark.parametrize("runtime", ["pagekeeper", "vllm"])
+def test_no_tier_renders_no_tier_flag(runtime: str) -> None:
+    """Servers that never set kvOffload keep their command (and pods) across an upgrade."""
+    assert not KV_OFFLOAD_FLAGS & set(_command({"runtime": runtime}))
+
+
+@pytest.mark.parametrize(
+    ("image", "is_rendered"),
+    [
+        ("vllm/vllm-openai:v0.11.0", False),
+        ("vllm/vllm-openai:v0.11.1", True),
+        ("vllm/vllm-openai:v0.33.0", True),
+        ("vllm/vllm-openai:latest", True),  # a tag with no version: the newest have the flags
+    ],
+)
+def test_vllm_gets_the_tier_flags_where_its_parser_has_them(image: str, is_rendered: bool) -> None:
+    """Left out before 0.11.1, whose parser would refuse them (PolicyHonored says so)."""
+    tier = {"size": "1536Mi", "backend": "lmcache"}
+    command = _command({"runtime": "vllm", "image": image, "memoryPolicy": {"kvOffload": tier}})
+    assert command[:2] == ["vllm", "serve"]
+    if is_rendered:
+        index = command.index("--kv-offloading-size")
+        assert command[index : index + 4] == [
+            "--kv-offloading-size",
+            "1.5",
+            "--kv-offloading-backend",
+            "lmcache",
+        ]
+    else:
+        assert not KV_OFFLOAD_FLAGS & set(command)

@@ -44,5 +44,8 @@ fields = [
     "tensor_parallel_size",
     "disable_custom_all_reduce",
     "api_key",
+    # vLLM 0.11.1 and later: the host KV tier
+    "kv_offloading_size",
+    "kv_offloading_backend",
 ]
-print(json.dumps({name: getattr(args, name) for name in fields}))
+print(json.dumps({name: getattr(args, name) for name in fields if hasattr(args, name)}))

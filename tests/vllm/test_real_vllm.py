@@ -18,6 +18,7 @@ import pytest
 
 from pagekeeper_operator.api.runtime import vllm_loads_plugin
 from pagekeeper_operator.render import render_deployment
+from pagekeeper_operator.vllm_compat import has_kv_offload_flags
 from pagekeeper_vllm.plugin import PLUGIN_NAME
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 from tests.support.pod_env import container_argv, container_env
@@ -102,6 +103,12 @@ SPECS: list[dict[str, Any]] = [
     },
     {
         "runtime": "vllm",
+        "parallelism": {"tensor": 2},
+        "memoryPolicy": {"kvOffload": {"size": "1536Mi"}},
+    },
+    {"runtime": "vllm", "memoryPolicy": {"kvOffload": {"size": "32Gi", "backend": "lmcache"}}},
+    {
+        "runtime": "vllm",
         "memoryPolicy": {
             "kvCacheMemory": "20Gi",
             "weights": {"quantization": "fp8", "cpuOffloadGiB": 2.5},
@@ -112,8 +119,10 @@ API_KEY = "sk-4b1d9e"
 SECRETS = {"chat-openai": {"api-key": API_KEY}}  # the key spec.apiKey names by default
 
 
-def _pod(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    server = make_server(spec)
+def _pod(spec: dict[str, Any], version: str) -> tuple[Any, dict[str, Any]]:
+    """The pod rendered for the image of vLLM `version` (what it gets depends on the version:
+    `vllm_compat`)."""
+    server = make_server({**spec, "image": f"vllm/vllm-openai:v{version}"})
     pod: dict[str, Any] = render_deployment(server, DEFAULT_IMAGES)["spec"]["template"]["spec"]
     return server, pod
 
@@ -126,7 +135,7 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     vLLM container's command, env and mount run the launcher, whose child parses the rendered
     `vllm serve` flags with vLLM's own parser (a probe in place of the `vllm` program), after the
     kubelet's expansion (spec.apiKey's `$(PAGEKEEPER_API_KEY)` from its Secret)."""
-    server, pod = _pod(spec)
+    server, pod = _pod(spec, vllm_version)
     [init] = pod["initContainers"]
     [container] = pod["containers"]
     volume = tmp_path / "pagekeeper-vllm"
@@ -163,6 +172,17 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     policy = server.spec.memory_policy
     weights = policy.weight_policy
+    # The host KV tier's flags: in the command where the version's parser has them, and read
+    # back as the spec's bytes over 2**30 with its backend.
+    tier, has_tier_flags = policy.kv_offload, has_kv_offload_flags(server.spec.image or "")
+    assert ("kv_offloading_size" in parsed) is has_tier_flags
+    assert ("--kv-offloading-size" in vllm_args) is (has_tier_flags and tier is not None)
+    if has_tier_flags:
+        size, backend = parsed.pop("kv_offloading_size"), parsed.pop("kv_offloading_backend")
+        if tier is None:
+            assert size is None
+        else:
+            assert (size * 2**30, backend) == (tier.size_bytes, tier.backend)
     if policy.kv_cache_memory_bytes is not None:
         # No utilization is rendered under a KV byte budget: vLLM keeps its own default (0.9 in
         # 0.11.0, 0.92 in 0.33.0), which it does not use then.
@@ -198,3 +218,17 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
         "api_key": [API_KEY] if server.spec.api_key is not None else None,
     }
     assert not (tmp_path / "log").exists()  # a clean exit writes no termination message
+
+
+def test_the_tier_flags_are_refused_before_0_11_1_and_parsed_after(vllm_version: str) -> None:
+    """Why the operator leaves them out for 0.11.0 (`vllm_compat.KV_OFFLOAD_FROM`): its parser
+    refuses them, and the pod would not start."""
+    flags = ["--kv-offloading-size", "1.5", "--kv-offloading-backend", "native"]
+    result = run_probe(vllm_version, "probe_parser.py", ["/models/m", *flags], clean_env())
+    if has_kv_offload_flags(f"vllm/vllm-openai:v{vllm_version}"):
+        assert result.returncode == 0, result.stderr[-4000:]
+        parsed = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (parsed["kv_offloading_size"], parsed["kv_offloading_backend"]) == (1.5, "native")
+    else:
+        assert result.returncode != 0
+        assert "unrecognized arguments: --kv-offloading-size 1.5" in result.stderr

@@ -19,7 +19,7 @@ from pagekeeper_operator.adaptive import classify_termination
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
 from pagekeeper_operator.canary import canary_pod
-from pagekeeper_operator.vllm_compat import image_version, policy_verdict
+from pagekeeper_operator.vllm_compat import has_kv_offload_flags, image_version, policy_verdict
 from pagekeeper_vllm import pipes, plugin
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line
@@ -239,6 +239,31 @@ def test_chunked_prefill_off_is_ignored_before_0_11_1() -> None:
         "Unknown",
         "RuntimeVersionUnknown",
     )
+    assert policy_verdict(MemoryPolicy(), "vllm/vllm-openai:v0.11.0")[1] == "True"
+
+
+def test_the_host_kv_tier_is_honoured_from_0_11_1() -> None:
+    """Before 0.11.1 vLLM's parser has no --kv-offloading-size: the flags are left out of the
+    command (`has_kv_offload_flags`) and PolicyHonored names the field."""
+    policy = MemoryPolicy(kv_offload={"size": "16Gi"})
+    old = policy_verdict(policy, "vllm/vllm-openai:v0.11.0")
+    assert old == (
+        "PolicyHonored",
+        "False",
+        "IgnoredByRuntime",
+        "vLLM 0.11.0 ignores spec.memoryPolicy.kvOffload (its parser has no "
+        "--kv-offloading-size, so the operator leaves the flags out and the pods run without a "
+        "host KV tier); vLLM 0.11.1 and later honour it",
+    )
+    assert not has_kv_offload_flags("vllm/vllm-openai:v0.11.0")
+    for image in ("vllm/vllm-openai:v0.11.1", "vllm/vllm-openai:v0.33.0"):
+        assert policy_verdict(policy, image)[1:3] == ("True", "AllFieldsHonored")
+        assert has_kv_offload_flags(image)
+    assert policy_verdict(policy, "vllm/vllm-openai:latest")[1:3] == (
+        "Unknown",
+        "RuntimeVersionUnknown",
+    )
+    assert has_kv_offload_flags("vllm/vllm-openai:latest")
     assert policy_verdict(MemoryPolicy(), "vllm/vllm-openai:v0.11.0")[1] == "True"
 
 

@@ -14,6 +14,7 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.effective import allocator_conf
 from pagekeeper_operator.render.meta import HTTP_PORT
 from pagekeeper_operator.render.vllm import PYTHONPATH, python_path
+from pagekeeper_operator.vllm_compat import has_kv_offload_flags
 
 ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 API_KEY_ENV = "PAGEKEEPER_API_KEY"  # from spec.apiKey's Secret; --api-key reads it
@@ -30,8 +31,11 @@ def _switch(name: str, is_on: bool) -> str:
     return f"--{name}" if is_on else f"--no-{name}"
 
 
-def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
-    """The memoryPolicy rows of the contract table, as flags."""
+def policy_flags(
+    policy: MemoryPolicy, *, is_pagekeeper: bool, has_kv_offload: bool = True
+) -> list[str]:
+    """The memoryPolicy rows of the contract table, as flags; `has_kv_offload`: whether the
+    runtime's parser has the host KV tier's flags (a vLLM before 0.11.1 does not)."""
     kv_bytes = policy.kv_cache_memory_bytes
     if kv_bytes is not None:
         flags = ["--kv-cache-memory-bytes", str(kv_bytes)]
@@ -60,6 +64,14 @@ def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
         flags += ["--quantization", weights.quantization]
     if weights.cpu_offload_gib > 0:
         flags += ["--cpu-offload-gb", _number(weights.cpu_offload_gib)]
+    tier = policy.kv_offload  # absent when unset, as above
+    if tier is not None and has_kv_offload:
+        flags += [
+            "--kv-offloading-size",
+            tier.size_gib_text,
+            "--kv-offloading-backend",
+            tier.backend,
+        ]
     if is_pagekeeper:
         # vLLM has no equivalent of these three (its V1 engine does not swap KV blocks).
         flags += [
@@ -73,8 +85,9 @@ def policy_flags(policy: MemoryPolicy, *, is_pagekeeper: bool) -> list[str]:
     return flags
 
 
-def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
-    """The container command: `pagekeeper-engine serve MODEL ...` or `vllm serve MODEL ...`."""
+def engine_command(server: LLMServer, policy: MemoryPolicy, image: str) -> list[str]:
+    """The container command: `pagekeeper-engine serve MODEL ...` or `vllm serve MODEL ...`
+    (for the vLLM version `image` names: `vllm_compat`)."""
     spec = server.spec
     is_pagekeeper = spec.runtime == "pagekeeper"
     program = "pagekeeper-engine" if is_pagekeeper else "vllm"
@@ -97,7 +110,8 @@ def engine_command(server: LLMServer, policy: MemoryPolicy) -> list[str]:
         command += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
         if not spec.parallelism.custom_all_reduce:
             command.append("--disable-custom-all-reduce")
-    command += policy_flags(policy, is_pagekeeper=is_pagekeeper)
+    has_kv_offload = is_pagekeeper or has_kv_offload_flags(image)
+    command += policy_flags(policy, is_pagekeeper=is_pagekeeper, has_kv_offload=has_kv_offload)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
         command += stuck_timeout_flags(server)

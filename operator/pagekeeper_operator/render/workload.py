@@ -109,7 +109,7 @@ def _container(server: LLMServer, image: str) -> dict[str, Any]:
         *([bundle_mount()] if is_vllm else []),
         *(mount.to_api() for mount in spec.pod_template.volume_mounts),
     ]
-    command = engine_command(server, policy)
+    command = engine_command(server, policy, image)
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if is_vllm:
         command = launcher_command(command, stuck_timeout_flags(server))
