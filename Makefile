@@ -11,7 +11,7 @@ export PAGEKEEPER_JOBS ?= $(CURDIR)/.jobs
 
 .PHONY: help venv tools tools-core lint typecheck imports crds-check test test-fast test-hog test-crash \
 	cluster cluster-down demo \
-	demo-autoscale clean \
+	demo-autoscale clean results \
 	images images-push images-test
 
 help:
@@ -21,6 +21,7 @@ help:
 	@echo "make demo     local control plane + operator + CPU engine + the alert -> roll loop"
 	@echo "make demo-autoscale   the same with autoscaling: 1 -> 3 pods under load and back"
 	@echo "make tools    build/install the test tools into $(CACHE) (skips what is there)"
+	@echo "make results  redraw docs/benchmarks.md's plots from docs/results/*.json"
 	@echo "make images   build pagekeeper-operator and pagekeeper-engine (BASES=published|debian)"
 	@echo "make images-push REGISTRY=ghcr.io/you   push them"
 
@@ -96,6 +97,11 @@ test-crash: venv tools
 	PAGEKEEPER_CRASH_FULL=1 PAGEKEEPER_CRASH_RESULTS=$(CRASH_RESULTS) \
 		$(PY) -m pytest tests/crash -q -m crash
 	$(PY) -m tests.crash.report $(CRASH_RESULTS)
+
+# docs/benchmarks.md's plots, drawn from the recorded figures (tests/benchmarks/test_results_plots.py
+# fails where a committed SVG is not what its JSON draws).
+results:
+	$(PY) -m benchmarks.results_plots
 
 cluster: venv tools
 	@bash hack/cluster.sh up pagekeeper-dev
