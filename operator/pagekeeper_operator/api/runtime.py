@@ -16,7 +16,7 @@ RUNTIMES: tuple[Runtime, ...] = ("pagekeeper", "vllm")
 # which both runtimes export; what only pagekeeper measures carries the `pagekeeper_` prefix.
 # The paged engine exports all of those; a vLLM pod exports the allocator and OOM series that
 # pagekeeper's vLLM plugin reads in its GPU processes (`pagekeeper_vllm.series.EXPORTED_SERIES`,
-# pinned by tests/vllm/test_contract.py), as long as VLLM_PLUGINS does not leave the plugin out.
+# pinned by tests/vllm/test_units.py), as long as VLLM_PLUGINS does not leave the plugin out.
 RUNTIME_METRIC_PREFIXES: dict[Runtime, tuple[str, ...]] = {
     "pagekeeper": ("vllm:", "pagekeeper_"),
     "vllm": ("vllm:",),
