@@ -51,6 +51,9 @@ class NullRunner:
     spot (`AsyncModelRunnerProtocol`)."""
 
     num_cpu_blocks = 0
+    num_host_blocks = 0
+    host_block_bytes = 0
+    kv_load_seconds = 0.0
     num_swap_ooms = 0
     allocator_monitor = None
     prefers_async_scheduling = True

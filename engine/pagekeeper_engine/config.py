@@ -19,6 +19,8 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # --quantization: the linear projections' weights; "fp8" (e4m3, per-output-channel scales),
 # quantized at load from a bf16 checkpoint or read from an FP8 one (vLLM's flag and names).
 QUANTIZATIONS = ("none", "fp8")
+# --kv-offloading-backend: vLLM's names; this engine has only its own (native) host tier.
+KV_OFFLOADING_BACKENDS = ("native",)
 # Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
 # enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
 # activations stay a small share of memory.
@@ -134,6 +136,10 @@ class EngineConfig:
     # None: the checkpoint's (config.json quantization_config), else none
     quantization: str | None = None
     cpu_offload_gb: float = 0.0
+    # The host KV tier's pinned host memory in GiB, total over the tensor-parallel ranks (each
+    # holds its shard); 0: no tier. vLLM's flag and meaning.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -328,6 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
         "without CUDA graphs. A no-op on the CPU",
     )
     add(
+        "--kv-offloading-size",
+        type=_bounded(float, 0.0, None),
+        default=0.0,
+        help="GiB of pinned host memory for a second tier of the prefix cache, total over the "
+        "tensor-parallel ranks (each rank holds its shard of every block): full blocks are "
+        "copied there as they are computed, on a side stream, and a prefix found there is "
+        "loaded back instead of recomputed. 0 (default): no host tier. Needs prefix caching",
+    )
+    add(
+        "--kv-offloading-backend",
+        choices=KV_OFFLOADING_BACKENDS,
+        default="native",
+        help="the host tier's implementation: native (the engine's own; vLLM's name for its "
+        "built-in one). vLLM also offers lmcache, which this engine does not have",
+    )
+    add(
         "--api-server-count",
         type=_bounded(int, 1, 64),
         default=1,
@@ -359,6 +381,11 @@ def parse_args(argv: list[str]) -> EngineConfig:
         parser.error(
             "argument --api-key: the key is empty or begins or ends with whitespace; no "
             "request could carry it (check the Secret's value for a trailing newline)"
+        )
+    if namespace.kv_offloading_size > 0 and not namespace.enable_prefix_caching:
+        parser.error(
+            "argument --kv-offloading-size: the host KV tier is a tier of the prefix cache; "
+            "it needs --enable-prefix-caching (drop --no-enable-prefix-caching or set 0)"
         )
     if namespace.gpu_memory_utilization is None:
         namespace.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION

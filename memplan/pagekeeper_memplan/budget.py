@@ -63,3 +63,21 @@ def kv_cache_bytes(
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks holding `num_tokens` tokens."""
     return -(-num_tokens // block_size)
+
+
+# The host KV tier's copies pass through a staging buffer on the GPU of about this many bytes
+# (whole blocks, at least one): large enough that a step's copies take a few launches, small
+# beside the KV cache. Its blocks come out of the KV cache's budget (`kv_cache_blocks`).
+KV_OFFLOAD_STAGING_BYTES = 64 * MiB
+
+
+def kv_offload_staging_blocks(bytes_per_block: int) -> int:
+    """Blocks the host tier's GPU staging buffer holds."""
+    return max(1, KV_OFFLOAD_STAGING_BYTES // bytes_per_block)
+
+
+def kv_cache_blocks(num_budget_blocks: int, bytes_per_block: int, has_host_tier: bool) -> int:
+    """The KV pool's blocks out of what the budget holds: less the host tier's staging."""
+    if not has_host_tier:
+        return num_budget_blocks
+    return num_budget_blocks - kv_offload_staging_blocks(bytes_per_block)

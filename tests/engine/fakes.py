@@ -19,6 +19,7 @@ import msgspec
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
 from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
@@ -78,11 +79,20 @@ class PagedFakeRunner:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         script: dict[str, list[int]] | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        self.num_host_blocks = num_host_blocks
+        self.host_block_bytes = 64
+        self.kv_load_seconds = 0.0
         self.gpu: list[list[int | None]] = [[None] * BS for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(num_cpu_blocks)]
+        # The host tier's blocks, and its copies as a device that runs them as late as it may:
+        # each waits until a step's fence covers it (copies of one step: loads, then stores).
+        self.host: list[list[int | None]] = [[None] * BS for _ in range(num_host_blocks)]
+        self.pending_copies: list[list[tuple[str, int, int]]] = []
+        self.num_copies_applied = 0
         self.script = script
         self.fail_next: bool | BaseException = False  # the next execute raises (this)
         self.oom_at_steps: set[int] = set()  # calls of execute (0-based) that run out of memory
@@ -123,6 +133,7 @@ class PagedFakeRunner:
         self.num_calls += 1
         if self.before_execute is not None:
             self.before_execute(call)
+        self._issue_copies(out)  # first, as the runner does: nothing before it can fail
         if self.fail_next:
             failure = self.fail_next
             self.fail_next = False
@@ -156,6 +167,26 @@ class PagedFakeRunner:
         logprobs = [None if t is None else -t / 100 for t in tokens]
         return RunnerOutput(tokens, logprobs)
 
+    def _issue_copies(self, out: SchedulerOutput) -> None:
+        """Queue the step's host-tier copies; apply those its fence waits for, oldest first."""
+        step = [("load", h, g) for h, g in out.kv_loads]
+        step += [("store", g, h) for g, h in out.kv_stores]
+        if out.kv_fence is CopyFence.PREVIOUS:
+            self._apply_copies()
+        self.pending_copies.append(step)
+        if out.kv_fence is CopyFence.ALL:
+            self._apply_copies()
+
+    def _apply_copies(self) -> None:
+        for step in self.pending_copies:
+            for kind, src, dst in step:
+                if kind == "load":
+                    self.gpu[dst] = list(self.host[src])
+                else:
+                    self.host[dst] = list(self.gpu[src])
+                self.num_copies_applied += 1
+        self.pending_copies = []
+
 
 class DoneStep:
     def __init__(self, result: RunnerOutput) -> None:
@@ -178,6 +209,7 @@ def make_engine(
     runner: PagedFakeRunner | None = None,
     async_scheduling: bool = False,
     clock: Callable[[], float] = time.perf_counter,
+    num_host_blocks: int = 0,
 ) -> tuple[LLMEngine, PagedFakeRunner]:
     config = EngineConfig(
         model="fake",
@@ -194,7 +226,7 @@ def make_engine(
         min_swap_tokens=min_swap_tokens,
     )
     if runner is None:
-        runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script)
+        runner = PagedFakeRunner(num_gpu_blocks, num_cpu_blocks, script, num_host_blocks)
     engine = LLMEngine(config, runner, CharTokenizer().eos_token_ids, sched_config, clock=clock)
     return engine, runner
 

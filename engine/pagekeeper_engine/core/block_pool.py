@@ -6,7 +6,7 @@ Pure Python; never imports torch. The model runner owns the tensors, this owns t
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 NULL_BLOCK_ID = 0
 
@@ -22,7 +22,8 @@ class BlockPool:
     - free: count 0, no hash (`_free_ids`, handed out first-in first-out).
 
     Allocation takes free blocks before evicting cached ones. `max_evictable_blocks` bounds the
-    blocks held only by the prefix cache; freeing past it evicts the oldest at once.
+    blocks held only by the prefix cache; freeing past it evicts the oldest at once. Each
+    eviction hands the hash it drops to `on_evict` (the host tier's accounting).
 
     With `reserve_null_block` the GPU pool never hands out block 0: the runner may pad block
     tables and slot mappings with it (CUDA-graph padding, dummy rows) without touching a
@@ -35,6 +36,7 @@ class BlockPool:
         *,
         reserve_null_block: bool = True,
         max_evictable_blocks: int | None = None,
+        on_evict: Callable[[bytes], None] | None = None,
     ) -> None:
         first = 1 if reserve_null_block else 0
         assert num_blocks > first, f"a pool needs at least {first + 1} blocks, got {num_blocks}"
@@ -49,6 +51,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._id_of: dict[bytes, int] = {}
         self.num_evictions = 0
+        self._on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,19 +130,22 @@ class BlockPool:
         """The block holding the full block with this chained hash, if cached."""
         return self._id_of.get(block_hash)
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Register an in-use full block under its hash.
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Register an in-use full block under its hash; whether it was registered now.
 
         When another block already holds the same contents (two sequences computed the same
         prefix at once) the first stays registered and this one stays private.
         """
         assert self._ref_counts[block_id] > 0, f"cannot cache free block {block_id}"
         if block_hash in self._id_of or block_id in self._hash_of:
-            return
+            return False
         self._id_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        return True
 
     def _forget(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id)
         del self._id_of[block_hash]
         self.num_evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(block_hash)

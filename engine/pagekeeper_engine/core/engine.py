@@ -88,6 +88,7 @@ class LLMEngine:
             scheduler_config or SchedulerConfig.from_engine_config(config, runner.limits),
             runner.num_gpu_blocks,
             runner.num_cpu_blocks,
+            runner.num_host_blocks,
         )
         self._oom = OomRecovery(self.scheduler, config.max_consecutive_ooms)
         monitor = runner.allocator_monitor
@@ -288,6 +289,8 @@ class LLMEngine:
             num_requests_success=self.num_requests_success,
             num_consecutive_failed_steps=self.num_consecutive_failed_steps,
             device_wait_seconds=self.device_wait_seconds,
+            host_block_bytes=self.runner.host_block_bytes,
+            kv_load_seconds=self.runner.kv_load_seconds,
         )
 
     def count_failed_step(self) -> None:

@@ -1,4 +1,5 @@
-"""GPU KV blocks of every sequence: allocation, prefix caching by chained block hashes, counters.
+"""GPU KV blocks of every sequence: allocation, prefix caching by chained block hashes over
+the GPU and the host tier, counters.
 
 Pure Python; never imports torch.
 """
@@ -9,8 +10,11 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagekeeper_engine.core.block_pool import BlockPool
+from pagekeeper_engine.core.host_tier import EvictedRecord, HostTier
+from pagekeeper_engine.core.kv_copies import CopyPlan
 from pagekeeper_engine.core.sequence import Sequence
 
 _ROOT_HASH = b""
@@ -29,6 +33,27 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a sequence's full blocks, block by block: the GPU block
+    holding it, or (where only the host tier does) the host block to load it from."""
+
+    gpu_ids: list[int] = field(default_factory=list)  # -1 where the host tier holds the block
+    host_ids: list[int] = field(default_factory=list)  # -1 where the GPU holds the block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.gpu_ids)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(1 for host_id in self.host_ids if host_id >= 0)
+
+    def append(self, gpu_id: int, host_id: int) -> None:
+        self.gpu_ids.append(gpu_id)
+        self.host_ids.append(host_id)
+
+
 class KVCacheManager:
     """Maps sequences to GPU blocks and shares full blocks between equal prefixes.
 
@@ -39,6 +64,15 @@ class KVCacheManager:
 
     Counters are in tokens: `num_prefix_queries` (tokens looked up at admission) and
     `num_prefix_hits` (of those, tokens found cached).
+
+    The host tier (`num_host_blocks` > 0, prefix caching on): every block registered in the GPU
+    prefix cache is also stored in host memory (written through, on a side stream: `kv_copies`),
+    so a block the GPU cache evicts stays findable there; a prefix found only there is loaded
+    back into new GPU blocks at admission (`num_prefix_host_hits` tokens). A hit on either tier
+    refreshes the host copy's place in its LRU. `num_evicted_misses` counts tokens of full
+    blocks that no tier held any more when a request asked for them again, within a record of
+    as many hashes as both tiers hold together (what a cache of twice the size could have
+    kept): the evidence for a host tier, or a larger one.
 
     With prefix caching off, `num_prefix_shadow_hits` counts the tokens a cache would have
     found: at a prompt's first admission, its longest prefix of full blocks whose chained hashes
@@ -54,15 +88,24 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool,
         prefix_cache_max_fraction: float,
+        num_host_blocks: int = 0,
     ) -> None:
         assert 0.0 <= prefix_cache_max_fraction <= 1.0, prefix_cache_max_fraction
+        assert num_host_blocks == 0 or enable_prefix_caching, "a host tier needs prefix caching"
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         usable = num_blocks - 1  # the pool reserves the null block
         max_evictable = int(prefix_cache_max_fraction * usable) if enable_prefix_caching else 0
-        self.pool = BlockPool(num_blocks, max_evictable_blocks=max_evictable)
+        self.pool = BlockPool(
+            num_blocks, max_evictable_blocks=max_evictable, on_evict=self._evicted_from_gpu
+        )
+        self.host = HostTier(num_host_blocks) if num_host_blocks > 0 else None
+        self.copies = CopyPlan()
+        self.evicted = EvictedRecord(usable + num_host_blocks if enable_prefix_caching else 0)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_host_hits = 0
+        self.num_evicted_misses = 0
         self.num_prefix_shadow_hits = 0
         self._max_shadow_hashes = usable
         self._shadow_hashes: OrderedDict[bytes, None] = OrderedDict()
@@ -75,40 +118,77 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq.token_ids`, not yet referenced."""
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest prefix of `seq.token_ids`' full blocks that either tier holds, not yet
+        referenced; never the whole prompt (its last token must be computed for logits)."""
+        hit = PrefixHit()
         if not self.enable_prefix_caching:
-            return []
+            return hit
         num_full = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, num_full)
-        block_ids = []
+        host = self.host
         for block_hash in seq.block_hashes[:num_full]:
             block_id = self.pool.lookup(block_hash)
-            if block_id is None:
+            if block_id is not None:
+                hit.append(block_id, -1)
+                continue
+            host_id = host.lookup(block_hash) if host is not None else None
+            if host_id is None:
                 break
-            block_ids.append(block_id)
-        return block_ids
+            hit.append(-1, host_id)
+        return hit
 
-    def num_blocks_to_admit(self, seq: Sequence, cached_block_ids: list[int]) -> int:
+    def num_blocks_to_admit(self, seq: Sequence, hit: PrefixHit) -> int:
         """Free blocks admitting `seq` would consume: new blocks for all of its tokens beyond
-        the cached prefix, plus cached blocks that are evictable now (they count as free)."""
-        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(cached_block_ids)
-        num_revived = sum(1 for b in cached_block_ids if self.pool.ref_count(b) == 0)
+        the GPU's cached prefix (the host tier's blocks load into new ones), plus cached blocks
+        that are evictable now (they count as free)."""
+        gpu_ids = [b for b in hit.gpu_ids if b >= 0]
+        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(gpu_ids)
+        num_revived = sum(1 for b in gpu_ids if self.pool.ref_count(b) == 0)
         return num_new + num_revived
 
-    def admit(self, seq: Sequence, cached_block_ids: list[int]) -> None:
-        """Give `seq` (holding no blocks) the cached prefix plus new blocks for all its tokens."""
+    def admit(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Give `seq` (holding no blocks) the cached prefix plus new blocks for all its tokens;
+        the host tier's blocks of the prefix load into new GPU blocks (`copies`), and `seq`
+        reads nothing before those loads are done."""
         assert not seq.block_ids, f"{seq.request_id} already holds blocks"
-        self.pool.touch(cached_block_ids)
-        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(cached_block_ids)
-        seq.block_ids = cached_block_ids + self.pool.allocate(num_new)
-        seq.num_computed_tokens = len(cached_block_ids) * self.block_size
-        seq.num_registered_blocks = len(cached_block_ids)
+        gpu_hits = [b for b in hit.gpu_ids if b >= 0]
+        self.pool.touch(gpu_hits)
+        num_new = num_blocks_for(seq.num_tokens, self.block_size) - len(gpu_hits)
+        new_ids = self._allocate(num_new)
+        block_ids = []
+        taken = 0
+        for index, (hit_id, host_id) in enumerate(zip(hit.gpu_ids, hit.host_ids, strict=True)):
+            block_hash = seq.block_hashes[index]
+            if hit_id >= 0:
+                if self.host is not None:
+                    self.host.touch(block_hash)
+                block_ids.append(hit_id)
+                continue
+            assert self.host is not None
+            gpu_id, taken = new_ids[taken], taken + 1
+            self.pool.cache_block(gpu_id, block_hash)
+            self.host.note_loaded(block_hash)
+            self.copies.load(host_id, gpu_id)
+            block_ids.append(gpu_id)
+        seq.block_ids = block_ids + new_ids[taken:]
+        self.copies.reads(seq.request_id, block_ids)
+        seq.num_computed_tokens = hit.num_blocks * self.block_size
+        seq.num_registered_blocks = hit.num_blocks
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += seq.num_computed_tokens
+            self.num_prefix_host_hits += taken * self.block_size
+            self._count_evicted_misses(seq, hit.num_blocks)
         elif not seq.block_hashes:  # hashed once: a preempted sequence's return is no repeat
             self._count_shadow_hits(seq)
+
+    def _count_evicted_misses(self, seq: Sequence, num_hit_blocks: int) -> None:
+        num_full = (seq.num_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[num_hit_blocks:num_full]:
+            if block_hash not in self.evicted:
+                break
+            self.num_evicted_misses += self.block_size
 
     def _count_shadow_hits(self, seq: Sequence) -> None:
         num_full = (seq.num_tokens - 1) // self.block_size
@@ -136,11 +216,17 @@ class KVCacheManager:
         """Grow the block table to cover `num_new_tokens` more computed tokens."""
         num_blocks = self.num_blocks_to_append(seq, num_new_tokens)
         if num_blocks:
-            seq.block_ids.extend(self.pool.allocate(num_blocks))
+            seq.block_ids.extend(self._allocate(num_blocks))
 
     def allocate_for_swap_in(self, seq: Sequence) -> list[int]:
         """Fresh GPU blocks covering all of `seq`'s tokens (the caller frees its CPU blocks)."""
-        return self.pool.allocate(num_blocks_for(seq.num_tokens, self.block_size))
+        return self._allocate(num_blocks_for(seq.num_tokens, self.block_size))
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """Blocks for new data: any host-tier copy still running on one is fenced first."""
+        block_ids = self.pool.allocate(num_blocks)
+        self.copies.allocated(block_ids)
+        return block_ids
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's GPU blocks, last block first (see BlockPool.free)."""
@@ -159,8 +245,27 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, num_full)
         for index in range(seq.num_registered_blocks, num_full):
-            self.pool.cache_block(seq.block_ids[index], seq.block_hashes[index])
+            block_id, block_hash = seq.block_ids[index], seq.block_hashes[index]
+            if self.pool.cache_block(block_id, block_hash):
+                self.evicted.discard(block_hash)
+                self._store(block_id, block_hash)
         seq.num_registered_blocks = num_full
+
+    def _store(self, block_id: int, block_hash: bytes) -> None:
+        """Write a newly registered block through to the host tier (`kv_copies`)."""
+        if self.host is None:
+            return
+        stored = self.host.store(block_hash)
+        if stored is None:  # the host tier has it already
+            return
+        host_id, pushed_out = stored
+        self.copies.store(block_id, host_id)
+        if pushed_out is not None and self.pool.lookup(pushed_out) is None:
+            self.evicted.add(pushed_out)
+
+    def _evicted_from_gpu(self, block_hash: bytes) -> None:
+        if self.host is None or block_hash not in self.host:
+            self.evicted.add(block_hash)
 
     def internal_fragmentation(self, seqs: Iterable[Sequence]) -> float:
         """Unused slots in partly filled last blocks over allocated (in-use) slots.

@@ -29,10 +29,14 @@ def snapshot(
     num_requests_success: Mapping[str, int],
     num_consecutive_failed_steps: int,
     device_wait_seconds: float,
+    host_block_bytes: int = 0,
+    kv_load_seconds: float = 0.0,
 ) -> LoopStats:
     """The loop's state now: the scheduler's queues and pools, its counters (passed in), the
-    out-of-memory events and step budget of `oom`, and the newest `allocator` reading."""
+    out-of-memory events and step budget of `oom`, and the newest `allocator` reading; the
+    runner's `host_block_bytes` and `kv_load_seconds` complete the host tier's figures."""
     kv = sched.kv
+    host = kv.host
     pool = kv.pool
     cpu_pool = sched.cpu_pool
     return LoopStats(
@@ -67,6 +71,15 @@ def snapshot(
         allocator=allocator,
         num_consecutive_failed_steps=num_consecutive_failed_steps,
         device_wait_seconds=device_wait_seconds,
+        num_host_blocks=host.num_blocks if host is not None else 0,
+        num_host_blocks_used=host.num_used_blocks if host is not None else 0,
+        host_block_bytes=host_block_bytes,
+        num_host_blocks_stored=host.num_stored if host is not None else 0,
+        num_host_blocks_loaded=host.num_loaded if host is not None else 0,
+        num_host_blocks_evicted=host.num_evicted if host is not None else 0,
+        kv_load_seconds=kv_load_seconds,
+        prefix_cache_host_hits=kv.num_prefix_host_hits,
+        prefix_cache_evicted_misses=kv.num_evicted_misses,
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.sampling import SamplingParams
 
 
@@ -50,10 +51,22 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # sequences whose blocks come back from the CPU in this step (their rows of blocks_to_swap_in)
     swapped_in_ids: list[str] = field(default_factory=list)
+    # The host KV tier's copies (`core.kv_copies`), issued on a side stream before the forward
+    # pass: (host block, GPU block) loads, then (GPU block, host block) stores; and how far the
+    # forward pass waits for them.
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_fence: CopyFence = CopyFence.NONE
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return (
+            not self.seqs
+            and not self.blocks_to_swap_out
+            and not self.blocks_to_swap_in
+            and not self.kv_loads
+            and not self.kv_stores
+        )
 
 
 @dataclass(frozen=True)

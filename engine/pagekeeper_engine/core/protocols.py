@@ -28,9 +28,10 @@ class AllocatorMonitorProtocol(Protocol):
 class ModelRunnerProtocol(Protocol):
     """Runs one scheduled step on the device and samples; owns the KV-cache tensors.
 
-    `execute` first applies `blocks_to_swap_out` (GPU -> CPU) and `blocks_to_swap_in`
-    (CPU -> GPU) - a step never has both - then the forward pass. Block 0 of the GPU pool is
-    never given to a sequence (free to use as padding).
+    `execute` first issues the host tier's copies (`kv_loads`, `kv_stores`, beside the step,
+    fenced by `kv_fence`: `core.kv_copies`), applies `blocks_to_swap_out` (GPU -> CPU) and
+    `blocks_to_swap_in` (CPU -> GPU) - a step never has both - then the forward pass. Block 0
+    of the GPU pool is never given to a sequence (free to use as padding).
     """
 
     @property
@@ -43,6 +44,19 @@ class ModelRunnerProtocol(Protocol):
 
     @property
     def num_cpu_blocks(self) -> int: ...
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier (0: none); `host_block_bytes` each, over all ranks."""
+        ...
+
+    @property
+    def host_block_bytes(self) -> int: ...
+
+    @property
+    def kv_load_seconds(self) -> float:
+        """Device seconds the host tier's loads took so far (those known to be done)."""
+        ...
 
     @property
     def num_swap_ooms(self) -> int:

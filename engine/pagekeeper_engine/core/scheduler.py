@@ -63,15 +63,26 @@ class Scheduler:
     (the blocks are reserved then, so a prefill never stalls half way). Decodes may use the
     watermark; with nothing running it is waived, so a sequence that grew into it can return.
     Every step takes at most `max_num_batched_tokens` tokens; at most `max_num_seqs` run.
+
+    A request admitted with a prefix on the host tier takes its blocks at once, but runs from
+    the next step on: its loads overlap this step's forward pass (`core.kv_copies`). The step
+    carries the host tier's copies and the fence its forward pass waits at.
     """
 
-    def __init__(self, config: SchedulerConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.config = config
         self.kv = KVCacheManager(
             num_gpu_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_max_fraction=config.prefix_cache_max_fraction,
+            num_host_blocks=num_host_blocks,
         )
         self.cpu_pool = (
             BlockPool(num_cpu_blocks, reserve_null_block=False) if num_cpu_blocks > 0 else None
@@ -124,6 +135,7 @@ class Scheduler:
         else:
             self.kv.free(seq)
         seq.status = status
+        self.kv.copies.forget(seq.request_id)
         del self.requests[seq.request_id]
 
     def schedule(self) -> SchedulerOutput:
@@ -137,6 +149,8 @@ class Scheduler:
                 or self._is_length_done(seq)
             ):
                 continue
+            # a one-token prompt remainder may read blocks an earlier step loaded
+            self.kv.copies.runs(seq.request_id)
             if self.kv.num_blocks_to_append(seq, 1) == 0:  # its last block has a free slot
                 step.take(seq, 1)
                 continue
@@ -162,6 +176,7 @@ class Scheduler:
             if self._is_length_done(seq) or not self.kv.can_append(seq, num_tokens):
                 continue
             self.kv.append_slots(seq, num_tokens)
+            self.kv.copies.runs(seq.request_id)
             step.take(seq, num_tokens)
 
         if not step.preempted_ids and not self.swapped:
@@ -169,6 +184,7 @@ class Scheduler:
 
         # query length 1 first: the attention metadata's decode rows lead the batch
         step.work.sort(key=lambda item: item[1] > 1)
+        copies = self.kv.copies.take()
         return SchedulerOutput(
             seqs=[self._scheduled_seq(seq, n) for seq, n in step.work],
             num_batched_tokens=self.max_num_batched_tokens - step.budget,
@@ -176,6 +192,9 @@ class Scheduler:
             blocks_to_swap_in=step.swap_in,
             preempted_ids=step.preempted_ids,
             swapped_in_ids=step.swapped_in_ids,
+            kv_loads=copies.loads,
+            kv_stores=copies.stores,
+            kv_fence=copies.fence,
         )
 
     def _is_length_done(self, seq: Sequence) -> bool:
@@ -204,7 +223,7 @@ class Scheduler:
         while self.waiting and step.budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq)
-            num_uncached = seq.num_tokens - len(cached) * cfg.block_size
+            num_uncached = seq.num_tokens - cached.num_blocks * cfg.block_size
             # a resumed sequence may recompute in chunks even without chunked prefill
             can_chunk = cfg.enable_chunked_prefill or seq.num_output_tokens > 0
             if not can_chunk and num_uncached > step.budget:
@@ -219,6 +238,9 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.kv.copies.is_loading_now(seq.request_id):
+                continue  # it runs once its prefix is back from the host tier
+            self.kv.copies.runs(seq.request_id)
             step.take(seq, min(num_uncached, step.budget))
 
     def _reserve_blocks(self) -> int:
@@ -240,6 +262,7 @@ class Scheduler:
         assert self.cpu_pool is not None
         self.running.remove(seq)
         seq.num_preemptions += 1
+        self.kv.copies.forget(seq.request_id)
         step.swap_out.extend(swap_out(seq, self.kv, self.cpu_pool, num_to_swap))
         self.swapped.append(seq)
         self.num_swap_preemptions += 1
@@ -249,6 +272,7 @@ class Scheduler:
         (mostly prefix-cache hits: its full blocks stay cached) when it is admitted again."""
         self.running.remove(seq)
         seq.num_preemptions += 1
+        self.kv.copies.forget(seq.request_id)
         reset_for_recompute(seq, self.kv)
         self.waiting.appendleft(seq)
         self.num_recompute_preemptions += 1

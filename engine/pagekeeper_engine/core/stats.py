@@ -52,6 +52,19 @@ class EngineStats:
     device_wait_seconds: float = 0.0
     # Prompt tokens a prefix cache would have found while caching is off (`KVCacheManager`).
     prefix_cache_shadow_hits: int = 0
+    # The host KV tier (`core.host_tier`): its blocks (0: none) and those in use, each
+    # `host_block_bytes` over all ranks; blocks copied in, loaded back and pushed out; the
+    # device seconds of the loads known to be done; the prompt tokens found there (part of
+    # `prefix_cache_hits`); and prompt tokens no tier held any more when asked for again.
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    host_block_bytes: int = 0
+    num_host_blocks_stored: int = 0
+    num_host_blocks_loaded: int = 0
+    num_host_blocks_evicted: int = 0
+    kv_load_seconds: float = 0.0
+    prefix_cache_host_hits: int = 0
+    prefix_cache_evicted_misses: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

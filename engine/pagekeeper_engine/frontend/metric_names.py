@@ -59,6 +59,22 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     # scheduling only): its rate under load is the host's idle share; near 0, the host, not
     # the device, sets the pace
     "pagekeeper_device_wait_seconds_total": ("counter", ()),
+    # The host KV tier (--kv-offloading-size), totals over the tensor-parallel ranks: its bytes
+    # in use and its capacity, full blocks copied to it, loaded back, and pushed out of it
+    # (least recently used first), the bytes loaded and the device seconds the loads took.
+    "pagekeeper_kv_offload_bytes_used": ("gauge", ()),
+    "pagekeeper_kv_offload_bytes_capacity": ("gauge", ()),
+    "pagekeeper_kv_offload_blocks_stored_total": ("counter", ()),
+    "pagekeeper_kv_offload_blocks_loaded_total": ("counter", ()),
+    "pagekeeper_kv_offload_blocks_evicted_total": ("counter", ()),
+    "pagekeeper_kv_offload_load_bytes_total": ("counter", ()),
+    "pagekeeper_kv_offload_load_seconds_total": ("counter", ()),
+    # prompt tokens the prefix cache found, by the tier that held them (gpu | host); their sum
+    # is vllm:prefix_cache_hits_total
+    "pagekeeper_prefix_cache_hits_by_tier_total": ("counter", ("tier",)),
+    # prompt tokens of full blocks that were cached once, then evicted from every tier, and
+    # requested again (recomputed): the evidence for a host tier, or a larger one
+    "pagekeeper_prefix_cache_evicted_misses_total": ("counter", ()),
 }
 
 # Exported only where they mean something: the CUDA caching allocator, and a start-up budget
@@ -79,6 +95,8 @@ KV_BLOCK_STATES: Final[tuple[str, ...]] = ("free", "used", "cached")
 # Device out-of-memory events (`memory.oom.OOM_EVENT_KINDS`): inside a forward step and while
 # swapping blocks (both recovered), and at start-up (the process exits; its series stays 0).
 OOM_KINDS: Final[tuple[str, ...]] = ("step", "swap", "startup")
+# Where a prefix-cache hit was found (`pagekeeper_prefix_cache_hits_by_tier_total`).
+PREFIX_CACHE_TIERS: Final[tuple[str, ...]] = ("gpu", "host")
 REJECT_REASONS: Final[tuple[str, ...]] = ("overloaded", "draining", "loading")
 
 

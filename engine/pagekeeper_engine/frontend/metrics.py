@@ -29,6 +29,7 @@ from pagekeeper_engine.frontend.metric_names import (
     KV_BLOCK_STATES,
     METRICS,
     OOM_KINDS,
+    PREFIX_CACHE_TIERS,
     REJECT_REASONS,
 )
 from pagekeeper_engine.memory.allocator import REPORTED_OPTIONS, AllocatorSettings, AllocatorStats
@@ -163,6 +164,40 @@ class EngineCollector(Collector):
         yield ooms
         yield self._gauge("pagekeeper_step_token_budget", stats.step_token_budget)
         yield self._counter("pagekeeper_device_wait_seconds_total", stats.device_wait_seconds)
+        yield from self._host_tier_metrics(stats)
+
+    def _host_tier_metrics(self, stats: LoopStats) -> Iterator[Metric]:
+        """The host KV tier's series, present (at 0 capacity) without a tier too."""
+        block_bytes = stats.host_block_bytes
+        yield self._gauge(
+            "pagekeeper_kv_offload_bytes_used", stats.num_host_blocks_used * block_bytes
+        )
+        yield self._gauge(
+            "pagekeeper_kv_offload_bytes_capacity", stats.num_host_blocks * block_bytes
+        )
+        yield self._counter(
+            "pagekeeper_kv_offload_blocks_stored_total", stats.num_host_blocks_stored
+        )
+        yield self._counter(
+            "pagekeeper_kv_offload_blocks_loaded_total", stats.num_host_blocks_loaded
+        )
+        yield self._counter(
+            "pagekeeper_kv_offload_blocks_evicted_total", stats.num_host_blocks_evicted
+        )
+        yield self._counter(
+            "pagekeeper_kv_offload_load_bytes_total", stats.num_host_blocks_loaded * block_bytes
+        )
+        yield self._counter("pagekeeper_kv_offload_load_seconds_total", stats.kv_load_seconds)
+        name = "pagekeeper_prefix_cache_hits_by_tier_total"
+        hits = CounterMetricFamily(name, _desc(name), labels=["model_name", "tier"])
+        host_hits = stats.prefix_cache_host_hits
+        by_tier = {"gpu": stats.prefix_cache_hits - host_hits, "host": host_hits}
+        for tier in PREFIX_CACHE_TIERS:
+            hits.add_metric([self._model_name, tier], by_tier[tier])
+        yield hits
+        yield self._counter(
+            "pagekeeper_prefix_cache_evicted_misses_total", stats.prefix_cache_evicted_misses
+        )
 
     def _allocator_metrics(self, allocator: AllocatorStats) -> Iterator[Metric]:
         yield self._gauge("pagekeeper_allocator_reserved_bytes", allocator.reserved)

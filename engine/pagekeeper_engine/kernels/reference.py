@@ -185,3 +185,16 @@ def gemv_fp8_ref(
     return torch.nn.functional.linear(
         x.float(), dequantized, None if bias is None else bias.float()
     )
+
+
+def gather_blocks_ref(pool_words: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`kernels.block_copy.gather_blocks`: the blocks of (chunks, num_blocks, chunk) words as
+    (n, chunks, chunk)."""
+    return pool_words[:, block_ids].transpose(0, 1).contiguous()
+
+
+def scatter_blocks_ref(
+    src: torch.Tensor, block_ids: torch.Tensor, pool_words: torch.Tensor
+) -> None:
+    """`kernels.block_copy.scatter_blocks`: the inverse of `gather_blocks_ref`, in place."""
+    pool_words[:, block_ids] = src.transpose(0, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.runner.step_inputs import PackedInputs, StepInputs
@@ -27,13 +28,25 @@ class FollowerStep:
     num_output_tokens: list[int] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # the host KV tier's copies and fence (`core.kv_copies`): each rank copies its shard
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_fence: CopyFence = CopyFence.NONE
 
 
 def follower_step(out: SchedulerOutput, inputs: StepInputs | None) -> FollowerStep:
     """`out` as the other ranks run it: `inputs` as rank 0 prepared them of `out.seqs` with
     their bytes kept (None: no sequences)."""
     if inputs is None:
-        return FollowerStep(None, 0, [], [], [], out.blocks_to_swap_out, out.blocks_to_swap_in)
+        return FollowerStep(
+            None,
+            0,
+            blocks_to_swap_out=out.blocks_to_swap_out,
+            blocks_to_swap_in=out.blocks_to_swap_in,
+            kv_loads=out.kv_loads,
+            kv_stores=out.kv_stores,
+            kv_fence=out.kv_fence,
+        )
     assert inputs.packed is not None, "the step's inputs were prepared without their bytes"
     picked = [out.seqs[i] for i in inputs.sampled_seqs]
     return FollowerStep(
@@ -44,4 +57,7 @@ def follower_step(out: SchedulerOutput, inputs: StepInputs | None) -> FollowerSt
         num_output_tokens=[s.num_output_tokens for s in picked],
         blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_swap_in=out.blocks_to_swap_in,
+        kv_loads=out.kv_loads,
+        kv_stores=out.kv_stores,
+        kv_fence=out.kv_fence,
     )

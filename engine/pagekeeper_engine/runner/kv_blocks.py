@@ -27,6 +27,7 @@ from pagekeeper_engine.memory.budget import (
 )
 from pagekeeper_engine.memory.cuda import CudaMemoryReader
 from pagekeeper_engine.memory.profile import ProfileShapes, ProfileTarget, size_kv_cache
+from pagekeeper_memplan.budget import kv_cache_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def decide_num_gpu_blocks(
         return min(n for n in gathered if isinstance(n, int)), None
     assert free_at_start is not None, "a GPU's free memory is read before anything is loaded"
     budgets = measure_rank_budgets(target, config, tp, device, layout, shapes, free_at_start)
-    return budgets.num_blocks, budgets
+    has_host_tier = config.kv_offloading_size > 0
+    return kv_cache_blocks(budgets.num_blocks, layout.bytes_per_block, has_host_tier), budgets
 
 
 def measure_rank_budgets(

@@ -27,6 +27,7 @@ import torch
 
 from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -60,6 +61,7 @@ from pagekeeper_engine.runner.kv_cache import (
     pool_shape,
     resolve_kv_cache_dtype,
 )
+from pagekeeper_engine.runner.kv_offload import HostKVPool, host_tier_blocks
 from pagekeeper_engine.runner.piecewise_graphs import piecewise_token_sizes
 from pagekeeper_engine.runner.profile_target import RunnerProfileTarget
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
@@ -278,12 +280,20 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
         )
+        num_host_blocks = host_tier_blocks(
+            config.kv_offloading_size, self.tp.size, self.bytes_per_block
+        )
+        self.host_tier = (
+            HostKVPool(self.pools.device_pool, num_host_blocks) if num_host_blocks > 0 else None
+        )
         self.model.bind_kv_cache(self.pools.layer_caches())
         logger.info(describe_kv_scales(self.model.checkpoint_kv_scales, self.kv_cache_dtype))
         logger.info(
-            "KV cache: %d device blocks, %d swap blocks of %d tokens, %s (%d bytes per block)",
+            "KV cache: %d device blocks, %d swap blocks, %d host tier blocks of %d tokens, %s "
+            "(%d bytes per block)",
             self.num_gpu_blocks,
             self.num_cpu_blocks,
+            self.num_host_blocks,
             self.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.bytes_per_block,
@@ -309,6 +319,21 @@ class ModelRunner:
     @graphs.setter
     def graphs(self, graphs: StepGraphs | None) -> None:
         self.steps.graphs = graphs
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier (0: no tier)."""
+        return self.host_tier.num_blocks if self.host_tier is not None else 0
+
+    @property
+    def host_block_bytes(self) -> int:
+        """One host tier block's bytes over every rank (each holds its shard)."""
+        return self.bytes_per_block * self.tp.size
+
+    @property
+    def kv_load_seconds(self) -> float:
+        """Device seconds the host tier's finished loads took."""
+        return self.host_tier.load_seconds if self.host_tier is not None else 0.0
 
     @property
     def num_swap_ooms(self) -> int:
@@ -378,6 +403,7 @@ class ModelRunner:
         """A rank > 0 runs the step rank 0 packed (`follower_step.py`), without waiting; every
         failure is fatal, as every failure under tensor parallelism is."""
         try:
+            self._issue_kv_copies(step.kv_loads, step.kv_stores, step.kv_fence)
             self._faults.count()
             self.pools.swap(step.blocks_to_swap_out, to_cpu=True)
             self.pools.swap(step.blocks_to_swap_in, to_cpu=False)
@@ -404,8 +430,23 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def _issue_kv_copies(
+        self, loads: list[tuple[int, int]], stores: list[tuple[int, int]], fence: CopyFence
+    ) -> None:
+        """The host tier's copies of a step, before anything of the step can fail: the scheduler
+        registered the loaded blocks already. A copy that cannot be issued leaves the prefix
+        cache holding blocks it never filled, so it ends the engine."""
+        if not (loads or stores or fence):
+            return
+        assert self.host_tier is not None, "host tier copies without a host tier"
+        try:
+            self.host_tier.issue(loads, stores, fence)
+        except Exception as exc:
+            raise FatalEngineError(f"the host KV tier's copies failed: {exc}") from exc
+
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput) -> PendingStep:
+        self._issue_kv_copies(out.kv_loads, out.kv_stores, out.kv_fence)
         # Rank 0 packs the step once and hands the bytes to the other ranks before running it.
         inputs = None
         if out.seqs:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagekeeper_engine.core.kv_manager import KVCacheManager, hash_block
+from pagekeeper_engine.core.kv_manager import KVCacheManager, PrefixHit, hash_block
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence
 
@@ -45,7 +45,7 @@ def test_longest_prefix_hit_and_counters() -> None:
 
     b = seq("b", [*range(8), 99, 98, 97])
     cached = kv.find_cached_prefix(b)
-    assert cached == [1, 2]
+    assert cached.gpu_ids == [1, 2]
     assert kv.num_blocks_to_admit(b, cached) == 1  # both cached blocks are in use: not free
     kv.admit(b, cached)
     assert b.block_ids == [1, 2, 4]
@@ -54,16 +54,16 @@ def test_longest_prefix_hit_and_counters() -> None:
     assert (kv.num_prefix_queries, kv.num_prefix_hits) == (21, 8)
 
     c = seq("c", [0, 1, 2, 3, 50, 5, 6, 7, 8])  # differs in block 2: only block 1 matches
-    assert kv.find_cached_prefix(c) == [1]
+    assert kv.find_cached_prefix(c).gpu_ids == [1]
 
 
 def test_whole_prompt_is_never_a_hit() -> None:
     kv = make_kv()
     run_prefill(kv, seq("a", list(range(8))))
     again = seq("b", list(range(8)))
-    assert kv.find_cached_prefix(again) == [1]  # the last token must be computed for logits
+    assert kv.find_cached_prefix(again).gpu_ids == [1]  # the last token must be computed for logits
     longer = seq("c", list(range(9)))
-    assert kv.find_cached_prefix(longer) == [1, 2]
+    assert kv.find_cached_prefix(longer).gpu_ids == [1, 2]
 
 
 def test_revived_blocks_count_as_consumed_free_blocks() -> None:
@@ -74,7 +74,7 @@ def test_revived_blocks_count_as_consumed_free_blocks() -> None:
     assert kv.num_free_blocks == 5
     b = seq("b", list(range(10)))
     cached = kv.find_cached_prefix(b)
-    assert cached == [1, 2]
+    assert cached.gpu_ids == [1, 2]
     assert kv.num_blocks_to_admit(b, cached) == 3  # 1 new + 2 evictable taken off the free count
     kv.admit(b, cached)
     assert kv.num_free_blocks == 2
@@ -83,7 +83,7 @@ def test_revived_blocks_count_as_consumed_free_blocks() -> None:
 def test_blocks_register_as_chunks_fill_them() -> None:
     kv = make_kv()
     a = seq("a", list(range(11)))
-    kv.admit(a, [])
+    kv.admit(a, PrefixHit())
     assert a.block_ids == [1, 2, 3]
     a.num_computed_tokens = 6
     kv.cache_computed_blocks(a)
@@ -115,7 +115,7 @@ def test_freed_sequence_loses_its_last_blocks_first() -> None:
     kv.append_slots(other, 4)
     assert other.block_ids == [4, 3]
     b = seq("b", list(range(13)))
-    assert kv.find_cached_prefix(b) == [1, 2]
+    assert kv.find_cached_prefix(b).gpu_ids == [1, 2]
 
 
 def test_cache_only_blocks_are_bounded_by_the_fraction() -> None:
@@ -128,7 +128,7 @@ def test_cache_only_blocks_are_bounded_by_the_fraction() -> None:
     assert kv.pool.num_evictable_blocks == 2
     assert kv.pool.evictable_block_ids() == [2, 1]
     assert kv.pool.num_free_blocks == 8
-    assert kv.find_cached_prefix(seq("b", list(range(17)))) == [1, 2]
+    assert kv.find_cached_prefix(seq("b", list(range(17)))).gpu_ids == [1, 2]
 
 
 def test_disabled_prefix_caching_neither_finds_nor_keeps() -> None:
@@ -137,7 +137,7 @@ def test_disabled_prefix_caching_neither_finds_nor_keeps() -> None:
     run_prefill(kv, a)
     assert kv.pool.num_cached_blocks == 0
     kv.free(a)
-    assert kv.find_cached_prefix(seq("b", list(range(9)))) == []
+    assert kv.find_cached_prefix(seq("b", list(range(9)))).gpu_ids == []
     assert (kv.num_prefix_queries, kv.num_prefix_hits) == (0, 0)
 
 
@@ -145,8 +145,8 @@ def test_internal_fragmentation_counts_unused_slots_of_last_blocks() -> None:
     kv = make_kv()
     a = seq("a", list(range(5)))  # 2 blocks, 3 unused slots
     b = seq("b", list(range(100, 108)))  # 2 full blocks
-    kv.admit(a, [])
-    kv.admit(b, [])
+    kv.admit(a, PrefixHit())
+    kv.admit(b, PrefixHit())
     assert kv.internal_fragmentation([a, b]) == 3 / 16
     # a shared prefix block counts once among the allocated slots
     kv.free(b)

@@ -1,0 +1,188 @@
+"""The host KV tier's bookkeeping (pure): its LRU of host blocks, the copies a step carries and
+the fence they need, and the prefix cache over both tiers with exact block ids; then the engine
+loop over a fake device that runs each copy as late as the fences allow."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagekeeper_engine.core.host_tier import EvictedRecord, HostTier
+from pagekeeper_engine.core.kv_copies import CopyFence, CopyPlan, StepCopies
+from pagekeeper_engine.core.kv_manager import KVCacheManager
+from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sequence import Sequence
+from tests.engine.fakes import make_engine, rollout, run_all, tokens_of
+
+H = [bytes([i]) * 16 for i in range(10)]
+
+
+def test_host_blocks_are_taken_in_order_then_the_least_recently_used_goes() -> None:
+    tier = HostTier(3)
+    assert [tier.store(h) for h in H[:3]] == [(0, None), (1, None), (2, None)]
+    assert tier.store(H[0]) is None  # stored already: touched, now the newest
+    assert tier.lru_hashes() == [H[1], H[2], H[0]]
+    tier.touch(H[1])
+    assert tier.store(H[3]) == (2, H[2])  # H[2] was the least recently used
+    assert tier.lookup(H[2]) is None and tier.lookup(H[3]) == 2
+    tier.note_loaded(H[0])
+    assert tier.lru_hashes() == [H[1], H[3], H[0]]
+    assert (tier.num_stored, tier.num_loaded, tier.num_evicted) == (4, 1, 1)
+    assert tier.num_used_blocks == 3
+
+
+def test_the_evicted_record_is_bounded_and_forgets_what_is_cached_again() -> None:
+    record = EvictedRecord(2)
+    for h in H[:3]:
+        record.add(h)
+    assert H[0] not in record and H[1] in record and H[2] in record
+    record.discard(H[1])
+    assert H[1] not in record
+    nothing = EvictedRecord(0)
+    nothing.add(H[0])
+    assert H[0] not in nothing
+
+
+def test_a_step_fences_only_what_it_reuses_or_reads() -> None:
+    plan = CopyPlan()
+    plan.store(5, 0)
+    plan.allocated([7])  # not copied: no fence
+    assert plan.take() == plan_of(stores=[(5, 0)])
+    plan.allocated([5])  # stored in an earlier step, now reused
+    assert plan.take().fence is CopyFence.PREVIOUS
+    plan.allocated([5])  # the fence above covered it
+    assert plan.take().fence is CopyFence.NONE
+    plan.store(6, 1)
+    plan.allocated([6])  # stored in this very step, reused at once
+    assert plan.take().fence is CopyFence.ALL
+
+
+def test_a_request_waits_one_step_for_its_loads_then_runs_behind_a_fence() -> None:
+    plan = CopyPlan()
+    plan.load(3, 9)
+    plan.reads("a", [9, 4])
+    plan.reads("b", [4])  # reads nothing loaded
+    assert plan.is_loading_now("a") and not plan.is_loading_now("b")
+    plan.runs("b")
+    assert plan.take() == plan_of(loads=[(3, 9)])
+    assert not plan.is_loading_now("a")
+    plan.reads("c", [9])  # a hit on the block an earlier step loaded, not yet fenced
+    plan.runs("a")
+    assert plan.take().fence is CopyFence.PREVIOUS
+    plan.runs("c")  # the fence covered its block too
+    assert plan.take().fence is CopyFence.NONE
+    with pytest.raises(AssertionError, match="runs before its loads"):
+        plan.load(1, 2)
+        plan.reads("d", [2])
+        plan.runs("d")
+
+
+def plan_of(
+    loads: list[tuple[int, int]] | None = None, stores: list[tuple[int, int]] | None = None
+) -> StepCopies:
+    return StepCopies(loads or [], stores or [], CopyFence.NONE)
+
+
+def make_seq(request_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=4))
+
+
+def prefill(kv: KVCacheManager, seq: Sequence) -> None:
+    kv.admit(seq, kv.find_cached_prefix(seq))
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_computed_blocks(seq)
+
+
+def test_blocks_are_written_through_and_an_evicted_prefix_loads_from_the_host() -> None:
+    # 4 usable blocks of 8 tokens; the prefix cache may hold all of them
+    kv = KVCacheManager(
+        5, 8, enable_prefix_caching=True, prefix_cache_max_fraction=1.0, num_host_blocks=3
+    )
+    a = make_seq("a", list(range(17)))  # 2 full blocks and 1 token
+    prefill(kv, a)
+    assert a.block_ids == [1, 2, 3]
+    assert kv.copies.take().stores == [(1, 0), (2, 1)]  # written through as registered
+    kv.free(a)  # last block first: 3 is free, 2 and 1 are cached
+    b = make_seq("b", list(range(100, 132)))  # 4 full blocks: takes 4, 3, then evicts 2, 1
+    prefill(kv, b)
+    assert b.block_ids == [4, 3, 2, 1]
+    copies = kv.copies.take()
+    assert copies.fence is CopyFence.PREVIOUS  # blocks 1 and 2 were stored a step ago
+    # host block 2 was free; then the LRU gives a's two copies, then b's own first one
+    assert copies.stores == [(4, 2), (3, 0), (2, 1), (1, 2)]
+    assert kv.host is not None and kv.host.lru_hashes() == b.block_hashes[1:]
+    kv.free(b)
+    again = make_seq("c", list(range(17)))
+    hit = kv.find_cached_prefix(again)
+    assert (hit.gpu_ids, hit.host_ids) == ([], [])  # a's blocks are on no tier now
+    kv.admit(again, hit)
+    assert kv.num_evicted_misses == 16  # both were cached once: a larger cache had kept them
+
+
+def test_a_prefix_only_the_host_holds_loads_into_new_blocks() -> None:
+    kv = KVCacheManager(
+        6, 8, enable_prefix_caching=True, prefix_cache_max_fraction=0.0, num_host_blocks=8
+    )
+    a = make_seq("a", list(range(17)))
+    prefill(kv, a)
+    kv.copies.take()
+    kv.free(a)  # the cache may hold nothing on the GPU: both blocks go at once
+    assert kv.pool.num_cached_blocks == 0
+    b = make_seq("b", [*range(16), 50, 51])
+    hit = kv.find_cached_prefix(b)
+    assert (hit.gpu_ids, hit.host_ids) == ([-1, -1], [0, 1])
+    assert kv.num_blocks_to_admit(b, hit) == 3
+    kv.admit(b, hit)
+    assert b.block_ids == [4, 5, 3] and b.num_computed_tokens == 16
+    assert kv.copies.is_loading_now("b")
+    copies = kv.copies.take()
+    assert copies.loads == [(0, 4), (1, 5)] and copies.stores == []
+    assert (kv.num_prefix_hits, kv.num_prefix_host_hits) == (16, 16)
+    assert kv.pool.lookup(b.block_hashes[0]) == 4  # the GPU cache has it again
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_turn_prefixes_come_back_from_the_host_with_the_same_tokens(
+    async_scheduling: bool,
+) -> None:
+    """Turns that resend a growing context, with more context than the GPU holds: with the
+    tier every turn's output is what the model gives (the fake reads its history from the
+    blocks, so a block loaded late or stored after it was overwritten changes the tokens), and
+    the turns find their earlier context on the host."""
+    outputs = {}
+    for num_host_blocks in (0, 64):
+        engine, runner = make_engine(
+            num_gpu_blocks=24,
+            budget=32,
+            max_model_len=256,
+            async_scheduling=async_scheduling,
+            num_host_blocks=num_host_blocks,
+        )
+        contexts = {s: [s * 10 + i for i in range(20)] for s in range(1, 4)}
+        found: dict[str, list[int]] = {}
+        for turn in range(4):
+            for session, context in contexts.items():
+                rid = f"s{session}t{turn}"
+                engine.add_request(
+                    rid, list(context), SamplingParams(max_tokens=6, temperature=0.0)
+                )
+                out = tokens_of(run_all(engine)[rid])
+                assert out == rollout(context, 6), rid
+                found[rid] = out
+                context.extend(out + [session * 7 + turn + j for j in range(9)])
+        stats = engine.stats()
+        outputs[num_host_blocks] = found
+        if num_host_blocks:
+            assert stats.prefix_cache_host_hits > 0
+            assert stats.num_host_blocks_used <= num_host_blocks
+            assert runner.num_copies_applied > 0
+        else:
+            assert stats.prefix_cache_host_hits == 0
+            assert stats.prefix_cache_evicted_misses > 0
+    assert outputs[0] == outputs[64]
+
+
+def test_the_tier_needs_prefix_caching() -> None:
+    with pytest.raises(AssertionError, match="needs prefix caching"):
+        KVCacheManager(
+            5, 8, enable_prefix_caching=False, prefix_cache_max_fraction=0.5, num_host_blocks=4
+        )
