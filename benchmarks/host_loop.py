@@ -1,6 +1,6 @@
 """The engine loop's own host time: W-nano through `LLMEngine` with a runner that answers every
 step at once, so what is timed is the scheduling, the bookkeeping and the outputs of each step,
-the work the host does beside the device's (docs/benchmarks.md, run 37).
+the work the host does beside the device's (docs/benchmarks-archive.md, "the host's loop").
 
 With asynchronous scheduling the host prepares a step while the device runs the one before, so
 a loop whose host time a step exceeds the device's sets the pace: on an H200 the FP8 0.6B's
