@@ -10,8 +10,12 @@ The plan (`pagekeeper_memplan.plan`) needs two facts the spec may not state:
   `spec.resources.gpuType` names.
 
 Either missing, the plan is Unknown and never blocks: a false refusal would be worse than the
-crash-loop it prevents. A plan that does not fit holds the rollout (`hold_rollout`): the running
-Deployment keeps its pod template, and a new server gets no Deployment until its spec fits.
+crash-loop it prevents. The pod's host memory (`host_memory`) needs neither: it does not fit
+when the pod's memory limit is below it, or no candidate node's `status.allocatable.memory`
+holds it (none reporting one: not checked), whatever the GPU plan says; it is judged only
+where the policy pins host memory. A plan that does not fit holds the rollout
+(`hold_rollout`): the running Deployment keeps its pod template, and a new server gets no
+Deployment until its spec fits.
 """
 
 from __future__ import annotations
@@ -30,13 +34,20 @@ from pagekeeper_memplan.gpus import (
 from pagekeeper_memplan.plan import ESTIMATED_TERMS, MemoryPlan, PlanInputs, plan_memory
 from pagekeeper_memplan.shape import ModelShape, ShapeError, catalogue_key, known_shape, parse_shape
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.api.memory_plan import MemoryPlanStatus, PlanTerms
+from pagekeeper_operator.api.memory_plan import (
+    HostPlanStatus,
+    HostTerms,
+    MemoryPlanStatus,
+    PlanTerms,
+)
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.status import ConditionStatus
 from pagekeeper_operator.api.types import quantity_value
+from pagekeeper_operator.host_memory import judge_pod
 
 POLICY_FITS = "PolicyFits"
 GiB = 1 << 30
+HELD = "the rollout is held (running pods keep their template)"
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,59 @@ def node_selector(server: LLMServer) -> dict[str, str]:
     if server.spec.resources.gpu_type is not None:
         selector[PRODUCT_LABEL] = server.spec.resources.gpu_type
     return selector
+
+
+def _labels(node: Mapping[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = (node.get("metadata") or {}).get("labels") or {}
+    return labels
+
+
+def _matches(server: LLMServer, node: Mapping[str, Any]) -> bool:
+    labels = _labels(node)
+    return all(labels.get(key) == value for key, value in node_selector(server).items())
+
+
+def host_candidates(
+    server: LLMServer, nodes: Sequence[Mapping[str, Any]] | None
+) -> list[Mapping[str, Any]]:
+    """The nodes whose memory may hold the pod: those the nodeSelector admits, and of a GPU
+    server, those with feature-discovery GPU labels where any has them."""
+    admitted = [node for node in nodes or [] if _matches(server, node)]
+    if server.spec.num_gpus == 0:
+        return admitted
+    with_gpus = [n for n in admitted if gpu_from_labels(_labels(n)) is not None]
+    return with_gpus or admitted
+
+
+def host_fit(
+    server: LLMServer, policy: MemoryPolicy, nodes: Sequence[Mapping[str, Any]] | None
+) -> tuple[HostPlanStatus, tuple[ConditionStatus, str, str] | None, str | None, int]:
+    """status.memoryPlan.host, and where the pod's host memory does not fit: the PolicyFits
+    condition, the term to shrink and the bytes missing."""
+    plan, memory, allocatable, verdict = judge_pod(server, policy, host_candidates(server, nodes))
+    terms = plan.terms
+    status = HostPlanStatus(
+        per_pod=HostTerms(
+            kv_offload=terms["kvOffload"],
+            swap_space=terms["swapSpace"],
+            cpu_offload=terms["cpuOffload"],
+            shared_memory=terms["sharedMemory"],
+            processes=terms["processes"],
+        ),
+        total=plan.total,
+        memory_request=memory.request,
+        memory_limit=memory.limit,
+        node_allocatable=None if allocatable is None else allocatable[0],
+        node=None if allocatable is None else allocatable[1],
+    )
+    if verdict.fits:
+        return status, None, None, 0
+    condition: tuple[ConditionStatus, str, str] = (
+        "False",
+        verdict.reason,
+        f"{verdict.message}; {HELD}",
+    )
+    return status, condition, verdict.term, verdict.shortfall
 
 
 def candidate_gpu(
@@ -154,7 +218,29 @@ def decide_fit(
     gpu: tuple[GpuModel, str] | None = None,
 ) -> FitOutcome:
     """The plan of `policy` for `server` on its candidate `nodes` (or the given `gpu` and
-    `config`), as status and the PolicyFits condition."""
+    `config`), as status and the PolicyFits condition: the GPU's verdict where it does not
+    fit, else the host's where that does not."""
+    gpu_fit = _decide_gpu_fit(server, policy, nodes, config=config, gpu=gpu)
+    host, condition, term, shortfall = host_fit(server, policy, nodes)
+    status = gpu_fit.status.model_copy(update={"host": host})
+    if condition is None or gpu_fit.status.state == "DoesNotFit":
+        return FitOutcome(status, gpu_fit.condition, gpu_fit.plan)
+    message = condition[2].removesuffix(f"; {HELD}")
+    status = status.model_copy(
+        update={"state": "DoesNotFit", "message": message, "term": term, "shortfall": shortfall}
+    )
+    return FitOutcome(status, condition, gpu_fit.plan)
+
+
+def _decide_gpu_fit(
+    server: LLMServer,
+    policy: MemoryPolicy,
+    nodes: Sequence[Mapping[str, Any]] | None,
+    *,
+    config: Mapping[str, Any] | None,
+    gpu: tuple[GpuModel, str] | None,
+) -> FitOutcome:
+    """The GPU plan's outcome (the module docstring's two facts)."""
     if server.spec.num_gpus == 0:
         return _unknown("RunsOnCPU", "the server runs on the CPU: no GPU memory to plan")
     try:
@@ -195,8 +281,7 @@ def decide_fit(
     )
     if verdict.fits:
         return FitOutcome(status, ("True", verdict.reason, verdict.message), plan)
-    message = f"{verdict.message}; the rollout is held (running pods keep their template)"
-    return FitOutcome(status, ("False", verdict.reason, message), plan)
+    return FitOutcome(status, ("False", verdict.reason, f"{verdict.message}; {HELD}"), plan)
 
 
 def hold_rollout(

@@ -6,7 +6,8 @@
 Every LLMServer in the file is validated as the API server would (schema and the same
 cross-field rules) and planned by `fit.decide_fit`, the operator's own code: the GPU is the one
 given, else the one `spec.resources.gpuMemory` or `spec.resources.gpuType` names; the model's
-shape comes from `--model-config`, `spec.model.architecture` or the catalogue.
+shape comes from `--model-config`, `spec.model.architecture` or the catalogue. The pod's host
+memory is printed beside one rank's GPU terms (with no nodes, only the memory limit judges it).
 
 Exit status: 0 when every server fits, 1 when one does not, 2 for bad input or a plan that is
 unknown (no GPU or no model shape), with the reason on stderr.
@@ -25,6 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from pagekeeper_memplan.gpus import GpuModel, parse_product
+from pagekeeper_memplan.host import ESTIMATED_HOST_TERMS
 from pagekeeper_memplan.plan import ESTIMATED_TERMS
 from pagekeeper_operator.api.llmserver import KIND, LLMServer
 from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
@@ -121,12 +123,41 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GiB:9.2f} GiB"
 
 
+HOST_TERM_NAMES = {
+    "kv_offload": "kvOffload",
+    "swap_space": "swapSpace",
+    "cpu_offload": "cpuOffload",
+    "shared_memory": "sharedMemory",
+    "processes": "processes",
+}
+
+
+def host_lines(plan: MemoryPlanStatus) -> list[str]:
+    """The pod's host memory: its terms, the memory request and limit, the node."""
+    host = plan.host
+    if host is None:
+        return []
+    lines = ["  host memory per pod"]
+    for field, term in HOST_TERM_NAMES.items():
+        mark = " *" if term in ESTIMATED_HOST_TERMS else ""
+        value = getattr(host.per_pod, field)
+        lines.append(f"    {term + mark:<22}{_gib(value)}  {value:>16,d} B")
+    lines.append(f"    {'total':<22}{_gib(host.total)}")
+    for what, value in (("request", host.memory_request), ("limit", host.memory_limit)):
+        lines.append(f"    {'memory ' + what:<22}" + ("none" if value is None else _gib(value)))
+    if host.node_allocatable is not None:
+        lines.append(f"    {'node allocatable':<22}{_gib(host.node_allocatable)}  ({host.node})")
+    lines.append("    * estimate (per process: docs/memory-policy.md, 'The host KV tier')")
+    return lines
+
+
 def render_text(server: LLMServer, fit: FitOutcome) -> str:
-    """The plan as a table of one rank's terms, and the verdict."""
+    """The plan as a table of one rank's terms and the pod's host memory, and the verdict."""
     name = f"{server.metadata.namespace}/{server.metadata.name}"
     plan: MemoryPlanStatus = fit.status
     if plan.per_rank is None or plan.gpu_memory is None:
-        return f"{name}: Unknown: {plan.message}\n"
+        head = f"{name}: {plan.state}: {plan.message}"
+        return "\n".join([head, *host_lines(plan)]) + "\n"
     lines = [
         f"{name}: {plan.model}, tensor {plan.tensor}, on {plan.gpu} "
         f"({plan.gpu_memory / GiB:.2f} GiB, from {plan.gpu_source})",
@@ -142,6 +173,7 @@ def render_text(server: LLMServer, fit: FitOutcome) -> str:
         f"  KV cache: {plan.num_kv_blocks} blocks, {plan.kv_tokens} tokens, "
         f"{plan.max_concurrent_sequences} maxModelLen sequences at once"
     )
+    lines += host_lines(plan)
     verdict: str = plan.state
     if plan.term is not None:
         verdict += f" ({plan.term}, short by {(plan.shortfall or 0) / GiB:.2f} GiB)"

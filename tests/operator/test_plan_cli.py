@@ -84,3 +84,38 @@ def test_bad_input_and_unknown_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert main(["-f", str(small), "--gpu", "L4", "--model-config", str(config)]) == 2
     assert "missing required field 'num_attention_heads'" in capsys.readouterr().err
+
+
+def test_the_host_side_is_printed_and_a_limit_below_it_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = tmp_path / "llm.yaml"
+    spec = {
+        "model": {"source": "Qwen/Qwen3-8B"},
+        "parallelism": {"tensor": 2},
+        "resources": {"limits": {"memory": "40Gi"}},
+        "memoryPolicy": {"swapSpaceGiB": 2, "kvOffload": {"size": "32Gi"}},
+    }
+    body = {"apiVersion": "pagekeeper.dev/v1alpha1", "kind": "LLMServer"}
+    manifest.write_text(yaml.safe_dump({**body, "metadata": {"name": "chat"}, "spec": spec}))
+    assert main(["-f", str(manifest), "--gpu", "H100-80GB"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "  host memory per pod\n"
+        "    kvOffload                 32.00 GiB    34,359,738,368 B\n"
+        "    swapSpace                  4.00 GiB     4,294,967,296 B\n"
+        "    cpuOffload                 0.00 GiB                 0 B\n"
+        "    sharedMemory               2.00 GiB     2,147,483,648 B\n"
+        "    processes *                7.00 GiB     7,516,192,768 B\n"
+        "    total                     45.00 GiB\n"
+        "    memory request            40.00 GiB\n"
+        "    memory limit              40.00 GiB\n"
+    ) in out
+    assert "\n  DoesNotFit (kvOffload, short by 5.00 GiB): the pod's memory limit of 40.00" in out
+    # Within the limit, the GPU's verdict stands; with no GPU the host side is still printed.
+    manifest.write_text(manifest.read_text().replace("40Gi", "48Gi"))
+    assert main(["-f", str(manifest), "--gpu", "H100-80GB"]) == 0
+    assert main(["-f", str(manifest)]) == 2
+    out = capsys.readouterr().out
+    assert "default/chat: Unknown: no candidate node carries" in out
+    assert "    memory limit              48.00 GiB\n" in out

@@ -100,3 +100,23 @@ def test_a_change_that_does_not_fit_keeps_the_running_template() -> None:
     reconcile(kube, _server(SPEC), DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
     assert kube.objects[_deployment_key()]["spec"]["template"] == running
     assert kube.node_selectors == ["", ""]
+
+
+def test_a_tier_no_node_can_hold_gets_no_deployment() -> None:
+    """The host side of the gate: the candidate's allocatable memory is below the pod's."""
+    small = {**H100, "status": {"allocatable": {"memory": "64Gi"}}}
+    kube = MemoryKube([small])
+    tier = {
+        "model": {"source": "Qwen/Qwen3-8B"},
+        "memoryPolicy": {"kvOffload": {"size": "96Gi"}},
+    }
+    result = reconcile(kube, _server(tier), DEFAULT_IMAGES, now="2026-11-29T01:00:00Z")  # type: ignore[arg-type]
+    assert _deployment_key() not in kube.objects
+    fits = next(c for c in result.status_patch["conditions"] if c["type"] == "PolicyFits")
+    assert (fits["status"], fits["reason"]) == ("False", "HostMemoryExceedsNodes")
+    assert result.status_patch["memoryPlan"]["host"]["nodeAllocatable"] == 64 * 2**30
+    # A tier the node holds rolls out, with the pod's memory from the plan.
+    fitting = {**tier, "memoryPolicy": {"kvOffload": {"size": "32Gi"}}}
+    reconcile(kube, _server(fitting), DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
+    container = kube.objects[_deployment_key()]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["memory"] == "37888Mi"  # 32 + 3 + 1 + 1 GiB

@@ -25,8 +25,42 @@ class PlanTerms(ApiModel):
     kv_cache: int = Field(description="What is left for the KV cache, or kvCacheMemory.")
 
 
+class HostTerms(ApiModel):
+    """The pod's host memory by term, in bytes (`pagekeeper_memplan.host`)."""
+
+    kv_offload: int = Field(description="The host KV tier (memoryPolicy.kvOffload.size).")
+    swap_space: int = Field(description="swapSpaceGiB times parallelism.tensor, pinned.")
+    cpu_offload: int = Field(description="weights.cpuOffloadGiB times parallelism.tensor, pinned.")
+    shared_memory: int = Field(description="The memory-backed /dev/shm's size (a bound).")
+    processes: int = Field(
+        description=(
+            "The processes' own memory (estimate): 3 GiB a GPU process (engine core and each "
+            "further rank: torch, the CUDA libraries and context, loading), 1 GiB a front end."
+        )
+    )
+
+
+class HostPlanStatus(ApiModel):
+    """The pod's host memory, the memory it requests and is limited to, and the node."""
+
+    per_pod: HostTerms = Field(description="The pod's terms, in bytes.")
+    total: int = Field(description="Their sum: the host memory the pod needs.")
+    memory_request: int | None = Field(
+        default=None, description="The container's memory request (the spec's or the plan's)."
+    )
+    memory_limit: int | None = Field(
+        default=None, description="The container's memory limit (the spec's or the plan's)."
+    )
+    node_allocatable: int | None = Field(
+        default=None,
+        description="The most allocatable memory of a candidate node (status.allocatable).",
+    )
+    node: str | None = Field(default=None, max_length=253, description="That node.")
+
+
 class MemoryPlanStatus(ApiModel):
-    """The predicted memory of one rank on the GPU the pods will get, and its verdict."""
+    """The predicted memory of one rank on the GPU the pods will get, the pod's host memory,
+    and the verdict."""
 
     state: PlanState = Field(description="Fits, DoesNotFit, or Unknown (never blocks).")
     message: str = Field(default="", max_length=2048, description="The verdict, or why unknown.")
@@ -63,4 +97,12 @@ class MemoryPlanStatus(ApiModel):
     kv_tokens: int | None = Field(default=None, description="Tokens the KV cache holds.")
     max_concurrent_sequences: int | None = Field(
         default=None, description="Sequences of maxModelLen tokens the KV cache holds at once."
+    )
+    host: HostPlanStatus | None = Field(
+        default=None,
+        description=(
+            "The pod's host memory: the KV tier, swap space, CPU weight offload, /dev/shm and "
+            "the processes' own; it sets the memory request and limit the spec leaves unset "
+            "where the policy pins host memory."
+        ),
     )

@@ -257,9 +257,11 @@ class MemoryPolicy(ApiModel):
         ge=0.0,
         le=1024.0,
         description=(
-            "--swap-space: GiB of pinned CPU memory per pod for swapped-out KV blocks; 0 "
-            "preempts by recompute only. Only runtime pagekeeper supports it (vLLM's V1 engine "
-            "has no KV swap), so it must be 0 with runtime vllm. Add it to the memory request."
+            "--swap-space: GiB of pinned CPU memory per tensor-parallel rank for swapped-out "
+            "KV blocks (each rank holds its shard); 0 preempts by recompute only. Only runtime "
+            "pagekeeper supports it (vLLM's V1 engine has no KV swap), so it must be 0 with "
+            "runtime vllm. A pool apart from kvOffload's (preempted sequences, not prefixes); "
+            "the memory plan counts both in the pod's memory request and limit."
         ),
     )
     enable_chunked_prefill: bool = Field(

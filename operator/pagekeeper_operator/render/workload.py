@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.host_memory import memory_quantities, shm_size
 from pagekeeper_operator.render.engine import (
     CACHE_DIR,
     TMP_DIR,
@@ -76,17 +78,17 @@ def _probes(runtime: Runtime) -> dict[str, Any]:
     }
 
 
-def shm_size(server: LLMServer) -> str:
-    """/dev/shm's size: as given, else 1Gi per GPU (at least 1Gi). It carries NCCL's buffers
-    between the ranks and counts against the pod's memory limit."""
-    given = server.spec.resources.shared_memory
-    return given if given is not None else f"{max(1, server.spec.num_gpus)}Gi"
-
-
-def _resources(server: LLMServer) -> dict[str, Any]:
+def _resources(server: LLMServer, policy: MemoryPolicy) -> dict[str, Any]:
+    """The spec's requests and limits, with the memory the host plan sets where the spec
+    leaves it (`host_memory`)."""
     spec = server.spec.resources
     requests = spec.requests.to_api()
     limits = spec.limits.to_api()
+    planned = memory_quantities(server, policy)
+    if "requests" in planned:
+        requests["memory"] = planned["requests"]
+    if "limits" in planned:
+        limits["memory"] = planned["limits"]
     num_gpus = server.spec.num_gpus
     if num_gpus > 0:
         limits[GPU_RESOURCE] = str(num_gpus)
@@ -120,7 +122,7 @@ def _container(server: LLMServer, image: str) -> dict[str, Any]:
         "command": command,
         "env": engine_env(server, policy),
         "ports": ports,
-        "resources": _resources(server),
+        "resources": _resources(server, policy),
         "volumeMounts": mounts,
         **_probes(spec.runtime),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
