@@ -146,7 +146,7 @@ def decide_age(ages: ServerAges, now: datetime) -> AgeDecision:
             f"{down} of {ages.num_desired} pods unavailable, maxUnavailable {ages.max_unavailable}"
         )
         return wait(HoldReason.MAX_UNAVAILABLE, why)
-    message = f"replacing {what}"
+    message = what
     # What serves once it is gone: the oldest of the others, and the next of them due.
     oldest = min((p.created_at for p in by_due[1:]), default=None)
     return AgeDecision(

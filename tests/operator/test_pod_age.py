@@ -130,7 +130,7 @@ def test_the_pod_due_first_is_replaced_and_the_next_due_is_reported() -> None:
     assert decision.due_at == DUE["uid-a"]
     assert decision.next_due_at == DUE["uid-c"]
     assert decision.message == (
-        "replacing chat-a is 23h20m25s old, due since 2026-03-02T10:11:02Z (maxPodAge 24h)"
+        "chat-a is 23h20m25s old, due since 2026-03-02T10:11:02Z (maxPodAge 24h)"
     )
 
 
