@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import itertools
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+
+from pagekeeper_operator.api.lifecycle import BOUNDS_RULE, FORMAT_RULE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     OperatorProcess,
@@ -33,6 +38,31 @@ SPEC: dict[str, Any] = {
     "lifecycle": {"maxPodAge": "1m"},
     "remediation": {"cooldownSeconds": COOLDOWN_SECONDS},
 }
+
+
+@pytest.mark.parametrize(
+    ("age", "rule"),
+    [("1d", FORMAT_RULE), ("90", FORMAT_RULE), ("59s", BOUNDS_RULE), ("8761h", BOUNDS_RULE)],
+)
+def test_the_api_server_refuses_a_bad_age_naming_the_field(
+    cluster: Cluster, namespace: str, llmserver_crd: Path, age: str, rule: dict[str, str]
+) -> None:
+    body = llmserver("bad", {**SPEC, "lifecycle": {"maxPodAge": age}})
+    result = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body), check=False
+    )
+    assert result.returncode != 0
+    assert "spec.lifecycle.maxPodAge: Invalid value" in result.stderr
+    assert rule["message"] in result.stderr
+
+
+def test_the_api_server_stores_a_good_age(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    apply_server(
+        cluster, namespace, llmserver("good", {**SPEC, "lifecycle": {"maxPodAge": "1h30m"}})
+    )
+    assert get_server(cluster, namespace, "good")["spec"]["lifecycle"] == {"maxPodAge": "1h30m"}
 
 
 def age_records(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
