@@ -122,13 +122,6 @@ def lifecycle_status(
     return status.model_copy(update=update)
 
 
-def last_action_at(server: LLMServer, remembered: datetime | None) -> datetime | None:
-    """The last eviction the server's cooldown counts from: status.lastRemediation, or one this
-    process made that is not written yet."""
-    times = [t for t in (server.status.last_remediation, remembered) if t is not None]
-    return max(times, default=None)
-
-
 class PodAgeLoop:
     """Rounds of `decide_age` over the known servers, acting through remediation's port."""
 
@@ -184,7 +177,9 @@ class PodAgeLoop:
             store.rebuild(key, server.status.remediation_history)
             drain = timedelta(seconds=server.spec.remediation.drain_timeout_seconds)
             store.forget_gone(key, [str(p["metadata"]["name"]) for p in pods], now, drain)
-            last = last_action_at(server, store.last_action_at.get(key))
+            # The last eviction made (an alert's or an age's), as remediation counts it: from
+            # the history's acted outcomes, or one this process made; a refusal starts none.
+            last = store.last_action_at.get(key)
             evicting = store.evicting.get(key, {})
             decision = decide_age(server_ages(server, pods, deployment, last, evicting), now)
             replaced, refused = None, None
