@@ -96,7 +96,8 @@ def test_a_due_pod_is_evicted_with_its_record_event_and_status_then_the_cooldown
         "evict", "evicted", "MaxPodAge", evicted,
     )  # fmt: skip
     assert record["fingerprint"] == f"uid-{evicted}"
-    assert record["message"].startswith(f"MaxPodAge: evicted ml/{evicted}: {evicted} is 2h old, due since")
+    prefix = f"MaxPodAge: evicted ml/{evicted}: {evicted} is 2h old, due since"
+    assert record["message"].startswith(prefix)
     assert kube.server["status"]["lastRemediation"] == "2026-03-01T14:00:00Z"
     assert kube.events == [("Normal", "PodAgeReplaced", record["message"])]
     lifecycle = kube.server["status"]["lifecycle"]
