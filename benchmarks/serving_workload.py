@@ -40,7 +40,7 @@ class EngineSettings:
     max_num_seqs: int
     block_size: int
     max_num_batched_tokens: int | None
-    gpu_memory_utilization: float
+    gpu_memory_utilization: float | None  # None: the KV cache's size is given another way
     enable_prefix_caching: bool
     enforce_eager: bool
     swap_space: float = 0.0  # as build_engine: a preempted request is recomputed
@@ -51,10 +51,11 @@ class EngineSettings:
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--block-size", str(self.block_size),
-            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
             "--swap-space", str(self.swap_space),
             f"--{'' if self.enable_prefix_caching else 'no-'}enable-prefix-caching",
         ]  # fmt: skip
+        if self.gpu_memory_utilization is not None:
+            flags += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.max_num_batched_tokens is not None:
             flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return [*flags, "--enforce-eager"] if self.enforce_eager else flags

@@ -26,8 +26,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def serve_sessions(checkpoint: Path, gib: float) -> tuple[dict[str, list[int]], LoopStats]:
-    """Two sessions, each turn resending its whole context plus new tokens, over a pool of 10
+def serve_sessions(
+    checkpoint: Path, gib: float, device: str = "cpu"
+) -> tuple[dict[str, list[int]], LoopStats]:
+    """Two sessions, each turn resending its whole context plus new tokens, over a pool of 14
     blocks of 8 tokens: the sessions' contexts (up to 46 tokens each) evict each other."""
     runner = make_runner(
         checkpoint,
@@ -35,15 +37,16 @@ def serve_sessions(checkpoint: Path, gib: float) -> tuple[dict[str, list[int]], 
         max_model_len=64,
         kv_offloading_size=gib,
         num_cpu_blocks_override=0,
+        device=device,
     )
     config = EngineConfig(
         model="tiny",
-        device="cpu",
+        device=device,
         block_size=8,
         max_model_len=64,
         max_num_batched_tokens=16,
         max_num_seqs=2,
-        async_scheduling=False,
+        async_scheduling=device == "cuda",
         kv_offloading_size=gib,
     )
     engine = LLMEngine(config, runner, IdTokenizer().eos_token_ids)
