@@ -19,7 +19,8 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
 
     A frozen msgspec Struct rather than a frozen dataclass: the scheduler makes one for every
     scheduled sequence at every step, and a Struct is built in ~0.1 us where a frozen
-    dataclass takes ~2 us (256 of them a step; docs/benchmarks.md, run 37)."""
+    dataclass takes ~2 us (256 of them a step; docs/benchmarks-archive.md, "the host's
+    loop")."""
 
     request_id: str
     token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one decode token

@@ -1,6 +1,6 @@
 """A snapshot of the engine's state and cumulative counters, read by /metrics.
 
-Plain data: the server turns each field into the metric named in ARCHITECTURE.md.
+Plain data: the server turns each field into the metric named in docs/engine.md, "Metrics".
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ and whether a one-token layer runs fused (`model/gemv_choice.py` times them).
 They are made before the memory profile, over a scratch cache of a few blocks, so the profile
 steps and captures the kernels serving runs, and so what the timing leaves allocated (cuBLAS's
 workspaces, 32 MiB a stream on Hopper) is measured as the steps' memory rather than found
-beside the budget once serving (docs/benchmarks.md, run 32).
+beside the budget once serving (docs/benchmarks-archive.md, "what the start-up choices left
+outside the budget").
 
 The timed forward decodes one sequence at a context of `TIMING_CONTEXT` tokens, not a padding
 row over one: a kernel that loads its weights before waiting for the one ahead gains by as much
 as the attention ahead of it takes, and an attention over one token takes too little to show
-it (run 35: whole-row GEMV tiles tied at one token and served the 0.6B 57 us a token faster).
+it (the archive's "whole-row GEMV tiles": tied at one token, they served the 0.6B 57 us a token
+faster).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Run eagerly, a step with a prefill chunk in it launches about 170 Triton kernels and 110 matmuls
 on Qwen3-0.6B, and its host side takes 17-30 ms on an H200 machine, where a decode step of the
-same sequences replays its graph in 1.4-2.1 ms (docs/benchmarks.md, run 18): the device waits
+same sequences replays its graph in 1.4-2.1 ms (docs/benchmarks-archive.md, "mixed prefill +
+decode steps in piecewise CUDA graphs"): the device waits
 for the host. The step's shape depends on its sequences only through the attention, so the
 forward pass is cut at each layer's attention (`model/stages.py`): the dense stages of a padded
 row count are captured once, one graph each, and replayed with the attention launched eagerly

@@ -65,7 +65,8 @@ def longest_decodes_first(num_tokens: np.ndarray, starts: np.ndarray) -> np.ndar
 
     The decode kernel hands out a sequence's programs together, in row order
     (`kernels/decode_core.decode_program`): longest first, the last programs to start are
-    short, and a batch of mixed lengths ends together (docs/benchmarks.md, run 36)."""
+    short, and a batch of mixed lengths ends together (docs/benchmarks-archive.md, "a decode
+    launch's last wave")."""
     is_one = num_tokens == 1
     lead = len(num_tokens) if is_one.all() else int(is_one.argmin())
     contexts = starts[:lead]

@@ -5,8 +5,8 @@ one non-blocking copy, into one of two pinned host buffers; `PendingStep.result`
 copy alone. The engine reads a step's result before it launches the step after next, so two
 buffers, each with the event its copy records, suffice. The events are made once and recorded
 on the device's current stream, named: at batch 1 the host's step is as long as the device's,
-and asking torch for the current device on every record cost ~20 us of it (docs/benchmarks.md,
-run 34).
+and asking torch for the current device on every record cost ~20 us of it
+(docs/benchmarks-archive.md, "the batch-1 host step, as long as the device's").
 """
 
 from __future__ import annotations
