@@ -81,10 +81,20 @@ def memory_quantities(server: LLMServer, policy: MemoryPolicy) -> dict[str, str]
     given = server.spec.resources
     added = {}
     if given.requests.memory is None and memory.request is not None:
-        added["requests"] = f"{memory.request // MiB}Mi"
+        added["requests"] = _quantity(memory.request)
     if given.limits.memory is None and memory.limit is not None:
-        added["limits"] = f"{memory.limit // MiB}Mi"
+        added["limits"] = _quantity(memory.limit)
     return added
+
+
+def _quantity(num_bytes: int) -> str:
+    """Whole MiB in the API server's canonical form (the largest binary suffix that keeps an
+    integer: 50176Mi is written 49Gi), so what is rendered is what `kubectl get` shows."""
+    mib = num_bytes // MiB
+    for suffix, per in (("Ti", 1 << 20), ("Gi", 1 << 10)):
+        if mib % per == 0:
+            return f"{mib // per}{suffix}"
+    return f"{mib}Mi"
 
 
 def most_allocatable(nodes: Sequence[Mapping[str, Any]]) -> tuple[int, str] | None:

@@ -26,6 +26,9 @@ from pagekeeper_operator.api.policy import (
     BATCHED_TOKENS_RULE,
     BUDGETS_RULE,
     KV_CACHE_MEMORY_RULE,
+    KV_OFFLOAD_BACKEND_RULE,
+    KV_OFFLOAD_PREFIX_RULE,
+    KV_OFFLOAD_SIZE_RULE,
     NUM_SEQS_RULE,
     SPLIT_SIZE_RULE,
 )
@@ -142,6 +145,26 @@ CEL_CASES = [
         "spec.memoryPolicy.weights.cpuOffloadGiB",
         OFFLOAD_MEMORY_RULE,
     ),
+    (
+        {"memoryPolicy": {"kvOffload": {"size": "0Gi"}}},
+        "spec.memoryPolicy.kvOffload.size",
+        KV_OFFLOAD_SIZE_RULE,
+    ),
+    (
+        {"memoryPolicy": {"kvOffload": {"size": 0}}},
+        "spec.memoryPolicy.kvOffload.size",
+        KV_OFFLOAD_SIZE_RULE,
+    ),
+    (
+        {"memoryPolicy": {"enablePrefixCaching": False, "kvOffload": {"size": "8Gi"}}},
+        "spec.memoryPolicy.kvOffload",
+        KV_OFFLOAD_PREFIX_RULE,
+    ),
+    (
+        {"memoryPolicy": {"kvOffload": {"size": "8Gi", "backend": "lmcache"}}},
+        "spec.memoryPolicy.kvOffload.backend",
+        KV_OFFLOAD_BACKEND_RULE,
+    ),
     ({"tuning": {"objective": "ThroughputUnderTTFT"}}, "spec.tuning.ttftP99Seconds", TTFT_RULE),
     ({"tuning": {"objective": "ThroughputUnderITL"}}, "spec.tuning.itlP99Seconds", ITL_RULE),
     (
@@ -188,6 +211,13 @@ SCHEMA_CASES = [
         "spec.memoryPolicy.weights.cpuOffloadGiB",
     ),
     ({"tuning": {"windowSeconds": -5}}, "spec.tuning.windowSeconds"),
+    ({"memoryPolicy": {"kvOffload": {"size": "lots"}}}, "spec.memoryPolicy.kvOffload.size"),
+    ({"memoryPolicy": {"kvOffload": {"size": "-8Gi"}}}, "spec.memoryPolicy.kvOffload.size"),
+    ({"memoryPolicy": {"kvOffload": {}}}, "spec.memoryPolicy.kvOffload.size"),
+    (
+        {"memoryPolicy": {"kvOffload": {"size": "8Gi", "backend": "disk"}}},
+        "spec.memoryPolicy.kvOffload.backend",
+    ),
     # What the pod template copies, under the API server's own rules for pods.
     ({"podTemplate": {"env": [{"name": "A=B", "value": "1"}]}}, "spec.podTemplate.env[0].name"),
     (
@@ -293,6 +323,37 @@ def test_budgets_and_weights_that_fit_the_rules_are_stored(
     ):
         result = _apply(cluster, namespace, spec, name=name)
         assert result.returncode == 0, (name, result.stderr)
+
+
+def test_a_host_kv_tier_is_stored_beside_swap_and_under_either_runtime(
+    cluster: Cluster, namespace: str, llmserver_crd: Path
+) -> None:
+    """The tier and swap are separate host pools (both may be set on the paged engine); vllm
+    takes either backend; the backend defaults to native; the size stays as written."""
+    for name, spec in (
+        ("tier-swap", {"memoryPolicy": {"swapSpaceGiB": 4, "kvOffload": {"size": "32Gi"}}}),
+        ("tier-bytes", {"memoryPolicy": {"kvOffload": {"size": 34359738368}}}),
+        (
+            "tier-lmcache",
+            {
+                "runtime": "vllm",
+                "memoryPolicy": {"kvOffload": {"size": "1536Mi", "backend": "lmcache"}},
+            },
+        ),
+    ):
+        result = _apply(cluster, namespace, spec, name=name)
+        assert result.returncode == 0, (name, result.stderr)
+    stored = get_server(cluster, namespace, "tier-swap")["spec"]["memoryPolicy"]
+    assert (stored["kvOffload"], stored["swapSpaceGiB"]) == (
+        {"size": "32Gi", "backend": "native"},
+        4,
+    )
+    tier = get_server(cluster, namespace, "tier-lmcache")["spec"]["memoryPolicy"]["kvOffload"]
+    assert tier == {"size": "1536Mi", "backend": "lmcache"}
+    explain = cluster.kubectl("explain", "llmserver.spec.memoryPolicy.kvOffload.size")
+    assert "host memory of the KV tier per pod, total over the tensor-parallel ranks" in " ".join(
+        explain.stdout.split()
+    )
 
 
 def test_small_example_passes_a_server_side_dry_run(

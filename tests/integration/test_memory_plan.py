@@ -104,3 +104,42 @@ def test_fp8_weights_at_tensor_2_are_planned_and_rolled_out(
     wait_ready(cluster, namespace, NAME, 1)
     command = _deployment(cluster, namespace).spec.template.spec.containers[0].command
     assert command[command.index("--quantization") + 1] == "fp8"
+
+
+def test_a_host_tier_no_node_holds_is_refused_then_rolled_out_with_its_memory(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """The host side of the plan: kwok-gpu-0's 512Gi allocatable (hack/nodes.yaml) cannot hold
+    a 600Gi tier; a 32Gi one rolls out with the pod's memory request and limit from the plan."""
+    fitting = {**SPEC, "parallelism": {"tensor": 4}}
+    big = {**fitting, "memoryPolicy": {"maxModelLen": 32768, "kvOffload": {"size": "600Gi"}}}
+    apply_server(cluster, namespace, llmserver(NAME, big))
+    obj = wait_for(
+        lambda: _plan_state(cluster, namespace, "DoesNotFit"), timeout=60, what="DoesNotFit"
+    )
+    fits = _condition(obj, "PolicyFits")
+    assert (fits["status"], fits["reason"]) == ("False", "HostMemoryExceedsNodes")
+    assert fits["message"].startswith(
+        "the pod needs 617.00 GiB of host memory (kvOffload 600.00 GiB, processes 13.00 GiB, "
+        "sharedMemory 4.00 GiB), more than the 512.00 GiB allocatable on any candidate node "
+        "(the most: node kwok-gpu-0)"
+    )
+    host = obj["status"]["memoryPlan"]["host"]
+    assert (host["total"], host["nodeAllocatable"], host["node"]) == (
+        617 << 30,
+        512 << 30,
+        "kwok-gpu-0",
+    )
+    assert obj["status"]["memoryPlan"]["term"] == "kvOffload"
+    assert _deployment(cluster, namespace) is None
+
+    small = {**fitting, "memoryPolicy": {"maxModelLen": 32768, "kvOffload": {"size": "32Gi"}}}
+    apply_server(cluster, namespace, llmserver(NAME, small))
+    wait_for(lambda: _plan_state(cluster, namespace, "Fits"), timeout=60, what="Fits")
+    wait_ready(cluster, namespace, NAME, 1)
+    container = _deployment(cluster, namespace).spec.template.spec.containers[0]
+    # 32 GiB tier + 4 x 3 GiB GPU processes + 1 GiB front end + 4 GiB /dev/shm
+    assert container.resources.requests == {"memory": "49Gi"}
+    assert container.resources.limits == {"memory": "49Gi", "nvidia.com/gpu": "4"}
+    command = container.command
+    assert command[command.index("--kv-offloading-size") + 1] == "32"

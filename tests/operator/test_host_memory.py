@@ -60,8 +60,8 @@ def test_the_inputs_of_a_server() -> None:
 def test_a_tier_sets_the_pods_memory_request_and_limit() -> None:
     # 32 GiB tier + 2 x 3 GiB GPU processes + 1 GiB front end + 2 GiB /dev/shm (1Gi a GPU)
     assert _resources(TIER) == {
-        "requests": {"memory": "41984Mi"},
-        "limits": {"nvidia.com/gpu": "2", "memory": "41984Mi"},
+        "requests": {"memory": "41Gi"},
+        "limits": {"nvidia.com/gpu": "2", "memory": "41Gi"},
     }
 
 
@@ -75,12 +75,12 @@ def test_the_spec_keeps_what_it_sets_and_the_other_follows() -> None:
     request_only = _resources({**TIER, "resources": {"requests": {"memory": "50Gi"}}})
     assert request_only == {
         "requests": {"memory": "50Gi"},
-        "limits": {"nvidia.com/gpu": "2", "memory": "51200Mi"},
+        "limits": {"nvidia.com/gpu": "2", "memory": "50Gi"},
     }
     # A limit below the plan: the request is the limit (and PolicyFits says it is short).
     limit_only = _resources({**TIER, "resources": {"limits": {"memory": "40Gi"}}})
     assert limit_only == {
-        "requests": {"memory": "40960Mi"},
+        "requests": {"memory": "40Gi"},
         "limits": {"memory": "40Gi", "nvidia.com/gpu": "2"},
     }
 
@@ -97,7 +97,19 @@ def test_each_pinned_term_sets_the_memory(policy: dict[str, Any]) -> None:
     server = make_server({"memoryPolicy": policy})
     quantities = memory_quantities(server, effective_memory_policy(server))
     # 4 GiB pinned + 3 GiB core + 1 GiB front end + 1 GiB /dev/shm
-    assert quantities == {"requests": "9216Mi", "limits": "9216Mi"}
+    assert quantities == {"requests": "9Gi", "limits": "9Gi"}
+
+
+def test_the_memory_is_written_as_the_api_server_writes_it() -> None:
+    """Whole MiB, rounded up, in the largest binary suffix that keeps an integer."""
+    tier = {"memoryPolicy": {"kvOffload": {"size": "1000000000"}}}  # 953.67 MiB, rounded up
+    server = make_server(tier)
+    assert memory_quantities(server, effective_memory_policy(server)) == {
+        "requests": "6074Mi",  # 954 MiB + 5 GiB
+        "limits": "6074Mi",
+    }
+    server = make_server({"memoryPolicy": {"kvOffload": {"size": "1019Gi"}}})
+    assert memory_quantities(server, effective_memory_policy(server))["limits"] == "1Ti"
 
 
 def test_nothing_pinned_leaves_the_pods_resources_as_the_spec_has_them() -> None:

@@ -119,4 +119,4 @@ def test_a_tier_no_node_can_hold_gets_no_deployment() -> None:
     fitting = {**tier, "memoryPolicy": {"kvOffload": {"size": "32Gi"}}}
     reconcile(kube, _server(fitting), DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
     container = kube.objects[_deployment_key()]["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["memory"] == "37888Mi"  # 32 + 3 + 1 + 1 GiB
+    assert container["resources"]["limits"]["memory"] == "37Gi"  # 32 + 3 + 1 + 1 GiB
