@@ -13,15 +13,41 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, BlockSize, MemoryPolicy
-from pagekeeper_operator.api.types import ApiModel, Timestamp, cel, validations
+from pagekeeper_operator.api.tuning_status import (
+    MAX_HOLD_OFFS,
+    MAX_LOOKS,
+    MAX_OUTCOMES,
+    MAX_RECOMMENDATIONS,
+    ChangeSource,
+    DroppedRecommendation,
+    Evidence,
+    HoldOff,
+    Recommendation,
+    StepDownCaps,
+    TrialOutcome,
+    TrialRecord,
+    TunedChange,
+    TuningStatus,
+    TuningTrial,
+)
+from pagekeeper_operator.api.types import ApiModel, cel, validations
+
+__all__ = [
+    "MAX_HOLD_OFFS", "MAX_LOOKS", "MAX_OUTCOMES", "MAX_RECOMMENDATIONS", "ChangeSource",
+    "DroppedRecommendation", "Evidence", "HoldOff", "Recommendation", "StepDownCaps",
+    "TrialOutcome", "TrialRecord", "TunedChange", "TuningStatus", "TuningTrial",
+]  # fmt: skip
 
 TuningMode = Literal["Off", "Recommend", "Apply"]
 Objective = Literal["Throughput", "ThroughputUnderTTFT", "ThroughputUnderITL"]
-ChangeSource = Literal["Accepted", "Promoted"]
-TrialOutcome = Literal["Promoted", "RolledBack", "Skipped"]
-MAX_RECOMMENDATIONS = 16
-MAX_OUTCOMES = 20
-MAX_HOLD_OFFS = 32
+SecondaryFigure = Literal["PreemptionsPer1000Requests", "TTFTP99", "ITLP99"]
+SECONDARY_FIGURES: tuple[SecondaryFigure, ...] = ("PreemptionsPer1000Requests", "TTFTP99", "ITLP99")
+# A figure an objective bounds is not also a secondary figure: under the bound it is met, and
+# the objective says being further under it is worth nothing.
+BOUNDED_FIGURE: dict[Objective, SecondaryFigure] = {
+    "ThroughputUnderTTFT": "TTFTP99",
+    "ThroughputUnderITL": "ITLP99",
+}
 
 TTFT_RULE = cel(
     "self.objective != 'ThroughputUnderTTFT' || has(self.ttftP99Seconds)",
@@ -32,6 +58,16 @@ ITL_RULE = cel(
     "self.objective != 'ThroughputUnderITL' || has(self.itlP99Seconds)",
     "spec.tuning.itlP99Seconds is required when spec.tuning.objective is ThroughputUnderITL",
     ".itlP99Seconds",
+)
+SECONDARY_RULES = tuple(
+    cel(
+        f"self.objective != '{objective}' || !has(self.secondaryFigures)"
+        f" || !('{figure}' in self.secondaryFigures)",
+        f"spec.tuning.secondaryFigures must not name {figure} under objective {objective}: "
+        "the objective bounds it, and being further under the bound is worth nothing to it",
+        ".secondaryFigures",
+    )
+    for objective, figure in BOUNDED_FIGURE.items()
 )
 
 
@@ -105,7 +141,7 @@ class TuningBounds(ApiModel):
 class TuningSpec(ApiModel):
     """Let the operator recommend, or try and keep, better memory-policy values."""
 
-    model_config = ConfigDict(json_schema_extra=validations(TTFT_RULE, ITL_RULE))
+    model_config = ConfigDict(json_schema_extra=validations(TTFT_RULE, ITL_RULE, *SECONDARY_RULES))
 
     mode: TuningMode = Field(
         default="Recommend",
@@ -138,6 +174,18 @@ class TuningSpec(ApiModel):
         le=60.0,
         alias="itlP99Seconds",
         description="Inter-token latency p99 bound in seconds; required by ThroughputUnderITL.",
+    )
+    secondary_figures: list[SecondaryFigure] | None = Field(
+        default=None,
+        max_length=len(SECONDARY_FIGURES),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "Figures a trial may also win on (docs/memory-policy.md, Tuning): the canary wins "
+            "when its throughput is not worse beyond a 5% margin while one of these is "
+            "significantly better by a fifth: PreemptionsPer1000Requests, TTFTP99, ITLP99 "
+            "(lower is better). Unset: every figure the objective does not bound; []: "
+            "throughput alone. An objective's bounded figure may not be named."
+        ),
     )
     window_seconds: int = Field(
         default=900,
@@ -177,160 +225,22 @@ class TuningSpec(ApiModel):
             raise ValueError(TTFT_RULE["message"])
         if self.objective == "ThroughputUnderITL" and self.itl_p99_seconds is None:
             raise ValueError(ITL_RULE["message"])
+        named = self.secondary_figures or []
+        if len(set(named)) != len(named):
+            raise ValueError("spec.tuning.secondaryFigures names a figure twice")
+        for rule, (objective, figure) in zip(SECONDARY_RULES, BOUNDED_FIGURE.items(), strict=True):
+            if self.objective == objective and figure in named:
+                raise ValueError(rule["message"])
         return self
 
-
-class Evidence(ApiModel):
-    """One number from the metric window a recommendation rests on."""
-
-    name: str = Field(max_length=64, description="What was measured (e.g. prefixHitRate).")
-    value: float = Field(description="Its value over the window.")
-
-
-class Recommendation(ApiModel):
-    """A proposed change of one memory-policy field, with the numbers behind it."""
-
-    field: str = Field(
-        max_length=64,
-        description="The memoryPolicy field (camelCase, allocator.* for allocator options).",
-    )
-    current: str = Field(max_length=64, description="Its value in the effective policy.")
-    proposed: str = Field(max_length=64, description="The value proposed.")
-    rule: str = Field(max_length=64, description="The rule that proposed it.")
-    evidence: list[Evidence] = Field(
-        default_factory=list, max_length=16, description="Numbers from the window."
-    )
-    expected_effect: str = Field(max_length=512, description="What the change should do.")
-    confidence: float = Field(
-        ge=0.0, le=1.0, description="How sure the rule is, from its sample counts and margin."
-    )
-    since: Timestamp = Field(description="When first recommended (RFC 3339).")
-    does_not_fit: str | None = Field(
-        default=None,
-        max_length=512,
-        description=(
-            "Why the effective policy with this change would not fit its GPUs, from the memory "
-            "plan: accepted, its rollout would be held (PolicyFits False); Apply mode skips it. "
-            "Unset when it fits or the GPU is not known."
-        ),
-    )
-
-
-class TunedChange(ApiModel):
-    """One change in the tuning layer of the effective policy (never in spec)."""
-
-    field: str = Field(max_length=64, description="The memoryPolicy field.")
-    value: str = Field(max_length=64, description="The value the pods run with.")
-    spec_value: str = Field(
-        max_length=64,
-        description=(
-            "spec.memoryPolicy's value when it was made; the change lapses when spec's value "
-            "changes (for instance once it is carried into Git)."
-        ),
-    )
-    source: ChangeSource = Field(
-        description="Accepted (by annotation) or Promoted (a canary measured a win)."
-    )
-    rule: str = Field(default="", max_length=64, description="The rule that proposed it.")
-    time: Timestamp = Field(description="When it entered the layer (RFC 3339).")
-
-
-class TuningTrial(ApiModel):
-    """The change a canary is trying now (Apply mode)."""
-
-    field: str = Field(max_length=64, description="The memoryPolicy field under trial.")
-    current: str = Field(max_length=64, description="Its value on the baseline pods.")
-    proposed: str = Field(max_length=64, description="Its value on the canary pods.")
-    rule: str = Field(max_length=64, description="The rule that proposed it.")
-    started_at: Timestamp = Field(description="When the canary started (RFC 3339).")
-    baseline_policy_hash: str | None = Field(
-        default=None,
-        max_length=64,
-        description=(
-            "Hash of the effective policy the other pods ran when the trial started; once it "
-            "differs (a step-down after an OOM, a spec change, an accepted recommendation) the "
-            "trial is rolled back, since its canary and baseline no longer differ by its change "
-            "alone."
-        ),
-    )
-
-
-class TrialRecord(ApiModel):
-    """The outcome of one trial, with the numbers it was decided on."""
-
-    field: str = Field(max_length=64, description="The memoryPolicy field tried.")
-    current: str = Field(max_length=64, description="Its value before.")
-    proposed: str = Field(max_length=64, description="The value tried.")
-    outcome: TrialOutcome = Field(
-        description=(
-            "Promoted (a measured win), RolledBack (a loss, a tie, a failed canary, or a "
-            "candidate that stopped fitting), or Skipped (the candidate does not fit its GPUs: "
-            "no canary ran)."
-        )
-    )
-    time: Timestamp = Field(description="When it was decided (RFC 3339).")
-    evidence: list[Evidence] = Field(
-        default_factory=list,
-        max_length=16,
-        description="Canary and baseline means, improvement, noise, p-value, sample counts.",
-    )
-    message: str = Field(default="", max_length=1024, description="Why, in words.")
-
-
-class HoldOff(ApiModel):
-    """A field the tuner does not propose to change until a time."""
-
-    field: str = Field(max_length=64, description="The memoryPolicy field.")
-    value: str = Field(max_length=64, description="The value that was rolled back or left.")
-    until: Timestamp = Field(description="End of the hold-off (RFC 3339).")
-
-
-class StepDownCaps(ApiModel):
-    """The adaptive step-down layer: caps the effective policy keeps after OOM crashes."""
-
-    gpu_memory_utilization: float | None = Field(
-        default=None, description="Cap on gpuMemoryUtilization."
-    )
-    max_num_batched_tokens: int | None = Field(
-        default=None, description="Cap on maxNumBatchedTokens."
-    )
-    spec_memory_policy_hash: str = Field(
-        max_length=64, description="The spec.memoryPolicy the caps were made under."
-    )
-
-
-class TuningStatus(ApiModel):
-    """The tuner's state: the layers it adds to the policy and, in Apply mode, its trials."""
-
-    changes: list[TunedChange] = Field(
-        default_factory=list,
-        max_length=MAX_RECOMMENDATIONS,
-        description="The tuning layer of the effective policy: accepted and promoted changes.",
-    )
-    step_down: StepDownCaps | None = Field(
-        default=None,
-        description="The adaptive step-down layer on top of it (spec.remediation.adaptive).",
-    )
-    trial: TuningTrial | None = Field(
-        default=None, description="The change a canary is trying now (Apply mode)."
-    )
-    history: list[TrialRecord] = Field(
-        default_factory=list,
-        max_length=MAX_OUTCOMES,
-        description="Outcomes of the latest trials, oldest first.",
-    )
-    day: str | None = Field(
-        default=None, max_length=16, description="UTC day (YYYY-MM-DD) changesToday counts."
-    )
-    changes_today: int = Field(default=0, ge=0, description="Trials started on that day.")
-    hold_offs: list[HoldOff] = Field(
-        default_factory=list,
-        max_length=MAX_HOLD_OFFS,
-        description="Fields not proposed again until their time (spec.tuning.holdOffSeconds).",
-    )
-    message: str = Field(
-        default="", max_length=1024, description="Why there is no recommendation, if none."
-    )
+    @property
+    def secondaries(self) -> tuple[SecondaryFigure, ...]:
+        """The secondary figures in force: those named, else every one the objective does not
+        bound."""
+        if self.secondary_figures is not None:
+            return tuple(self.secondary_figures)
+        bounded = BOUNDED_FIGURE.get(self.objective)
+        return tuple(f for f in SECONDARY_FIGURES if f != bounded)
 
 
 def _order_rule(field: str) -> dict[str, str]:

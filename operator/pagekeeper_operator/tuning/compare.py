@@ -1,38 +1,89 @@
-"""Canary against baseline (pure): did the change measurably win?
+"""Canary against baseline (pure): did the change win, lose, tie, or can this window not tell?
 
-The samples are output tokens/s per pod, `observe.SAMPLES_PER_WINDOW` of them over the same
-window (each over its own stretch of it), canary pods against baseline pods. The rule
-(docs/memory-policy.md, Tuning):
+The samples are per pod, one per stretch of the trial's window (`trial_queries`), canary pods
+against baseline pods: output tokens/s (the primary figure) and the secondary figures the
+objective names (`TuningSpec.secondaries`): preemptions per 1,000 requests, TTFT p99 and ITL
+p99 of each stretch (lower is better). The rule (docs/memory-policy.md, Tuning), every test one
+sided and rank based (`stats`), each at its share of ALPHA:
 
-- at least MIN_SAMPLES samples on each side, else no verdict yet;
-- improvement = (mean canary - mean baseline) / mean baseline;
-- noise = twice the standard error of that difference, relative to the baseline mean (Welch's:
-  sqrt(s_c^2 / n_c + s_b^2 / n_b) / mean_b);
-- a one-sided Mann-Whitney U test (normal approximation with tie correction, no assumption of
-  normal throughput) gives p for "canary samples tend to be larger";
-- a win needs improvement > max(noise, MIN_GAIN) and p < ALPHA, and under a bounded objective
-  the canary's p99 (TTFT or ITL) within its bound;
-- under a bounded objective the baseline's p99 can break the bound, by more than P99_MARGIN,
-  while the canary's holds it: then the canary wins whatever its throughput, since under the
-  objective a pod past its bound scores nothing. Meeting the bound is the gain: an open-loop
-  burst offers both sides the same tokens, and halving the prefill chunk for ITL costs some.
-Everything else, ties included, is not a win and is rolled back: keeping a change needs
-evidence, dropping one does not.
+- **win on throughput**: the canary's tokens/s higher than the baseline's by more than MIN_GAIN;
+- **win on a secondary figure**: tokens/s not lower by more than NON_INFERIORITY_MARGIN, and a
+  named figure lower by more than SECONDARY_MIN_GAIN;
+- **loss**: tokens/s lower by more than MIN_GAIN, or a named figure higher by more than
+  SECONDARY_MIN_GAIN (the canary not a win);
+- **tie**: none of those, and no gain still in sight: the observed tokens/s gain is under
+  MIN_GAIN and no named figure is observed lower by SECONDARY_MIN_GAIN with tokens/s within
+  the margin. Then more samples would not make a win (each test's statistic points away);
+- **inconclusive**: an observed gain as large as the rule asks that is not yet significant
+  (too few samples, too noisy): `decide` extends the trial.
+
+The spread of the samples (`noise`, twice the standard error of the difference of the means) is
+reported as evidence, never a threshold: the tests already weigh it, and asking the gain to
+clear it as well counts the noise twice, so a noisy workload could never win.
+
+The trial's false-win rate is at most ALPHA: each of the MAX_LOOKS looks gets ALPHA / MAX_LOOKS,
+split between the two ways to win (Bonferroni), the secondary way's share again among its
+figures; its non-inferiority test and its figure's test must both pass (an intersection-union
+test keeps their level). Under a bounded objective the canary's p99 over the window must hold
+the bound, and a canary that holds a bound the baseline breaks by more than P99_MARGIN wins
+whatever its throughput: under the objective a pod past its bound scores nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import fmean, variance
+from typing import Literal
 
-ALPHA = 0.05
-MIN_GAIN = 0.03
+from pagekeeper_operator.api.tuning import MAX_LOOKS, SecondaryFigure
+from pagekeeper_operator.tuning.stats import median, p_higher, p_lower
+
+Verdict = Literal["Win", "Loss", "Tie", "Inconclusive"]
+ALPHA = 0.05  # a trial's false-win rate, over all its looks
+LOOK_ALPHA = ALPHA / MAX_LOOKS
+MIN_GAIN = 0.03  # the smallest throughput gain worth a change
+NON_INFERIORITY_MARGIN = 0.05  # the throughput a secondary figure's gain may cost
+SECONDARY_MIN_GAIN = 0.2  # a fifth off a tail or off the preemptions is worth that margin
 MIN_SAMPLES = 8
 # How far past its bound the baseline's p99 must be for a canary within it to win on the bound:
 # a p99 is one estimate from a histogram, so a baseline just over the bound is no evidence.
 P99_MARGIN = 0.1
+# figure -> (its words, its evidence name, how a side's samples are summed up)
+FIGURES: dict[SecondaryFigure, tuple[str, str, str]] = {
+    "PreemptionsPer1000Requests": ("preemptions/1k requests", "PreemptionsPer1k", "mean"),
+    "TTFTP99": ("TTFT p99", "TtftP99Seconds", "median"),
+    "ITLP99": ("ITL p99", "ItlP99Seconds", "median"),
+}
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One figure's samples, a side each."""
+
+    canary: Sequence[float]
+    baseline: Sequence[float]
+
+
+@dataclass(frozen=True)
+class FigureResult:
+    """A secondary figure's summaries (mean of a rate, median of a p99) and its tests."""
+
+    figure: SecondaryFigure
+    canary: float
+    baseline: float
+    p_better: float  # lower on the canary by more than SECONDARY_MIN_GAIN
+    p_worse: float  # higher on the canary by more than SECONDARY_MIN_GAIN
+
+    @property
+    def change(self) -> float:
+        if self.baseline > 0:
+            return (self.canary - self.baseline) / self.baseline
+        return 0.0 if self.canary <= 0 else math.inf
+
+    def text(self, p: float) -> str:
+        return f"{FIGURES[self.figure][0]} {self.change:+.0%} (p = {p:.3g})"
 
 
 @dataclass(frozen=True)
@@ -43,13 +94,18 @@ class Comparison:
     baseline_mean: float
     improvement: float
     noise: float
-    p_value: float
+    p_value: float  # tokens/s higher by more than MIN_GAIN
     num_canary: int
     num_baseline: int
-    is_win: bool
+    verdict: Verdict
     reason: str
     canary_p99: float | None = None  # seconds, under a bounded objective
     baseline_p99: float | None = None
+    figures: tuple[FigureResult, ...] = ()
+
+    @property
+    def is_win(self) -> bool:
+        return self.verdict == "Win"
 
     def evidence(self) -> dict[str, float]:
         numbers = {
@@ -62,47 +118,85 @@ class Comparison:
             "baselineSamples": float(self.num_baseline),
         }
         p99s = {"canaryP99Seconds": self.canary_p99, "baselineP99Seconds": self.baseline_p99}
+        for f in self.figures:
+            name = FIGURES[f.figure][1]
+            p99s |= {f"canary{name}": f.canary, f"baseline{name}": f.baseline}
         return numbers | {k: round(v, 4) for k, v in p99s.items() if v is not None}
 
 
-def mann_whitney_greater(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """One-sided p-value that values of `xs` tend to exceed those of `ys` (normal
-    approximation with continuity and tie corrections)."""
-    n_x, n_y = len(xs), len(ys)
-    pooled = sorted([(v, 0) for v in xs] + [(v, 1) for v in ys])
-    ranks = [0.0] * len(pooled)
-    tie_term = 0.0
-    i = 0
-    while i < len(pooled):
-        j = i
-        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[k] = (i + j) / 2 + 1  # the average rank of a tie group
-        size = j - i + 1
-        tie_term += size**3 - size
-        i = j + 1
-    rank_sum_x = sum(r for r, (_, side) in zip(ranks, pooled, strict=True) if side == 0)
-    u = rank_sum_x - n_x * (n_x + 1) / 2
-    n = n_x + n_y
-    var = n_x * n_y / 12 * ((n + 1) - tie_term / (n * (n - 1)))
-    if var <= 0:
-        return 0.5  # every value equal: no evidence either way
-    z = (u - n_x * n_y / 2 - 0.5) / math.sqrt(var)
-    return 0.5 * math.erfc(z / math.sqrt(2))
+def _summary(figure: SecondaryFigure, values: Sequence[float]) -> float:
+    return fmean(values) if FIGURES[figure][2] == "mean" else median(values)
+
+
+def _figures(secondary: Mapping[SecondaryFigure, Samples]) -> tuple[FigureResult, ...]:
+    """Each figure with enough samples a side, tested (a figure without is left out)."""
+    return tuple(
+        FigureResult(
+            figure,
+            _summary(figure, s.canary),
+            _summary(figure, s.baseline),
+            p_lower(s.canary, s.baseline, SECONDARY_MIN_GAIN),
+            p_higher(s.canary, s.baseline, SECONDARY_MIN_GAIN),
+        )
+        for figure, s in secondary.items()
+        if min(len(s.canary), len(s.baseline)) >= MIN_SAMPLES
+    )
+
+
+def _verdict(
+    canary: Sequence[float],
+    baseline: Sequence[float],
+    improvement: float,
+    p_gain: float,
+    figures: tuple[FigureResult, ...],
+    num_named: int,
+) -> tuple[Verdict, str]:
+    """The verdict on throughput and the secondary figures (see the module docstring)."""
+    primary_alpha = LOOK_ALPHA / 2 if num_named else LOOK_ALPHA
+    figure_alpha = LOOK_ALPHA / 2 / max(1, num_named)
+    gain = f"{improvement:+.1%} tokens/s"
+    if p_gain < primary_alpha:
+        return "Win", f"{gain}, more than +{MIN_GAIN:.0%} (p = {p_gain:.3g})"
+    p_within = p_higher(canary, baseline, -NON_INFERIORITY_MARGIN)
+    within = f"{gain}, not below -{NON_INFERIORITY_MARGIN:.0%} (p = {p_within:.3g})"
+    better = sorted((f for f in figures if f.p_better < figure_alpha), key=lambda f: f.p_better)
+    if better and p_within < LOOK_ALPHA / 2:
+        return "Win", f"{better[0].text(better[0].p_better)} with {within}"
+    p_loss = p_lower(canary, baseline, MIN_GAIN)
+    if p_loss < primary_alpha:
+        return "Loss", f"{gain}, less than -{MIN_GAIN:.0%} (p = {p_loss:.3g})"
+    worse = sorted((f for f in figures if f.p_worse < figure_alpha), key=lambda f: f.p_worse)
+    if worse:
+        return "Loss", f"{worse[0].text(worse[0].p_worse)} with {gain}"
+    if improvement >= MIN_GAIN:
+        return "Inconclusive", (
+            f"{gain} is not yet significant (p = {p_gain:.3g} against {primary_alpha:.3g})"
+        )
+    hoped = [f for f in figures if -f.change >= SECONDARY_MIN_GAIN]
+    if hoped and improvement >= -NON_INFERIORITY_MARGIN:
+        waiting = " and ".join(
+            f.text(f.p_better) for f in hoped if f.p_better >= figure_alpha
+        ) or within  # fmt: skip
+        return "Inconclusive", f"{waiting} is not yet significant"
+    others = ", and no secondary figure a fifth lower" if figures else ""
+    return "Tie", f"{gain}, under +{MIN_GAIN:.0%}{others}"
 
 
 def compare(
     canary: Sequence[float],
     baseline: Sequence[float],
     *,
+    secondary: Mapping[SecondaryFigure, Samples] | None = None,
     canary_p99: float | None = None,
     p99_bound: float | None = None,
     baseline_p99: float | None = None,
 ) -> Comparison | None:
-    """The verdict on the samples; None while either side has fewer than MIN_SAMPLES."""
+    """The verdict on the samples; None while either side has fewer than MIN_SAMPLES tokens/s
+    samples. `secondary`: the figures the objective names (each judged only with MIN_SAMPLES
+    a side); `p99_bound`: the bounded objective's, with both sides' p99 over the window."""
     if len(canary) < MIN_SAMPLES or len(baseline) < MIN_SAMPLES:
         return None
+    secondary = secondary or {}
     mean_c, mean_b = fmean(canary), fmean(baseline)
     if mean_b <= 0:
         improvement = math.inf if mean_c > 0 else 0.0
@@ -111,32 +205,28 @@ def compare(
         improvement = (mean_c - mean_b) / mean_b
         error = math.sqrt(variance(canary) / len(canary) + variance(baseline) / len(baseline))
         noise = 2 * error / mean_b
-    p_value = mann_whitney_greater(canary, baseline)
-    needed = max(noise, MIN_GAIN)
+    p_gain = p_higher(canary, baseline, MIN_GAIN)
+    figures = _figures(secondary)
+    verdict: Verdict
     if p99_bound is not None and (canary_p99 is None or canary_p99 > p99_bound):
         shown = "no p99" if canary_p99 is None else f"p99 {canary_p99:.3g}s"
-        is_win, reason = False, f"the canary's {shown} is not within the {p99_bound:g}s bound"
+        verdict, reason = "Loss", f"the canary's {shown} is not within the {p99_bound:g}s bound"
     elif (
         p99_bound is not None
         and baseline_p99 is not None
         and baseline_p99 > p99_bound * (1 + P99_MARGIN)
     ):
-        is_win = True
+        verdict = "Win"
         reason = (
             f"the canary's p99 {canary_p99:.3g}s meets the {p99_bound:g}s bound that the "
-            f"baseline's {baseline_p99:.3g}s breaks ({improvement:+.1%} tokens/s, noise "
-            f"{noise:.1%})"
+            f"baseline's {baseline_p99:.3g}s breaks ({improvement:+.1%} tokens/s)"
         )
-    elif improvement <= needed:
-        is_win = False
-        reason = f"improvement {improvement:+.1%} is not above max(noise {noise:.1%}, 3%)"
-    elif p_value >= ALPHA:
-        is_win, reason = False, f"p = {p_value:.3f} is not below {ALPHA}"
     else:
-        is_win = True
-        reason = f"{improvement:+.1%} tokens/s (noise {noise:.1%}, p = {p_value:.3f})"
+        verdict, reason = _verdict(canary, baseline, improvement, p_gain, figures, len(secondary))
     return Comparison(
-        mean_c, mean_b, improvement, noise, p_value, len(canary), len(baseline), is_win, reason,
+        mean_c, mean_b, improvement, noise, p_gain, len(canary), len(baseline), verdict,
+        f"{reason}; noise {noise:.1%}",
         canary_p99 if p99_bound is not None else None,
         baseline_p99 if p99_bound is not None else None,
+        figures,
     )  # fmt: skip

@@ -12,17 +12,21 @@ policy plus the top recommendation, the other pods the effective policy. Each re
   the old one, so the window would measure more than its change. Its field is held like any
   other's; the new policy then rolls as any change does, and the next trial starts over it;
 - a trial `windowSeconds` old is compared (`compare`): a win is promoted into the tuning layer
-  of the effective policy, a loss or a tie is rolled back. No verdict yet (too few samples)
-  waits, up to twice the window, then rolls back;
+  of the effective policy, a loss or a tie is rolled back. A window that cannot decide (too
+  few samples, or an observed gain not yet significant) extends the trial (`looks`): it is
+  judged once more over its whole run, MAX_LOOKS windows, at once and not at each reconcile,
+  since every look spends its share of the error rate. The last look that cannot decide ends
+  it Inconclusive: rolled back, never counted a loss, and held off for a quarter as long;
 - with no trial, under the daily cap, the top recommendation starts one;
 - a candidate that does not fit its GPUs (`unfit`: the memory plan's gate would hold its
   rollout, so no canary would ever run) is never waited on: a trial under way ends RolledBack,
   and a recommendation about to start one is Skipped (not counted against the daily cap) and
   the next one that fits starts instead.
 
-Every decided (or skipped) trial puts its field on hold for `holdOffSeconds`, whatever the
-outcome: a rolled back value is not tried again, and a promoted one is not undone by the next
-window's noise (no A -> B -> A). The rules never propose a held field.
+Every decided (or skipped) trial puts its field on hold for `holdOffSeconds` (a quarter of it
+when inconclusive: the change may yet win under a steadier load), whatever the outcome: a
+rolled back value is not tried again, and a promoted one is not undone by the next window's
+noise (no A -> B -> A). The rules never propose a held field.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Literal
 
 from pagekeeper_operator.api.tuning import (
     MAX_HOLD_OFFS,
+    MAX_LOOKS,
     MAX_OUTCOMES,
     Evidence,
     HoldOff,
@@ -48,6 +53,7 @@ from pagekeeper_operator.api.tuning import (
 from pagekeeper_operator.tuning.compare import Comparison
 
 EventType = Literal["Normal", "Warning"]
+INCONCLUSIVE_HOLD_OFF_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,9 @@ def held_fields(status: TuningStatus | None, now: datetime) -> set[str]:
 
 
 def _hold(
-    status: TuningStatus, spec: TuningSpec, trial: TuningTrial, now: datetime
+    status: TuningStatus, spec: TuningSpec, trial: TuningTrial, now: datetime, fraction: float
 ) -> list[HoldOff]:
-    until = now + timedelta(seconds=spec.hold_off_seconds)
+    until = now + timedelta(seconds=spec.hold_off_seconds * fraction)
     kept = [h for h in status.hold_offs if h.field != trial.field]
     return [*kept, HoldOff(field=trial.field, value=trial.current, until=until)][-MAX_HOLD_OFFS:]
 
@@ -115,6 +121,7 @@ def _finish(
     evidence: dict[str, float],
     now: datetime,
 ) -> TuningStatus:
+    fraction = INCONCLUSIVE_HOLD_OFF_FRACTION if outcome == "Inconclusive" else 1.0
     record = TrialRecord(
         field=trial.field,
         current=trial.current,
@@ -128,7 +135,7 @@ def _finish(
         update={
             "trial": None,
             "history": [*status.history, record][-MAX_OUTCOMES:],
-            "hold_offs": _hold(status, spec, trial, now),
+            "hold_offs": _hold(status, spec, trial, now, fraction),
         }
     )
 
@@ -146,18 +153,29 @@ def _judge(
         message = f"{change} rolled back: the canary failed ({evidence.canary_failure})"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    started = trial.started_at
-    age = (now - started).total_seconds()
-    comparison = evidence.comparison if evidence is not None else None
-    if age < spec.window_seconds or (comparison is None and age < 2 * spec.window_seconds):
+    age = (now - trial.started_at).total_seconds()
+    if age < (trial.looks + 1) * spec.window_seconds:
         return Decision(status)
-    if comparison is None:
-        message = f"{change} rolled back: too few samples after {int(age)}s to tell"
-        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
-        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    comparison = evidence.comparison if evidence is not None else None
+    if comparison is None or comparison.verdict == "Inconclusive":
+        why = f"too few samples after {int(age)}s" if comparison is None else comparison.reason
+        numbers = {} if comparison is None else comparison.evidence()
+        if trial.looks + 1 < MAX_LOOKS:
+            windows = trial.looks + 2
+            extended = trial.model_copy(update={"looks": trial.looks + 1,
+                                                "extended_because": why[:1024]})  # fmt: skip
+            message = (
+                f"{change} runs on: the window could not decide ({why}); it is judged again "
+                f"over {windows} windows ({windows * spec.window_seconds}s)"
+            )
+            waiting = status.model_copy(update={"trial": extended})
+            return Decision(waiting, [TuningEvent("Normal", "TuningTrialExtended", message)])
+        message = f"{change} inconclusive, rolled back: {why}"
+        ended = _finish(status, spec, trial, "Inconclusive", message, numbers, now)
+        return Decision(ended, [TuningEvent("Warning", "TuningTrialInconclusive", message)])
     numbers = comparison.evidence()
     if not comparison.is_win:
-        message = f"{change} rolled back: {comparison.reason}"
+        message = f"{change} rolled back ({comparison.verdict.lower()}): {comparison.reason}"
         rolled = _finish(status, spec, trial, "RolledBack", message, numbers, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     message = f"{change} promoted: {comparison.reason}"

@@ -15,7 +15,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.effective import compose
-from pagekeeper_operator.prometheus import PrometheusError
+from pagekeeper_operator.prometheus import PrometheusError, query_samples
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
@@ -23,21 +23,28 @@ from pagekeeper_operator.tuning.observe import (
     Scope,
     num_samples,
     observe_server,
-    pod_samples,
     records_since,
+    sample_step,
     scope_p99,
+)
+from pagekeeper_operator.tuning.trial_queries import (
+    pooled,
+    secondary_samples,
+    throughput_samples_query,
 )
 from pagekeeper_operator.tuning.tuner import Observation, with_trial
 from pagekeeper_operator.tuning.window import MetricWindow
 
 NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
-# The canary's own clock never promotes a trial; `decide` ends it within twice the window.
+# The canary's own clock never promotes a trial; `decide` ends it within MAX_LOOKS windows.
 TRIAL_ANALYSIS_SECONDS = 7 * 24 * 3600
 FULL_COVERAGE = 0.75  # of a window's samples, for each canary pod
 MIN_REFRESH_SECONDS = 5
 
 
-def is_covered(by_pod: Mapping[str, Sequence[float]], seconds: int) -> bool:
+def is_covered(
+    by_pod: Mapping[str, Sequence[float]], seconds: int, step: int | None = None
+) -> bool:
     """Whether every canary pod with samples in the window served (nearly) all of it.
 
     A pod that started serving within the window would be judged on its start, so the trial
@@ -47,7 +54,8 @@ def is_covered(by_pod: Mapping[str, Sequence[float]], seconds: int) -> bool:
     the successor has FULL_COVERAGE of it, so an eviction in a trial's first window still gets
     a verdict within twice the window, and no pod is judged on part of one.
     """
-    full = FULL_COVERAGE * num_samples(seconds)
+    expected = num_samples(seconds) if step is None else seconds // step
+    full = FULL_COVERAGE * expected
     return bool(by_pod) and min(len(s) for s in by_pod.values()) >= full
 
 
@@ -78,22 +86,29 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
     trial = status.tuning.trial if status.tuning is not None else None
     if trial is None:
         return None
-    started = trial.started_at
     failure = canary_failure(server, now)
     if failure is not None:
         return TrialEvidence(None, canary_failure=failure)
-    seconds = int(min(spec.window_seconds, (now - started).total_seconds()))
-    if seconds < spec.window_seconds:
+    # The look due: the trial's whole run so far, `looks + 1` windows (`decide`).
+    seconds = (trial.looks + 1) * spec.window_seconds
+    if (now - trial.started_at).total_seconds() < seconds:
         return TrialEvidence(None)  # `decide` waits for the whole window
+    step = sample_step(spec.window_seconds)
     name, namespace = server.metadata.name, server.metadata.namespace
     # Canary pods are <name>-canary-<hash>-<id>; the others <name>-<hash>-<id>.
     canary_scope = Scope(namespace, name, f"{name}{CANARY_SUFFIX}-.*")
     baseline_scope = Scope(namespace, name, f"{name}-[a-z0-9]+-[a-z0-9]+")
-    by_pod = pod_samples(url, canary_scope, seconds)
-    if not is_covered(by_pod, seconds):
+
+    def query(promql: str, label: str) -> dict[str, list[float]]:
+        return query_samples(url, promql, label)
+
+    by_pod = query(throughput_samples_query(canary_scope, seconds, step), "pod")
+    if not is_covered(by_pod, seconds, step):
         return TrialEvidence(None)
-    canary_samples = [v for s in by_pod.values() for v in s]
-    baseline_samples = [v for s in pod_samples(url, baseline_scope, seconds).values() for v in s]
+    baseline = pooled(query(throughput_samples_query(baseline_scope, seconds, step), "pod"))
+    secondary = secondary_samples(
+        query, spec.secondaries, canary_scope, baseline_scope, seconds, step
+    )
     histogram, bound = {
         "ThroughputUnderTTFT": ("vllm:time_to_first_token_seconds", spec.ttft_p99_seconds),
         "ThroughputUnderITL": ("vllm:inter_token_latency_seconds", spec.itl_p99_seconds),
@@ -103,8 +118,9 @@ def _trial_evidence(server: LLMServer, url: str, now: datetime) -> TrialEvidence
         for scope in (canary_scope, baseline_scope)
     ]
     verdict = compare(
-        canary_samples, baseline_samples, canary_p99=p99s[0], p99_bound=bound, baseline_p99=p99s[1]
-    )
+        pooled(by_pod), baseline, secondary=secondary,
+        canary_p99=p99s[0], p99_bound=bound, baseline_p99=p99s[1],
+    )  # fmt: skip
     return TrialEvidence(verdict)
 
 

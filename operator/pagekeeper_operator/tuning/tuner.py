@@ -10,8 +10,10 @@ Apply-mode decision, and the Events to post.
   no Event; a new or changed one posts a `TuningRecommendation` Event.
 - Without a window (Prometheus away) the previous recommendations stay as they were.
 - Each recommendation is planned on the server's GPUs (`does_not_fit`, the memory plan's
-  gate): one whose candidate (the effective policy with it) does not fit says why in
-  `doesNotFit`, in Recommend mode too, since accepting it would only hold the rollout.
+  gate): one whose candidate (the effective policy with it) does not fit is left out of
+  `status.recommendations` in every mode, since accepting it would only hold the rollout, and
+  listed in `status.tuning.dropped` with the plan's reason (a `TuningRecommendationDropped`
+  Event when it is new, outside Apply mode, whose skip posts its own).
 - In Apply mode `decide` starts, judges and ends trials. A candidate (with a recommendation,
   or with the change under trial) that does not fit starts no canary: the gate would hold its
   rollout, so the trial is skipped, or ended, at once instead of waiting out its window.
@@ -28,6 +30,7 @@ from datetime import datetime
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.tuning import (
+    DroppedRecommendation,
     Evidence,
     Recommendation,
     StepDownCaps,
@@ -50,6 +53,7 @@ from pagekeeper_operator.tuning.window import MetricWindow
 
 ACCEPT_ANNOTATION = "pagekeeper.dev/accept-recommendation"
 NO_CHANGE_MESSAGE = "the window supports no change"
+NO_FIT_MESSAGE = "no recommended change fits the GPUs (status.tuning.dropped says why)"
 # The candidate server -> why its policy does not fit its GPUs, or None (fits, or unknown).
 FitCheck = Callable[[LLMServer], str | None]
 
@@ -129,10 +133,22 @@ def _recommendation(
 
 def describe(rec: Recommendation) -> str:
     numbers = ", ".join(f"{e.name}={e.value:g}" for e in rec.evidence)
-    unfit = f"; it does not fit ({rec.does_not_fit})" if rec.does_not_fit else ""
     return (
         f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}, confidence "
-        f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]{unfit}"
+        f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]"
+    )
+
+
+def _dropped(rec: Recommendation, reason: str) -> DroppedRecommendation:
+    return DroppedRecommendation(
+        field=rec.field, current=rec.current, proposed=rec.proposed, rule=rec.rule, reason=reason
+    )
+
+
+def describe_dropped(dropped: DroppedRecommendation) -> str:
+    return (
+        f"{dropped.field} {dropped.current} -> {dropped.proposed} ({dropped.rule}) is not "
+        f"recommended: the candidate does not fit ({dropped.reason})"
     )
 
 
@@ -242,25 +258,45 @@ def tune(
             if r.field not in held and r.current == read_field(policy, r.field)
         ]  # fmt: skip
     unfit = _unfit(layered, [_as_trial(r, now) for r in recommendations], does_not_fit)
-    recommendations = [
-        r.model_copy(update={"does_not_fit": unfit.get(r.field)}) for r in recommendations
-    ]
+    dropped = [_dropped(r, unfit[r.field]) for r in recommendations if r.field in unfit]
+    if observation.window is None and spec.mode != "Off":
+        # what the last window dropped stays, as its recommendations do
+        held, named = held_fields(status, now), {d.field for d in dropped}
+        dropped += [
+            d for d in status.dropped
+            if d.field not in held | named and d.current == read_field(policy, d.field)
+        ]  # fmt: skip
+    # Apply mode still sees the dropped ones, to record them Skipped and hold their fields.
+    candidates, recommendations = (
+        recommendations,
+        [r for r in recommendations if r.field not in unfit],
+    )
     seen = {(r.field, r.proposed) for r in previous}
     events += [
         TuningEvent("Normal", "TuningRecommendation", describe(r))
         for r in recommendations
         if (r.field, r.proposed) not in seen
     ]
+    # Apply mode's TuningTrialSkipped says it for the ones it would have tried.
+    told = {(d.field, d.proposed, d.reason) for d in status.dropped}
+    events += [
+        TuningEvent("Warning", "TuningRecommendationDropped", describe_dropped(d))
+        for d in dropped
+        if (d.field, d.proposed, d.reason) not in told and spec.mode != "Apply"
+    ]
+    status = status.model_copy(update={"dropped": dropped})
     spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
     if status.trial is not None:
         unfit = _unfit(layered, [status.trial], does_not_fit)
     baseline = Baseline(memory_policy_hash(policy), baseline_change(server, effective))
     decision = decide(
-        spec, status, recommendations, observation.trial, spec_values, now, unfit, baseline
+        spec, status, candidates, observation.trial, spec_values, now, unfit, baseline
     )
     status = decision.status
     if decision.promoted is not None:
         recommendations = [r for r in recommendations if r.field != decision.promoted.field]
-    message = observation.error or ("" if recommendations else NO_CHANGE_MESSAGE)
+    message = observation.error or (
+        "" if recommendations else NO_FIT_MESSAGE if dropped else NO_CHANGE_MESSAGE
+    )
     status = status.model_copy(update={"message": message[:1024]})
     return TuneResult(recommendations, status, events + decision.events, decision.promoted)

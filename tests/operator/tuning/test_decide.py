@@ -1,6 +1,7 @@
 """Apply mode's decision: start within the daily cap, promote a win, roll back a loss or a tie,
-hold the field off either way, never retry within the hold-off, and roll back at once a trial
-whose baseline moved under it."""
+extend a trial its window cannot decide and end it inconclusive at the bound, hold the field off
+either way, never retry within the hold-off, and roll back at once a trial whose baseline moved
+under it."""
 
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def test_a_tie_is_rolled_back_and_not_retried_within_the_hold_off() -> None:
     status = decision.status
     assert (status.trial, status.changes) == (None, [])
     assert status.history[0].outcome == "RolledBack"
-    assert status.history[0].message.startswith(
-        "enablePrefixCaching true -> false rolled back: improvement +0.0%"
+    assert status.history[0].message == (
+        "enablePrefixCaching true -> false rolled back (tie): +0.0% tokens/s, under +3%; noise 0.6%"
     )
     assert [e.type for e in decision.events] == ["Warning"]
     # Within the hold-off the field is held, so the rules leave it out of the recommendations.
@@ -107,13 +108,75 @@ def test_a_failed_canary_rolls_back_at_once() -> None:
     assert "the canary failed (oomEvents" in decision.events[0].message
 
 
-def test_without_enough_samples_a_trial_ends_after_twice_its_window() -> None:
+def noisy() -> TrialEvidence:
+    """A +5% gain within a spread of half the mean: a window cannot tell."""
+    spread = [500.0, 1500.0] * 5
+    return TrialEvidence(compare([v * 1.05 for v in spread], spread))
+
+
+def test_a_window_that_cannot_decide_extends_the_trial_once_then_ends_it_inconclusive() -> None:
+    status = started()
+    assert noisy().comparison is not None and noisy().comparison.verdict == "Inconclusive"
+    extended = decide(SPEC, status, [], noisy(), SPEC_VALUES, T0 + timedelta(seconds=600))
+    trial = extended.status.trial
+    assert trial is not None and trial.looks == 1
+    assert trial.extended_because is not None
+    assert trial.extended_because.startswith("+5.0% tokens/s is not yet significant (p = ")
+    assert extended.status.history == []
+    [event] = extended.events
+    assert (event.type, event.reason) == ("Normal", "TuningTrialExtended")
+    assert event.message.startswith("enablePrefixCaching true -> false runs on: the window could")
+    assert event.message.endswith("it is judged again over 2 windows (1200s)")
+    # Judged once a look: not again until the extended window has run.
+    later = extended.status
+    waiting = decide(SPEC, later, [], win(), SPEC_VALUES, T0 + timedelta(seconds=1199))
+    assert (waiting.status.trial, waiting.events) == (later.trial, [])
+    ended = decide(SPEC, later, [], noisy(), SPEC_VALUES, T0 + timedelta(seconds=1200))
+    [record] = ended.status.history
+    assert (record.outcome, ended.status.trial) == ("Inconclusive", None)
+    assert record.message.startswith(
+        "enablePrefixCaching true -> false inconclusive, rolled back: +5.0% tokens/s is not yet"
+    )
+    assert {e.name for e in record.evidence} >= {"improvement", "noise", "pValue"}
+    assert [(e.type, e.reason) for e in ended.events] == [("Warning", "TuningTrialInconclusive")]
+    # Held off for a quarter of holdOffSeconds (3600 s), not the loss's whole.
+    assert [(h.field, format_time(h.until)) for h in ended.status.hold_offs] == [
+        ("enablePrefixCaching", "2026-11-29T01:35:00Z")
+    ]
+
+
+def test_an_extended_trial_that_wins_is_promoted() -> None:
+    later = decide(SPEC, started(), [], noisy(), SPEC_VALUES, T0 + timedelta(seconds=600)).status
+    won = decide(SPEC, later, [], win(), SPEC_VALUES, T0 + timedelta(seconds=1230))
+    assert won.promoted is not None and won.status.history[0].outcome == "Promoted"
+
+
+def test_without_enough_samples_a_trial_is_extended_then_inconclusive_never_a_loss() -> None:
     waiting = TrialEvidence(None)
     status = started()
-    assert decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1199)).events == []
-    ended = decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1200))
-    assert ended.status.history[0].outcome == "RolledBack"
-    assert ended.status.history[0].message.endswith("too few samples after 1200s to tell")
+    assert decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=599)).events == []
+    extended = decide(SPEC, status, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=600))
+    assert extended.status.trial is not None and extended.status.trial.looks == 1
+    assert extended.status.trial.extended_because == "too few samples after 600s"
+    later = extended.status
+    assert decide(SPEC, later, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1199)).events == []
+    ended = decide(SPEC, later, [], waiting, SPEC_VALUES, T0 + timedelta(seconds=1200))
+    [record] = ended.status.history
+    assert (record.outcome, record.evidence) == ("Inconclusive", [])
+    assert record.message == (
+        "enablePrefixCaching true -> false inconclusive, rolled back: too few samples after 1200s"
+    )
+
+
+def test_a_loss_is_rolled_back_and_says_so() -> None:
+    loss = TrialEvidence(compare([v * 0.8 for v in BASE], BASE))
+    decision = decide(SPEC, started(), [], loss, SPEC_VALUES, T0 + timedelta(seconds=600))
+    [record] = decision.status.history
+    assert record.outcome == "RolledBack"
+    assert record.message.startswith(
+        "enablePrefixCaching true -> false rolled back (loss): -20.0% tokens/s, less than -3%"
+    )
+    assert [format_time(h.until) for h in decision.status.hold_offs] == ["2026-11-29T02:10:00Z"]
 
 
 BIG_BUFFER = Recommendation(

@@ -93,9 +93,9 @@ def test_a_trial_under_way_whose_candidate_does_not_fit_ends_at_once() -> None:
     _fits(result.status_patch, kube)
 
 
-def test_recommend_mode_says_which_recommendation_does_not_fit_and_starts_nothing() -> None:
-    """In Recommend mode nothing is tried, but a recommendation that would only hold the
-    rollout if accepted says so in status and in its Event; one that fits says nothing."""
+def test_recommend_mode_lists_only_what_fits_and_says_why_it_dropped_the_rest() -> None:
+    """In Recommend mode nothing is tried, and a recommendation that would only hold the
+    rollout if accepted is not listed: status.tuning.dropped gives the plan's reason."""
     kube = MemoryKube([H100])
     deployment, status = running(kube)
     kube.events.clear()
@@ -108,11 +108,17 @@ def test_recommend_mode_says_which_recommendation_does_not_fit_and_starts_nothin
         server_body(recommend, status={**status, "recommendations": [BIG_BUFFER, caching_off]})
     )
     result = reconcile(kube, server, DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
-    big, small = result.status_patch["recommendations"]
-    assert big["field"] == "fragmentationBuffer"
-    assert big["doesNotFit"].startswith("the KV cache gets"), big
-    assert small["field"] == "enablePrefixCaching" and "doesNotFit" not in small
-    assert "trial" not in result.status_patch.get("tuning", {})
+    [listed] = result.status_patch["recommendations"]
+    assert listed["field"] == "enablePrefixCaching"
+    [dropped] = result.status_patch["tuning"]["dropped"]
+    assert (dropped["field"], dropped["proposed"], dropped["rule"]) == (
+        "fragmentationBuffer", "12Gi", "fragmentation-buffer",
+    )  # fmt: skip
+    assert dropped["reason"].startswith("the KV cache gets"), dropped
+    assert [(e["type"], e["reason"]) for e in kube.events] == [
+        ("Warning", "TuningRecommendationDropped")
+    ]
+    assert "trial" not in result.status_patch["tuning"]
     assert NO_CANARY not in kube.objects
     assert kube.objects[("apps/v1", "Deployment", "qwen")]["spec"] == deployment["spec"]
     _fits(result.status_patch, kube)
@@ -120,3 +126,4 @@ def test_recommend_mode_says_which_recommendation_does_not_fit_and_starts_nothin
     again = LLMServer.from_body(server_body(recommend, status=merge(status, result.status_patch)))
     later = reconcile(kube, again, DEFAULT_IMAGES, now="2026-11-29T01:02:00Z")  # type: ignore[arg-type]
     assert "recommendations" not in later.status_patch
+    assert "tuning" not in later.status_patch

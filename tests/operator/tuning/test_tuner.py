@@ -32,6 +32,7 @@ from pagekeeper_operator.tuning.step import (
 from pagekeeper_operator.tuning.tuner import (
     ACCEPT_ANNOTATION,
     NO_CHANGE_MESSAGE,
+    NO_FIT_MESSAGE,
     Observation,
     TuneResult,
     tune,
@@ -73,7 +74,7 @@ def test_a_new_recommendation_posts_one_event_and_then_stays_quiet() -> None:
     assert again.tuning == first.tuning
 
 
-def test_a_recommendation_that_does_not_fit_says_why_in_status_and_its_event() -> None:
+def test_a_recommendation_that_does_not_fit_is_dropped_with_the_plans_reason() -> None:
     server = make_server()
     checked: list[str | None] = []
 
@@ -83,13 +84,28 @@ def test_a_recommendation_that_does_not_fit_says_why_in_status_and_its_event() -
         return "the KV cache gets 0 blocks" if value is False else None
 
     result = tune(server, NO_REUSE, T0, does_not_fit)
-    [rec] = result.recommendations
     assert checked == ["False"]  # the candidate, with the recommendation's change
-    assert rec.does_not_fit == "the KV cache gets 0 blocks"
-    assert result.events[0].message.endswith("; it does not fit (the KV cache gets 0 blocks)")
+    assert result.recommendations == []
+    assert result.tuning is not None
+    [dropped] = result.tuning.dropped
+    assert (dropped.field, dropped.current, dropped.proposed, dropped.rule, dropped.reason) == (
+        "enablePrefixCaching", "true", "false", "prefix-caching-off", "the KV cache gets 0 blocks",
+    )  # fmt: skip
+    assert result.tuning.message == NO_FIT_MESSAGE
+    assert [(e.type, e.reason, e.message) for e in result.events] == [(
+        "Warning", "TuningRecommendationDropped",
+        "enablePrefixCaching true -> false (prefix-caching-off) is not recommended: the candidate "
+        "does not fit (the KV cache gets 0 blocks)",
+    )]  # fmt: skip
+    # The same verdict next time posts nothing again; without a window it stays as it was.
+    again = tune(after(server, result), NO_REUSE, T0.replace(hour=2), does_not_fit)
+    assert (again.events, again.tuning) == ([], result.tuning)
+    blind = tune(after(server, result), Observation(None, error="no Prometheus"), T0)
+    assert blind.tuning is not None and blind.tuning.dropped == result.tuning.dropped
     fits = tune(server, NO_REUSE, T0, lambda _: None)
-    assert fits.recommendations[0].does_not_fit is None
-    assert "does not fit" not in fits.events[0].message
+    assert [r.field for r in fits.recommendations] == ["enablePrefixCaching"]
+    assert fits.tuning is not None and fits.tuning.dropped == []
+    assert [e.reason for e in fits.events] == ["TuningRecommendation"]
 
 
 def test_no_window_says_why() -> None:
