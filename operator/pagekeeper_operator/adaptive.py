@@ -11,12 +11,16 @@ form (`TERMINATION_MESSAGE_FORMAT`)::
 A container the kernel killed for its memory limit has reason `OOMKilled` and no message (it
 got SIGKILL): that is a host OOM of unknown phase.
 
-Only run-time GPU OOMs step the policy down: first gpuMemoryUtilization by `utilizationStep`
-toward its floor, then (at the floor) maxNumBatchedTokens by the `maxNumBatchedTokensStep`
-factor toward its floor. Under a KV byte budget (`kvCacheMemory`) there is no utilization to
-lower: maxNumBatchedTokens steps down at once. A start-up OOM means the model does not fit the
-budget at all; lowering the budget will not help it, so it is only reported. The result is
-written to status, never to spec.
+Each side steps down on its own, never the other's. A run-time GPU OOM lowers the GPU terms
+(`step_down`): first gpuMemoryUtilization by `utilizationStep` toward its floor, then (at the
+floor) maxNumBatchedTokens by the `maxNumBatchedTokensStep` factor toward its floor. Under a KV
+byte budget (`kvCacheMemory`) there is no utilization to lower: maxNumBatchedTokens steps down at
+once. A GPU start-up OOM means the model does not fit the budget at all; lowering the budget
+will not help it, so it is only reported. A host OOM, the kubelet's OOMKilled above all, shrinks
+the host KV tier (`step_down_host`): kvOffload.size by the `kvOffloadStep` factor, and off once
+it would fall below `minKvOffloadSize`; without a tier there is no host term the operator owns
+(swap and CPU weight offload change what the pod can serve), so it is reported only. The result
+is written to status, never to spec.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagekeeper_operator.api.remediation import AdaptiveSpec
+from pagekeeper_operator.api.types import quantity_value
 
 TERMINATION_MESSAGE_PREFIX = "pagekeeper-oom"
 TERMINATION_MESSAGE_FORMAT = (
@@ -64,7 +69,9 @@ class OOMClassification:
 
     @property
     def can_step_down(self) -> bool:
-        return self.device == "gpu" and self.phase == "runtime"
+        """Whether its side has a term to lower: the GPU's after a run-time OOM (a start-up one
+        does not fit at all), the host tier after any host OOM (the tier is pinned at start)."""
+        return self.device == "host" or self.phase == "runtime"
 
     @property
     def is_memory(self) -> bool:
@@ -173,3 +180,44 @@ def step_down(
         f"crash ({budget}; token floor {tokens_floor})"
     )
     return {**effective_policy, "maxNumBatchedTokens": lowered_tokens}, reason
+
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+
+
+def quantity_text(num_bytes: int) -> str:
+    """Bytes as a Kubernetes quantity, in whole GiB or MiB where exact (`12Gi`, `768Mi`)."""
+    if num_bytes % _GIB == 0:
+        return f"{num_bytes // _GIB}Gi"
+    if num_bytes % _MIB == 0:
+        return f"{num_bytes // _MIB}Mi"
+    return str(num_bytes)
+
+
+def step_down_host(
+    effective_policy: dict[str, Any], adaptive: AdaptiveSpec
+) -> tuple[dict[str, Any], str] | None:
+    """The policy (camelCase, as in status) with a smaller host KV tier, or none, and why; None
+    where there is no tier to shrink. Call after a host OOM; GPU terms are never touched."""
+    if not adaptive.enabled:
+        return None
+    tier = effective_policy.get("kvOffload")
+    if tier is None:
+        return None
+    size = int(quantity_value(tier["size"]))
+    floor = int(quantity_value(adaptive.min_kv_offload_size))
+    # Whole MiB, so the flag's GiB stay short and a step never rounds up.
+    shrunk = int(size * adaptive.kv_offload_step) // _MIB * _MIB
+    if shrunk < floor or shrunk <= 0:
+        reason = (
+            f"kvOffload.size {tier['size']} -> off after a host out-of-memory kill "
+            f"(the next step, {quantity_text(shrunk)}, is below minKvOffloadSize "
+            f"{adaptive.min_kv_offload_size})"
+        )
+        return {**effective_policy, "kvOffload": None}, reason
+    reason = (
+        f"kvOffload.size {tier['size']} -> {quantity_text(shrunk)} after a host out-of-memory "
+        f"kill (floor {adaptive.min_kv_offload_size}, then off)"
+    )
+    return {**effective_policy, "kvOffload": {**tier, "size": quantity_text(shrunk)}}, reason

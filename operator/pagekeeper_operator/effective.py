@@ -9,8 +9,8 @@ is the one function that builds what pods run (docs/memory-policy.md, "The layer
    made over (`specValue`) and its value is inside `spec.tuning.bounds`; it lapses once spec's
    value changes, for instance when it is carried into Git;
 3. the adaptive step-down layer (`status.tuning.stepDown`): caps on gpuMemoryUtilization and
-   maxNumBatchedTokens after run-time GPU OOMs, made under one spec (its hash) and dropped when
-   the spec changes.
+   maxNumBatchedTokens after run-time GPU OOMs, and on kvOffload.size (0: off) after host OOM
+   kills, made under one spec (its hash) and dropped when the spec changes.
 
 Remediation steps down by writing `status.effectiveMemoryPolicy` (the composed policy, lowered)
 without `status.policyHash`; a stored policy whose hash differs from `policyHash` is therefore a
@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
 from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange
+from pagekeeper_operator.api.types import quantity_value
 from pagekeeper_operator.tuning.fields import read_field, with_change, within_bounds
 
 HASH_LENGTH = 16
@@ -93,6 +95,7 @@ def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps
     capped = _apply_caps(base, recorded)
     utilization = recorded.gpu_memory_utilization if recorded else None
     tokens = recorded.max_num_batched_tokens if recorded else None
+    tier = recorded.kv_offload_size if recorded else None
     stored_utilization = stored.with_budget_resolved().gpu_memory_utilization
     if (
         stored_utilization is not None
@@ -102,19 +105,26 @@ def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps
         utilization = stored_utilization
     if stored.max_num_batched_tokens < capped.max_num_batched_tokens:
         tokens = stored.max_num_batched_tokens
-    if utilization is None and tokens is None:
+    if capped.kv_offload is not None and _tier_bytes(stored) < capped.kv_offload.size_bytes:
+        tier = stored.kv_offload.size if stored.kv_offload is not None else "0"
+    if utilization is None and tokens is None and tier is None:
         return None
     return StepDownCaps(
         gpu_memory_utilization=utilization,
         max_num_batched_tokens=tokens,
+        kv_offload_size=tier,
         spec_memory_policy_hash=spec_hash,
     )
+
+
+def _tier_bytes(policy: MemoryPolicy) -> int:
+    return policy.kv_offload.size_bytes if policy.kv_offload is not None else 0
 
 
 def _apply_caps(policy: MemoryPolicy, caps: StepDownCaps | None) -> MemoryPolicy:
     if caps is None:
         return policy
-    update: dict[str, float | int] = {}
+    update: dict[str, Any] = {}
     # Under kvCacheMemory there is no utilization to cap (the step-down lowers tokens then).
     if caps.gpu_memory_utilization is not None and policy.gpu_memory_utilization is not None:
         update["gpu_memory_utilization"] = min(
@@ -125,6 +135,13 @@ def _apply_caps(policy: MemoryPolicy, caps: StepDownCaps | None) -> MemoryPolicy
         update["max_num_batched_tokens"] = tokens
         # maxNumSeqs <= maxNumBatchedTokens (the CRD's rule): the cap wins over a tuned count.
         update["max_num_seqs"] = min(policy.max_num_seqs, tokens)
+    tier = policy.kv_offload
+    if caps.kv_offload_size is not None and tier is not None:
+        cap = quantity_value(caps.kv_offload_size)
+        if cap <= 0:
+            update["kv_offload"] = None
+        elif cap < tier.size_bytes:
+            update["kv_offload"] = tier.model_copy(update={"size": caps.kv_offload_size})
     return policy.model_copy(update=update)
 
 

@@ -15,10 +15,19 @@ from pagekeeper_operator.adaptive import (
     Termination,
     classify_failure,
     classify_termination,
+    quantity_text,
     step_down,
+    step_down_host,
 )
+from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.remediation import AdaptiveSpec
-from pagekeeper_operator.remediation.oom import oom_terminations, respond_to_oom, termination_key
+from pagekeeper_operator.effective import compose
+from pagekeeper_operator.remediation.oom import (
+    NO_HOST_TIER,
+    oom_terminations,
+    respond_to_oom,
+    termination_key,
+)
 
 ADAPTIVE = AdaptiveSpec()
 
@@ -86,8 +95,10 @@ def test_classification_names() -> None:
     assert (host.label, host.condition_reason, host.can_step_down) == (
         "host-unknown",
         "HostOutOfMemory",
-        False,
+        True,
     )
+    # The host tier is pinned at start-up: a host OOM there shrinks it too.
+    assert OOMClassification("host", "startup", "").can_step_down is True
 
 
 def policy(**overrides: Any) -> dict[str, Any]:
@@ -330,3 +341,105 @@ def test_a_stuck_termination_is_recorded_but_never_steps_memory_down() -> None:
     assert (response.event_type, response.event_reason) == ("Warning", "EngineStuck")
     again = server_body({"remediationHistory": response.status["remediationHistory"]})
     assert respond_to_oom(again, "chat-a", STUCK, "k5", "x", NOW) is None
+
+
+def tiered(size: str = "48Gi") -> dict[str, Any]:
+    return policy(enablePrefixCaching=True, kvOffload={"size": size, "backend": "native"})
+
+
+def test_a_host_oom_halves_the_tier_to_its_floor_then_switches_it_off() -> None:
+    sizes: list[str | None] = []
+    current = tiered()
+    while (step := step_down_host(current, ADAPTIVE)) is not None and current.get("kvOffload"):
+        current = step[0]
+        sizes.append(current["kvOffload"]["size"] if current["kvOffload"] else None)
+        # Never a GPU term.
+        assert {k: v for k, v in current.items() if k != "kvOffload"} == policy(
+            enablePrefixCaching=True
+        )
+    assert sizes == ["24Gi", "12Gi", "6Gi", "3Gi", "1536Mi", None]
+    assert step_down_host(current, ADAPTIVE) is None  # no tier: nothing of the host's to lower
+
+
+def test_host_step_reasons_and_settings() -> None:
+    assert step_down_host(tiered("10Gi"), ADAPTIVE) == (
+        tiered("5Gi"),
+        "kvOffload.size 10Gi -> 5Gi after a host out-of-memory kill (floor 1Gi, then off)",
+    )
+    off = step_down_host(tiered("1536Mi"), ADAPTIVE)
+    assert off == (
+        {**tiered(), "kvOffload": None},
+        "kvOffload.size 1536Mi -> off after a host out-of-memory kill (the next step, 768Mi, "
+        "is below minKvOffloadSize 1Gi)",
+    )
+    gentle = AdaptiveSpec.model_validate({"kvOffloadStep": 0.75, "minKvOffloadSize": "4Gi"})
+    step = step_down_host(tiered("10Gi"), gentle)
+    assert step is not None and step[0]["kvOffload"]["size"] == "7680Mi"
+    assert step_down_host(tiered("5Gi"), gentle) == (
+        {**tiered(), "kvOffload": None},
+        "kvOffload.size 5Gi -> off after a host out-of-memory kill (the next step, 3840Mi, "
+        "is below minKvOffloadSize 4Gi)",
+    )
+    assert step_down_host(tiered(), AdaptiveSpec(enabled=False)) is None
+    assert [quantity_text(n) for n in (3 << 30, 768 << 20, 1000)] == ["3Gi", "768Mi", "1000"]
+
+
+OOM_KILLED = OOMClassification("host", "unknown", "the container exceeded its memory limit")
+
+
+def tiered_body(status: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = server_body(status)
+    body["spec"]["memoryPolicy"]["kvOffload"] = {"size": "32Gi"}
+    return body
+
+
+def test_an_oom_kill_shrinks_the_host_tier_and_never_a_gpu_term() -> None:
+    response = respond_to_oom(tiered_body(), "chat-a", OOM_KILLED, "h1", "2026-03-01T11:59Z", NOW)
+    assert response is not None
+    effective = response.status["effectiveMemoryPolicy"]
+    assert effective["kvOffload"] == {"size": "16Gi", "backend": "native"}
+    assert (effective["gpuMemoryUtilization"], effective["maxNumBatchedTokens"]) == (0.9, 8192)
+    assert response.record.model_dump(by_alias=True, mode="json", exclude={"time"}) == {
+        "pod": "chat-a",
+        "alert": "host-unknown",
+        "action": "step-down",
+        "outcome": "applied",
+        "message": "HostOutOfMemory: the container exceeded its memory limit; kvOffload.size "
+        "32Gi -> 16Gi after a host out-of-memory kill (floor 1Gi, then off)",
+        "fingerprint": "h1",
+        "alertStartsAt": "2026-03-01T11:59:00Z",
+    }
+    assert response.status["conditions"][0]["reason"] == "HostOutOfMemory"
+    assert (response.event_type, response.event_reason) == ("Normal", "PolicySteppedDown")
+    # The stored step becomes an explicit cap of the effective policy, beside no GPU cap.
+    body = tiered_body(response.status)
+    layers = compose(LLMServer.from_body(body))
+    assert layers.step_down is not None
+    assert (
+        layers.step_down.kv_offload_size,
+        layers.step_down.gpu_memory_utilization,
+        layers.step_down.max_num_batched_tokens,
+    ) == ("16Gi", None, None)
+    assert layers.policy.kv_offload is not None and layers.policy.kv_offload.size == "16Gi"
+    # Recorded once.
+    assert respond_to_oom(body, "chat-a", OOM_KILLED, "h1", "x", NOW) is None
+
+
+def test_an_oom_kill_without_a_tier_is_recorded_and_steps_nothing() -> None:
+    response = respond_to_oom(server_body(), "chat-a", OOM_KILLED, "h2", "t", NOW)
+    assert response is not None
+    assert "effectiveMemoryPolicy" not in response.status
+    assert response.record.outcome == "not-applicable"
+    assert response.record.message == (
+        f"HostOutOfMemory: the container exceeded its memory limit; {NO_HOST_TIER}"
+    )
+    assert response.status["lastOutOfMemory"] == "2026-03-01T12:00:00Z"
+    assert (response.event_type, response.event_reason) == ("Warning", "HostOutOfMemory")
+
+
+def test_a_gpu_oom_never_touches_the_host_tier() -> None:
+    response = respond_to_oom(tiered_body(), "chat-a", GPU_RUNTIME, "g1", "t", NOW)
+    assert response is not None
+    effective = response.status["effectiveMemoryPolicy"]
+    assert effective["gpuMemoryUtilization"] == 0.85
+    assert effective["kvOffload"] == {"size": "32Gi", "backend": "native"}

@@ -229,13 +229,18 @@ class RemediationTriggers(_Model):
 
 
 class AdaptiveSpec(_Model):
-    """How the effective memory policy steps down after run-time GPU out-of-memory crashes.
+    """How the effective memory policy steps down after out-of-memory crashes, each on its own
+    side: a run-time GPU OOM lowers the GPU terms, a host OOM (OOMKilled) shrinks the host KV
+    tier.
 
     The spec is never written; the stepped-down policy lives in status.effectiveMemoryPolicy.
     """
 
     enabled: bool = Field(
-        default=True, description="Step the effective policy down after a run-time GPU OOM crash."
+        default=True,
+        description=(
+            "Step the effective policy down after a run-time GPU OOM crash or a host OOM kill."
+        ),
     )
     utilization_step: float = Field(
         default=0.05,
@@ -266,6 +271,26 @@ class AdaptiveSpec(_Model):
         ge=1,
         alias="minMaxNumBatchedTokens",
         description="Floor for the effective maxNumBatchedTokens.",
+    )
+    kv_offload_step: float = Field(
+        default=0.5,
+        gt=0.0,
+        lt=1.0,
+        alias="kvOffloadStep",
+        description=(
+            "After a host out-of-memory kill (OOMKilled), multiply the effective "
+            "memoryPolicy.kvOffload.size by this factor (whole MiB). No tier: nothing to shrink, "
+            "the kill is recorded only."
+        ),
+    )
+    min_kv_offload_size: str = Field(
+        default="1Gi",
+        alias="minKvOffloadSize",
+        pattern=QUANTITY_PATTERN,
+        description=(
+            "A host KV tier the next step would make smaller than this is switched off "
+            "(kvOffload unset in the effective policy) instead."
+        ),
     )
 
 

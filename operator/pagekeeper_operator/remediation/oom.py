@@ -1,7 +1,8 @@
 """The response to an out-of-memory or stuck termination (pure): status patch, history record,
 Event.
 
-The effective policy is stepped down in status (never spec) for run-time GPU OOMs; every OOM
+The effective policy is stepped down in status (never spec), each side on its own: the GPU terms
+for run-time GPU OOMs, the host KV tier for host OOMs (the kubelet's OOMKilled); every OOM
 is classified into the MemoryHealthy condition (and `lastOutOfMemory`, from which the condition
 recovers: see `conditions`) and recorded once in remediationHistory, identified by (pod uid,
 container, finishedAt) so a restarted operator does not step twice. A stuck engine's termination
@@ -22,7 +23,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagekeeper_operator.adaptive import Termination, classify_failure, step_down
+from pagekeeper_operator.adaptive import (
+    OOMClassification,
+    Termination,
+    classify_failure,
+    step_down,
+    step_down_host,
+)
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
@@ -33,6 +40,11 @@ from pagekeeper_operator.remediation.remediator import EventType
 from pagekeeper_operator.timestamps import format_time, parse_or
 
 CONDITION_TYPE = "MemoryHealthy"
+NO_HOST_TIER = (
+    "no host KV tier to shrink (memoryPolicy.kvOffload unset) and the GPU terms are not the "
+    "host's: raise the pod's memory limit, or lower swapSpaceGiB or cpuOffloadGb "
+    "(docs/runbook.md, OOMKilled)"
+)
 
 
 @dataclass(frozen=True)
@@ -123,13 +135,20 @@ def respond_to_oom(
         )
     elif not classification.can_step_down:
         outcome = "not-applicable"
-        message = f"{classification.label}: only run-time GPU OOMs step the policy down"
+        message = (
+            f"{classification.label}: a GPU OOM at start-up is not stepped down (the model does "
+            "not fit the budget at all)"
+        )
     elif not remediation.enabled or not remediation.adaptive.enabled:
         outcome, message = "disabled", "spec.remediation.adaptive is disabled"
     else:
         current = effective_memory_policy(server)
-        step = step_down(current.to_api(), remediation.adaptive)
-        if step is None:
+        is_host = isinstance(classification, OOMClassification) and classification.device == "host"
+        # Each side steps its own terms: a host OOM never lowers a GPU term, nor the reverse.
+        step = (step_down_host if is_host else step_down)(current.to_api(), remediation.adaptive)
+        if step is None and is_host:
+            outcome, message = "not-applicable", NO_HOST_TIER
+        elif step is None:
             outcome, message = "at-floor", "the effective policy is at its floors"
         else:
             policy, message = step
