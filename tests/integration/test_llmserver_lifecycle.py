@@ -108,6 +108,7 @@ def test_create_update_scale_delete(
         "LAST-SCALE",
         "RECOMMENDATION",
         "LAST-REMEDIATION",
+        "OLDEST-POD",
         "AGE",
     ]
     assert printed[1].split()[:9] == [
