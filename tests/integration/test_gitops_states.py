@@ -15,6 +15,7 @@ lowers it on the Deployment with a field manager of its own.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,25 @@ NOWHERE = {"nodeSelector": {"pagekeeper.test/no-such-node": "true"}}
 HOLD = "pagekeeper.test/hold"
 
 
+# A ReplicaSet's name ends in the pod template's hash, which any change to the rendered template
+# moves; the committed captures name it by this placeholder so that they hold across such changes.
+_REPLICASET = re.compile(r'(ReplicaSet "[a-z0-9-]+)-[bcdfghjklmnpqrstvwxz2-9]{5,10}"')
+TEMPLATE_HASH = "<pod-template-hash>"
+
+
+def _without_template_hash(value: Any) -> Any:
+    if isinstance(value, str):
+        return _REPLICASET.sub(rf'\1-{TEMPLATE_HASH}"', value)
+    if isinstance(value, dict):
+        return {k: _without_template_hash(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_template_hash(v) for v in value]
+    return value
+
+
 def normalized(obj: dict[str, Any]) -> dict[str, Any]:
-    """The object as committed: no identity, versions, managed fields or kopf annotations."""
+    """The object as committed: no identity, versions, managed fields or kopf annotations, and
+    the pod template's hash in a ReplicaSet's name replaced by a placeholder."""
     meta = obj["metadata"]
     kept = ("name", "generation", "deletionTimestamp")
     return {
@@ -59,7 +77,7 @@ def normalized(obj: dict[str, Any]) -> dict[str, Any]:
         "kind": obj["kind"],
         "metadata": {"namespace": "ml", **{k: meta[k] for k in kept if k in meta}},
         "spec": obj["spec"],
-        **({"status": obj["status"]} if "status" in obj else {}),
+        **({"status": _without_template_hash(obj["status"])} if "status" in obj else {}),
     }
 
 

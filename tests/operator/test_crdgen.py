@@ -37,7 +37,13 @@ from pagekeeper_operator.api.policy import (
     NUM_SEQS_RULE,
     SPLIT_SIZE_RULE,
 )
-from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.api.tuning import (
+    APPLY_RULE,
+    BOUNDS_RULES,
+    ITL_RULE,
+    SECONDARY_RULES,
+    TTFT_RULE,
+)
 
 
 def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -228,7 +234,11 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         *BOUNDS_RULES,
         APPLY_RULE,
     ]
-    assert spec["properties"]["tuning"]["x-kubernetes-validations"] == [TTFT_RULE, ITL_RULE]
+    assert spec["properties"]["tuning"]["x-kubernetes-validations"] == [
+        TTFT_RULE,
+        ITL_RULE,
+        *SECONDARY_RULES,
+    ]
     assert policy["x-kubernetes-validations"] == [
         BATCHED_TOKENS_RULE,
         NUM_SEQS_RULE,
@@ -251,7 +261,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 27 + len(TRIGGER_RULES) + len(BOUNDS_RULES)
+    assert len(rules) == 27 + len(TRIGGER_RULES) + len(BOUNDS_RULES) + len(SECONDARY_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"
