@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from pagekeeper_engine.kv_events_config import KVEventsConfig, parse_kv_events_config
+
 BLOCK_SIZES = (8, 16, 32)
 # --kv-cache-dtype: "auto" stores keys and values in the model's dtype; "fp8" (e4m3, also spelled
 # fp8_e4m3, as vLLM does) in one byte each.
@@ -140,6 +142,8 @@ class EngineConfig:
     # holds its shard); 0: no tier. vLLM's flag and meaning.
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # Where KV cache events go (vLLM's --kv-events-config); None: no events.
+    kv_events_config: KVEventsConfig | None = None
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -168,6 +172,13 @@ def resolve_max_num_batched_tokens(
     if enable_chunked_prefill:
         return DEFAULT_MAX_NUM_BATCHED_TOKENS
     return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in one). vLLM also offers lmcache, which this engine does not have",
     )
     add(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help="JSON with vLLM's KVEventsConfig fields (enable_kv_cache_events, publisher null|zmq, "
+        "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic): publish "
+        "BlockStored / BlockRemoved / AllBlocksCleared in vLLM's wire format for KV-aware "
+        'routers, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
+    add(
         "--api-server-count",
         type=_bounded(int, 1, 64),
         default=1,
@@ -386,6 +406,13 @@ def parse_args(argv: list[str]) -> EngineConfig:
         parser.error(
             "argument --kv-offloading-size: the host KV tier is a tier of the prefix cache; "
             "it needs --enable-prefix-caching (drop --no-enable-prefix-caching or set 0)"
+        )
+    events = namespace.kv_events_config
+    if events is not None and events.enable_kv_cache_events and not namespace.enable_prefix_caching:
+        parser.error(
+            "argument --kv-events-config: enable_kv_cache_events reports the prefix cache's "
+            "blocks; it needs --enable-prefix-caching (drop --no-enable-prefix-caching or set "
+            "enable_kv_cache_events to false)"
         )
     if namespace.gpu_memory_utilization is None:
         namespace.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
