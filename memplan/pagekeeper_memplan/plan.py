@@ -20,7 +20,9 @@ from the model's shape, the policy and the GPU's memory instead of measured:
 - fragmentation buffer: the byte size given, or under `auto` the rule's floor
   (`budget.MIN_FRAGMENTATION_BUFFER`; the engine measures the warm-up's own and doubles it,
   which the plan cannot know) -- a lower bound.
-- KV cache: `kvCacheMemory` when set, else `budget.kv_cache_bytes` of `utilization x total`.
+- KV cache: `kvCacheMemory` when set, else `budget.kv_cache_bytes` of `utilization x total`;
+  its blocks less the host KV tier's GPU staging buffer when the tier is on
+  (`budget.kv_cache_blocks`, the engine's own count).
 
 The estimates are the terms the accuracy run on a GPU calibrates (docs/memory-policy.md).
 """
@@ -37,7 +39,9 @@ from pagekeeper_memplan.budget import (
     MiB,
     blocks_for,
     fragmentation_buffer,
+    kv_cache_blocks,
     kv_cache_bytes,
+    kv_offload_staging_blocks,
 )
 from pagekeeper_memplan.gpus import GpuModel
 from pagekeeper_memplan.shape import (
@@ -79,6 +83,7 @@ class PlanInputs:
     kv_cache_memory: int | None = None  # bytes per GPU, instead of the utilization
     fragmentation_buffer: int | str = "auto"
     cuda_graphs: bool = True
+    has_host_tier: bool = False  # the host KV tier (kvOffload) on: its staging takes blocks
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,10 @@ def plan_memory(shape: ModelShape, inputs: PlanInputs, gpu: GpuModel) -> MemoryP
         allowed = int(utilization * total)
         kv_cache = kv_cache_bytes(allowed, weights, activations + graphs, non_torch, buffer)
     layout = kv_layout(shape, inputs)
-    num_blocks = max(kv_cache, 0) // layout.bytes_per_block
+    num_budget_blocks = max(kv_cache, 0) // layout.bytes_per_block
+    num_blocks = max(
+        0, kv_cache_blocks(num_budget_blocks, layout.bytes_per_block, inputs.has_host_tier)
+    )
     terms = {
         "weights": weights,
         "activations": activations,
@@ -288,11 +296,15 @@ def judge(
         )
     needed = blocks_for(max_model_len, inputs.block_size)
     if num_blocks < needed:
-        shortfall = needed * layout.bytes_per_block - max(kv_cache, 0)
+        num_staged = (
+            kv_offload_staging_blocks(layout.bytes_per_block) if inputs.has_host_tier else 0
+        )
+        shortfall = (needed + num_staged) * layout.bytes_per_block - max(kv_cache, 0)
+        staged = f" after the host tier's {num_staged} staging blocks" if num_staged else ""
         return Verdict(
             False,
             "KVCacheTooSmall",
-            f"the KV cache gets {_gib(max(kv_cache, 0))} ({num_blocks} blocks) a "
+            f"the KV cache gets {_gib(max(kv_cache, 0))} ({num_blocks} blocks{staged}) a "
             f"rank; one maxModelLen {max_model_len} sequence needs {needed} blocks "
             f"({_gib(needed * layout.bytes_per_block)})",
             "kvCache",

@@ -200,6 +200,7 @@ def plan_inputs(server: LLMServer, policy: MemoryPolicy) -> PlanInputs:
         gpu_memory_utilization=policy.effective_utilization,
         kv_cache_memory=policy.kv_cache_memory_bytes,
         fragmentation_buffer=buffer if buffer == "auto" else int(quantity_value(buffer)),
+        has_host_tier=policy.kv_offload is not None,
     )
 
 

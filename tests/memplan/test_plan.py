@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagekeeper_memplan.budget import GiB, MiB
+from pagekeeper_memplan.budget import GiB, MiB, kv_offload_staging_blocks
 from pagekeeper_memplan.gpus import GpuModel, parse_product
 from pagekeeper_memplan.plan import MemoryPlan, PlanInputs, plan_memory
 from pagekeeper_memplan.shape import ModelShape, known_shape
@@ -104,6 +104,34 @@ def test_kv_cache_that_cannot_hold_one_sequence() -> None:
     assert (verdict.fits, verdict.reason, verdict.term) == (False, "KVCacheTooSmall", "kvCache")
     needed = 131072 // 16 * result.bytes_per_block
     assert verdict.shortfall == needed - result.terms["kvCache"]
+
+
+def test_the_host_tiers_staging_comes_out_of_the_kv_blocks() -> None:
+    # The engine's count (`budget.kv_cache_blocks`): about 64 MiB of blocks leave the pool for
+    # the tier's GPU staging; 8B bf16, 16-token blocks: 2 MiB a block.
+    base = plan("Llama-3.1-8B", H100, max_model_len=8192)
+    tiered = plan("Llama-3.1-8B", H100, max_model_len=8192, has_host_tier=True)
+    assert base.bytes_per_block == 2 * MiB
+    assert tiered.terms == base.terms
+    num_staged = kv_offload_staging_blocks(2 * MiB)
+    assert num_staged == 32
+    assert base.num_blocks - tiered.num_blocks == num_staged
+    assert tiered.verdict.fits
+
+
+def test_a_kv_cache_the_staging_leaves_short_of_one_sequence() -> None:
+    # 8192 tokens need 512 blocks of 2 MiB: a budget of exactly 512 holds them without the
+    # tier, and with it 512 less the staging's 32, 64 MiB short.
+    budget = 512 * 2 * MiB
+    without = plan("Llama-3.1-8B", H100, max_model_len=8192, kv_cache_memory=budget)
+    assert without.verdict.fits
+    result = plan(
+        "Llama-3.1-8B", H100, max_model_len=8192, kv_cache_memory=budget, has_host_tier=True
+    )
+    verdict = result.verdict
+    assert (verdict.fits, verdict.reason, verdict.term) == (False, "KVCacheTooSmall", "kvCache")
+    assert verdict.shortfall == 64 * MiB
+    assert "(480 blocks after the host tier's 32 staging blocks)" in verdict.message
 
 
 def test_a_kv_budget_larger_than_the_gpu() -> None:

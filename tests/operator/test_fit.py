@@ -7,6 +7,7 @@ import hashlib
 import json
 from typing import Any
 
+from pagekeeper_memplan.budget import kv_offload_staging_blocks
 from pagekeeper_memplan.gpus import GpuModel, MiB
 from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
@@ -129,6 +130,18 @@ def test_70b_fits_at_tensor_4_or_with_fp8_weights_at_tensor_2() -> None:
         assert not fit.holds_rollout
         assert fit.condition[:2] == ("True", "Fits")
         assert fit.status.state == "Fits" and fit.status.max_concurrent_sequences >= 1
+
+
+def test_a_host_tier_plans_the_engines_pool_less_its_staging() -> None:
+    # 70B at tensor 4, bf16, 16-token blocks: 80 layers x 2 KV heads x 128 x 2 x 2 bytes x 16
+    # = 1.25 MiB a block; the staging buffer takes the engine's count of them.
+    spec = {**LLAMA_70B, "parallelism": {"tensor": 4}}
+    tiered = {**spec, "memoryPolicy": {"maxModelLen": 32768, "kvOffload": {"size": "64Gi"}}}
+    base, with_tier = fit_of(spec, [H100]).plan, fit_of(tiered, [H100]).plan
+    assert base is not None and with_tier is not None
+    assert base.bytes_per_block == 1280 * 1024
+    assert base.num_blocks - with_tier.num_blocks == kv_offload_staging_blocks(1280 * 1024)
+    assert base.num_blocks - with_tier.num_blocks in range(48, 52)  # about 64 MiB of blocks
 
 
 def test_unknown_never_holds() -> None:
