@@ -38,6 +38,7 @@ from pagekeeper_operator.api.tuning import (
     TuningStatus,
     TuningTrial,
 )
+from pagekeeper_operator.api.types import quantity_value
 from pagekeeper_operator.effective import EffectivePolicy, compose, memory_policy_hash
 from pagekeeper_operator.tuning.decide import (
     Baseline,
@@ -184,7 +185,9 @@ def _unfit(
     return {name: why for name, why in found.items() if why is not None}
 
 
-def _caps_text(caps: StepDownCaps) -> str:
+def caps_text(caps: StepDownCaps) -> str:
+    """The step-down's caps in words: each GPU term at its value, the host tier at its size
+    (or off)."""
     capped = [
         f"{name} at {value:g}"
         for name, value in (
@@ -193,7 +196,16 @@ def _caps_text(caps: StepDownCaps) -> str:
         )
         if value is not None
     ]
+    tier = caps.kv_offload_size
+    if tier is not None:
+        capped.append("kvOffload off" if quantity_value(tier) <= 0 else f"kvOffload.size at {tier}")
     return " and ".join(capped)
+
+
+def _oom_text(label: str) -> str:
+    """The OOM a step-down record's label names (`adaptive.OOMClassification.label`): a
+    run-time GPU OOM lowers the GPU terms, a host one (OOMKilled) the tier."""
+    return "host OOM kill (OOMKilled)" if label.startswith("host") else "run-time GPU OOM"
 
 
 def baseline_change(server: LLMServer, effective: EffectivePolicy) -> str:
@@ -210,9 +222,8 @@ def baseline_change(server: LLMServer, effective: EffectivePolicy) -> str:
             r for r in status.remediation_history
             if r.action == "step-down" and r.outcome == "applied"
         ]  # fmt: skip
-        # only a run-time GPU OOM steps down (`adaptive.OOMClassification.can_step_down`)
-        after = f" after pod {steps[-1].pod}'s run-time GPU OOM" if steps else ""
-        return f"a step-down{after} capped {_caps_text(effective.step_down)}"
+        after = f" after pod {steps[-1].pod}'s {_oom_text(steps[-1].alert)}" if steps else ""
+        return f"a step-down{after} capped {caps_text(effective.step_down)}"
     return "the tuning layer changed (a change was accepted, or lapsed)"
 
 

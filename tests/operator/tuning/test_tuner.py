@@ -12,6 +12,7 @@ from pagekeeper_operator.adaptive import OOMClassification
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
+from pagekeeper_operator.api.tuning import StepDownCaps
 from pagekeeper_operator.canary import decide_canary
 from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.effective import compose, memory_policy_hash
@@ -35,6 +36,8 @@ from pagekeeper_operator.tuning.tuner import (
     NO_FIT_MESSAGE,
     Observation,
     TuneResult,
+    baseline_change,
+    caps_text,
     tune,
 )
 from tests.operator.servers import make_server, merge
@@ -168,6 +171,26 @@ def test_apply_mode_tries_the_top_recommendation_on_the_canary() -> None:
     assert trial_canary_spec(server).analysis_seconds == 1800
 
 
+def test_a_host_step_down_names_the_kill_and_the_tiers_cap() -> None:
+    tiered = make_server({"memoryPolicy": {"kvOffload": {"size": "16Gi"}}})
+    stepped = out_of_memory(tiered, "qwen-7d9f8-abcde", T0, oom=HOST_KILL)
+    assert baseline_change(stepped, compose(stepped)) == (
+        "a step-down after pod qwen-7d9f8-abcde's host OOM kill (OOMKilled) capped "
+        "kvOffload.size at 8Gi"
+    )
+
+
+def test_the_caps_in_words_name_every_capped_term() -> None:
+    both = StepDownCaps(
+        gpu_memory_utilization=0.85, max_num_batched_tokens=4096, spec_memory_policy_hash="h"
+    )
+    assert caps_text(both) == "gpuMemoryUtilization at 0.85 and maxNumBatchedTokens at 4096"
+    tier = StepDownCaps(kv_offload_size="8Gi", spec_memory_policy_hash="h")
+    assert caps_text(tier) == "kvOffload.size at 8Gi"
+    off = StepDownCaps(kv_offload_size="0", spec_memory_policy_hash="h")
+    assert caps_text(off) == "kvOffload off"
+
+
 def test_a_won_trial_promotes_the_canary_record() -> None:
     analyzing = CanaryStatus(
         phase="Analyzing", template_hash="c", stable_template_hash="s",
@@ -208,13 +231,21 @@ def written(server: LLMServer, result: TuneResult, now: datetime) -> LLMServer:
     return stepped.model_copy(update={"status": status})
 
 
+GPU_RUNTIME = OOMClassification("gpu", "runtime", "CUDA out of memory")
+HOST_KILL = OOMClassification("host", "unknown", "the container exceeded its memory limit")
+
+
 def out_of_memory(
-    server: LLMServer, pod: str, now: datetime, outcome: str = "applied"
+    server: LLMServer,
+    pod: str,
+    now: datetime,
+    outcome: str = "applied",
+    oom: OOMClassification = GPU_RUNTIME,
 ) -> LLMServer:
-    """The server once remediation recorded a run-time GPU OOM of `pod` (`remediation.oom`)."""
+    """The server once remediation recorded `oom` (a run-time GPU OOM unless given) of `pod`
+    (`remediation.oom`)."""
     body = server.to_api()
-    gpu_runtime = OOMClassification("gpu", "runtime", "CUDA out of memory")
-    response = respond_to_oom(body, pod, gpu_runtime, f"k-{pod}", format_time(now), now)
+    response = respond_to_oom(body, pod, oom, f"k-{pod}", format_time(now), now)
     assert response is not None and response.record.outcome == outcome
     body["status"] = {**body["status"], **response.status}
     return LLMServer.from_body(body)
