@@ -72,8 +72,9 @@ KV_OFFLOAD_STAGING_BYTES = 64 * MiB
 
 
 def kv_offload_staging_blocks(bytes_per_block: int) -> int:
-    """Blocks the host tier's GPU staging buffer holds."""
-    return max(1, KV_OFFLOAD_STAGING_BYTES // bytes_per_block)
+    """Blocks the host tier's GPU staging buffer holds: two equal halves, for the loads and
+    the stores, which run side by side."""
+    return 2 * max(1, KV_OFFLOAD_STAGING_BYTES // 2 // bytes_per_block)
 
 
 def kv_cache_blocks(num_budget_blocks: int, bytes_per_block: int, has_host_tier: bool) -> int:

@@ -168,12 +168,17 @@ class PagedFakeRunner:
         return RunnerOutput(tokens, logprobs)
 
     def _issue_copies(self, out: SchedulerOutput) -> None:
-        """Queue the step's host-tier copies; apply those its fence waits for, oldest first."""
-        step = [("load", h, g) for h, g in out.kv_loads]
-        step += [("store", g, h) for g, h in out.kv_stores]
-        if out.kv_fence is CopyFence.PREVIOUS:
+        """Queue the step's host-tier copies in the device's order (early loads, stores, late
+        loads); apply, oldest first, those its fence waits for."""
+        early = [("load", h, g) for h, g in out.kv_loads]
+        rest = [("store", g, h) for g, h in out.kv_stores]
+        rest += [("load", h, g) for h, g in out.kv_late_loads]
+        if out.kv_fence >= CopyFence.PREVIOUS:
             self._apply_copies()
-        self.pending_copies.append(step)
+        self.pending_copies.append(early)
+        if out.kv_fence >= CopyFence.LOADS:
+            self._apply_copies()
+        self.pending_copies.append(rest)
         if out.kv_fence is CopyFence.ALL:
             self._apply_copies()
 

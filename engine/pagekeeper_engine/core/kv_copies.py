@@ -1,20 +1,35 @@
 """The copies between the GPU KV pool and the host tier that one step carries, and the fence
 that keeps the step's forward pass from racing them.
 
-Pure Python; never imports torch. The runner issues a step's copies on a side stream (loads
-first, then stores), after the forward passes already enqueued and beside the step's own. A
-copy touches its GPU block while it runs, so the forward pass must not write that block until
-it is done. Instead of waiting for every copy, each step says how far its forward pass must
-wait (`CopyFence`):
-- NONE: it writes no block with a copy that may still be running, and reads no loaded block;
+Pure Python; never imports torch. The runner issues a step's copies on two side streams: the
+stores after the forward passes already enqueued (the blocks they store were computed there),
+the loads at once, beside the step in flight, behind the earlier steps' stores only. A load
+that may race the step in flight goes late instead, after those forward passes and this step's
+stores (`late_loads`): its GPU block was freed since the last step was planned (that step may
+still read or write it), or this step stores that block's old contents, or its host block is
+being written by this step's store.
+
+A copy touches its GPU block while it runs, so the forward pass must not use that block before
+it is done. Instead of waiting for every copy, each step says how far its forward pass waits
+(`CopyFence`):
+- NONE: it writes no block a copy may still be in, and reads no block still loading;
 - PREVIOUS: it waits for the copies of earlier steps (a sequence whose blocks an earlier step
   loaded runs now; a block stored or loaded earlier is reused for new data);
-- ALL: also for this step's own (a block stored this step is reused for new data at once).
+- LOADS: also for this step's early loads (a sequence whose prefix they load runs in this
+  very step: the load overlaps the step in flight instead of costing a step of its own);
+- ALL: also for this step's stores and late loads (a block stored this step is reused at once).
 
-A sequence whose loads a step issues does not run in that step: its load overlaps the step's
-forward pass, and it runs in a later one behind a PREVIOUS fence. Without feedback from the
-device, the plan keeps the blocks copied since the last fence (`_unfenced_*`): a fence clears
-them, since every copy before it is then done.
+A sequence whose prefix a late load fills runs from the next step on, behind a PREVIOUS fence.
+Without feedback from the device, the plan keeps what was copied since the last fence that
+covered it (`_unfenced_*`).
+
+Device order per step, which the runner keeps: (1) the load stream waits for the earlier
+steps' stores, (2) early loads, (3) the store stream waits for the forward passes enqueued,
+(4) stores, (5) the load stream waits for (4) and the forward passes, (6) late loads. Host
+blocks are safe in this order: within one plan, every store takes its host block before any
+load looks one up (stores come from booking and settling steps and from swap-ins, loads from
+admissions, which come last), so a load never reads a host block a later store overwrites,
+and a load of a host block written this step is late.
 """
 
 from __future__ import annotations
@@ -22,9 +37,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-_T = TypeVar("_T")
 
 
 class CopyFence(enum.IntEnum):
@@ -32,17 +44,44 @@ class CopyFence(enum.IntEnum):
 
     NONE = 0
     PREVIOUS = 1
-    ALL = 2
+    LOADS = 2
+    ALL = 3
 
 
 @dataclass(frozen=True)
 class StepCopies:
-    """One step's host-tier copies: `loads` (host block, GPU block) and `stores` (GPU block,
-    host block), and the fence its forward pass waits at."""
+    """One step's host-tier copies: early `loads` and `late_loads` (host block, GPU block),
+    `stores` (GPU block, host block), and the fence its forward pass waits at."""
 
     loads: list[tuple[int, int]] = field(default_factory=list)
     stores: list[tuple[int, int]] = field(default_factory=list)
     fence: CopyFence = CopyFence.NONE
+    late_loads: list[tuple[int, int]] = field(default_factory=list)
+
+
+class _Copied:
+    """GPU blocks (or requests) touched by copies not yet known done: `earlier` steps', and
+    this step's early and late ones."""
+
+    def __init__(self) -> None:
+        self.earlier: set[int | str] = set()
+        self.early: set[int | str] = set()
+        self.late: set[int | str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.earlier or self.early or self.late)
+
+    def carry(self, fence: CopyFence) -> None:
+        """After a step: a fence clears what it waited for; the rest joins the earlier ones."""
+        if fence >= CopyFence.PREVIOUS:
+            self.earlier.clear()
+        if fence >= CopyFence.LOADS:
+            self.early.clear()
+        if fence >= CopyFence.ALL:
+            self.late.clear()
+        self.earlier |= self.early | self.late
+        self.early.clear()
+        self.late.clear()
 
 
 class CopyPlan:
@@ -50,85 +89,95 @@ class CopyPlan:
 
     def __init__(self) -> None:
         self._loads: list[tuple[int, int]] = []
+        self._late_loads: list[tuple[int, int]] = []
         self._stores: list[tuple[int, int]] = []
         self._fence = CopyFence.NONE
-        # GPU blocks copied since the last fence: [0] in earlier steps, [1] in this step
-        self._loaded: tuple[set[int], set[int]] = (set(), set())
-        self._stored: tuple[set[int], set[int]] = (set(), set())
-        # requests that read loaded blocks, since the last fence: [0] earlier, [1] this step
-        self._loading: tuple[set[str], set[str]] = (set(), set())
+        self._loaded = _Copied()  # GPU blocks loaded
+        self._stored = _Copied()  # GPU blocks stored (a store is never "early": it goes in late)
+        self._loading = _Copied()  # requests that read loaded blocks
+        self._stored_host: set[int] = set()  # host blocks this step's stores write
+        self._freed: set[int] = set()  # GPU blocks freed since the last step was planned
+
+    def freed(self, gpu_ids: Iterable[int]) -> None:
+        """These GPU blocks were released: the step in flight may still use them."""
+        self._freed.update(gpu_ids)
 
     def load(self, host_id: int, gpu_id: int) -> None:
-        self._loads.append((host_id, gpu_id))
-        self._loaded[1].add(gpu_id)
+        if gpu_id in self._freed or gpu_id in self._stored.late or host_id in self._stored_host:
+            self._late_loads.append((host_id, gpu_id))
+            self._loaded.late.add(gpu_id)
+        else:
+            self._loads.append((host_id, gpu_id))
+            self._loaded.early.add(gpu_id)
 
     def store(self, gpu_id: int, host_id: int) -> None:
         self._stores.append((gpu_id, host_id))
-        self._stored[1].add(gpu_id)
+        self._stored.late.add(gpu_id)
+        self._stored_host.add(host_id)
 
     def reads(self, request_id: str, gpu_ids: Iterable[int]) -> None:
         """`request_id` will read these blocks (its prefix): if a load fills any of them, it
         waits for that load (`is_loading_now`, `runs`)."""
-        earlier, now = self._loaded
-        if not (earlier or now):
+        loaded = self._loaded
+        if not loaded:
             return
+        waits: set[int | str] | None = None
         for gpu_id in gpu_ids:
-            if gpu_id in now:
-                self._loading[1].add(request_id)
-                return
-            if gpu_id in earlier:
-                self._loading[0].add(request_id)
+            if gpu_id in loaded.late:
+                waits = self._loading.late
+                break
+            if gpu_id in loaded.early:
+                waits = self._loading.early
+            elif gpu_id in loaded.earlier and waits is None:
+                waits = self._loading.earlier
+        if waits is not None:
+            waits.add(request_id)
 
     def is_loading_now(self, request_id: str) -> bool:
-        """Whether `request_id` waits for this step's loads (it may not run in this step)."""
-        return request_id in self._loading[1]
+        """Whether `request_id` waits for this step's late loads (it may not run in this step)."""
+        return request_id in self._loading.late
 
     def runs(self, request_id: str) -> None:
-        """`request_id` runs in this step: if it waits for earlier loads, the step fences."""
-        earlier, now = self._loading
-        if not (earlier or now):
+        """`request_id` runs in this step: if it waits for loads, the step fences."""
+        loading = self._loading
+        if not loading:
             return
-        assert request_id not in now, f"{request_id} runs before its loads"
-        if request_id in earlier:
+        assert request_id not in loading.late, f"{request_id} runs before its loads"
+        if request_id in loading.early:
+            self._raise(CopyFence.LOADS)
+        elif request_id in loading.earlier:
             self._raise(CopyFence.PREVIOUS)
 
     def allocated(self, gpu_ids: Iterable[int]) -> None:
         """These GPU blocks take new data this step: fence any copy they may still be in."""
-        (loaded_before, loaded_now), (stored_before, stored_now) = self._loaded, self._stored
-        if not (loaded_before or loaded_now or stored_before or stored_now):
+        loaded, stored = self._loaded, self._stored
+        if not (loaded or stored):
             return
         for gpu_id in gpu_ids:
-            if gpu_id in loaded_now or gpu_id in stored_now:
+            if gpu_id in loaded.late or gpu_id in stored.late:
                 self._raise(CopyFence.ALL)
                 return
-            if gpu_id in loaded_before or gpu_id in stored_before:
+            if gpu_id in loaded.early:
+                self._raise(CopyFence.LOADS)
+            elif gpu_id in loaded.earlier or gpu_id in stored.earlier:
                 self._raise(CopyFence.PREVIOUS)
 
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted: it waits for nothing any more."""
-        self._loading[0].discard(request_id)
-        self._loading[1].discard(request_id)
+        self._loading.earlier.discard(request_id)
+        self._loading.early.discard(request_id)
+        self._loading.late.discard(request_id)
 
     def take(self) -> StepCopies:
         """The step's copies and fence; what they leave unfenced carries to the next step."""
-        copies = StepCopies(self._loads, self._stores, self._fence)
-        _carry(self._loaded, self._fence)
-        _carry(self._stored, self._fence)
-        _carry(self._loading, self._fence)
-        self._loads, self._stores, self._fence = [], [], CopyFence.NONE
+        copies = StepCopies(self._loads, self._stores, self._fence, self._late_loads)
+        for copied in (self._loaded, self._stored, self._loading):
+            copied.carry(self._fence)
+        self._loads, self._late_loads, self._stores = [], [], []
+        self._fence = CopyFence.NONE
+        self._stored_host.clear()
+        self._freed.clear()
         return copies
 
     def _raise(self, fence: CopyFence) -> None:
         self._fence = max(self._fence, fence)
-
-
-def _carry(sets: tuple[set[_T], set[_T]], fence: CopyFence) -> None:
-    """After a step: a fence clears what it waited for; the rest of this step's joins the
-    earlier ones."""
-    earlier, now = sets
-    if fence is not CopyFence.NONE:
-        earlier.clear()
-    if fence is CopyFence.ALL:
-        now.clear()
-    earlier |= now
-    now.clear()

@@ -150,7 +150,8 @@ class KVCacheManager:
     def admit(self, seq: Sequence, hit: PrefixHit) -> None:
         """Give `seq` (holding no blocks) the cached prefix plus new blocks for all its tokens;
         the host tier's blocks of the prefix load into new GPU blocks (`copies`), and `seq`
-        reads nothing before those loads are done."""
+        reads nothing before those loads are done (in this step behind a LOADS fence, or in a
+        later one when a load must go late)."""
         assert not seq.block_ids, f"{seq.request_id} already holds blocks"
         gpu_hits = [b for b in hit.gpu_ids if b >= 0]
         self.pool.touch(gpu_hits)
@@ -229,7 +230,9 @@ class KVCacheManager:
         return block_ids
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's GPU blocks, last block first (see BlockPool.free)."""
+        """Release the sequence's GPU blocks, last block first (see BlockPool.free); a step
+        still in flight may use them (`copies.freed`)."""
+        self.copies.freed(seq.block_ids)
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_registered_blocks = 0

@@ -52,12 +52,13 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # sequences whose blocks come back from the CPU in this step (their rows of blocks_to_swap_in)
     swapped_in_ids: list[str] = field(default_factory=list)
-    # The host KV tier's copies (`core.kv_copies`), issued on a side stream before the forward
-    # pass: (host block, GPU block) loads, then (GPU block, host block) stores; and how far the
-    # forward pass waits for them.
+    # The host KV tier's copies (`core.kv_copies`), issued on side streams before the forward
+    # pass: (host block, GPU block) loads, early and late, and (GPU block, host block) stores;
+    # and how far the forward pass waits for them.
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
     kv_stores: list[tuple[int, int]] = field(default_factory=list)
     kv_fence: CopyFence = CopyFence.NONE
+    kv_late_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -67,6 +68,7 @@ class SchedulerOutput:
             and not self.blocks_to_swap_in
             and not self.kv_loads
             and not self.kv_stores
+            and not self.kv_late_loads
         )
 
 

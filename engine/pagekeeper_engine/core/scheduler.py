@@ -64,9 +64,10 @@ class Scheduler:
     watermark; with nothing running it is waived, so a sequence that grew into it can return.
     Every step takes at most `max_num_batched_tokens` tokens; at most `max_num_seqs` run.
 
-    A request admitted with a prefix on the host tier takes its blocks at once, but runs from
-    the next step on: its loads overlap this step's forward pass (`core.kv_copies`). The step
-    carries the host tier's copies and the fence its forward pass waits at.
+    A request admitted with a prefix on the host tier takes its blocks at once and runs in the
+    same step, its forward pass behind the loads, which overlap the step in flight; where a
+    load must wait for that step, the request runs from the next step on (`core.kv_copies`).
+    The step carries the host tier's copies and the fence its forward pass waits at.
     """
 
     def __init__(
@@ -195,6 +196,7 @@ class Scheduler:
             kv_loads=copies.loads,
             kv_stores=copies.stores,
             kv_fence=copies.fence,
+            kv_late_loads=copies.late_loads,
         )
 
     def _is_length_done(self, seq: Sequence) -> bool:
@@ -239,7 +241,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if self.kv.copies.is_loading_now(seq.request_id):
-                continue  # it runs once its prefix is back from the host tier
+                continue  # a late load: it runs once its prefix is back from the host tier
             self.kv.copies.runs(seq.request_id)
             step.take(seq, min(num_uncached, step.budget))
 

@@ -32,6 +32,7 @@ class FollowerStep:
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
     kv_stores: list[tuple[int, int]] = field(default_factory=list)
     kv_fence: CopyFence = CopyFence.NONE
+    kv_late_loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 def follower_step(out: SchedulerOutput, inputs: StepInputs | None) -> FollowerStep:
@@ -46,6 +47,7 @@ def follower_step(out: SchedulerOutput, inputs: StepInputs | None) -> FollowerSt
             kv_loads=out.kv_loads,
             kv_stores=out.kv_stores,
             kv_fence=out.kv_fence,
+            kv_late_loads=out.kv_late_loads,
         )
     assert inputs.packed is not None, "the step's inputs were prepared without their bytes"
     picked = [out.seqs[i] for i in inputs.sampled_seqs]
@@ -60,4 +62,5 @@ def follower_step(out: SchedulerOutput, inputs: StepInputs | None) -> FollowerSt
         kv_loads=out.kv_loads,
         kv_stores=out.kv_stores,
         kv_fence=out.kv_fence,
+        kv_late_loads=out.kv_late_loads,
     )

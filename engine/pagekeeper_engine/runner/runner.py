@@ -27,7 +27,7 @@ import torch
 
 from pagekeeper_engine.attention.registry import get_backend
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.kv_copies import CopyFence
+from pagekeeper_engine.core.kv_copies import StepCopies
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -403,7 +403,9 @@ class ModelRunner:
         """A rank > 0 runs the step rank 0 packed (`follower_step.py`), without waiting; every
         failure is fatal, as every failure under tensor parallelism is."""
         try:
-            self._issue_kv_copies(step.kv_loads, step.kv_stores, step.kv_fence)
+            self._issue_kv_copies(
+                StepCopies(step.kv_loads, step.kv_stores, step.kv_fence, step.kv_late_loads)
+            )
             self._faults.count()
             self.pools.swap(step.blocks_to_swap_out, to_cpu=True)
             self.pools.swap(step.blocks_to_swap_in, to_cpu=False)
@@ -430,23 +432,23 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def _issue_kv_copies(
-        self, loads: list[tuple[int, int]], stores: list[tuple[int, int]], fence: CopyFence
-    ) -> None:
+    def _issue_kv_copies(self, copies: StepCopies) -> None:
         """The host tier's copies of a step, before anything of the step can fail: the scheduler
         registered the loaded blocks already. A copy that cannot be issued leaves the prefix
         cache holding blocks it never filled, so it ends the engine."""
-        if not (loads or stores or fence):
+        if not (copies.loads or copies.stores or copies.late_loads or copies.fence):
             return
         assert self.host_tier is not None, "host tier copies without a host tier"
         try:
-            self.host_tier.issue(loads, stores, fence)
+            self.host_tier.issue(copies)
         except Exception as exc:
             raise FatalEngineError(f"the host KV tier's copies failed: {exc}") from exc
 
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput) -> PendingStep:
-        self._issue_kv_copies(out.kv_loads, out.kv_stores, out.kv_fence)
+        self._issue_kv_copies(
+            StepCopies(out.kv_loads, out.kv_stores, out.kv_fence, out.kv_late_loads)
+        )
         # Rank 0 packs the step once and hands the bytes to the other ranks before running it.
         inputs = None
         if out.seqs:

@@ -56,24 +56,56 @@ def test_a_step_fences_only_what_it_reuses_or_reads() -> None:
     assert plan.take().fence is CopyFence.ALL
 
 
-def test_a_request_waits_one_step_for_its_loads_then_runs_behind_a_fence() -> None:
+def test_a_request_runs_in_the_step_of_its_loads_behind_a_loads_fence() -> None:
     plan = CopyPlan()
     plan.load(3, 9)
     plan.reads("a", [9, 4])
     plan.reads("b", [4])  # reads nothing loaded
-    assert plan.is_loading_now("a") and not plan.is_loading_now("b")
+    assert not plan.is_loading_now("a") and not plan.is_loading_now("b")
     plan.runs("b")
-    assert plan.take() == plan_of(loads=[(3, 9)])
-    assert not plan.is_loading_now("a")
-    plan.reads("c", [9])  # a hit on the block an earlier step loaded, not yet fenced
     plan.runs("a")
-    assert plan.take().fence is CopyFence.PREVIOUS
-    plan.runs("c")  # the fence covered its block too
+    assert plan.take() == StepCopies([(3, 9)], [], CopyFence.LOADS)
+    plan.reads("c", [9])  # the LOADS fence covered block 9
+    plan.runs("c")
+    plan.allocated([9])
     assert plan.take().fence is CopyFence.NONE
-    with pytest.raises(AssertionError, match="runs before its loads"):
-        plan.load(1, 2)
-        plan.reads("d", [2])
-        plan.runs("d")
+
+
+def test_a_load_that_may_race_the_step_in_flight_goes_late_and_its_request_waits() -> None:
+    plan = CopyPlan()
+    plan.store(4, 0)  # this step stores GPU block 4's old contents into host block 0
+    plan.freed([7])  # the step in flight may still read or write block 7
+    plan.load(2, 4)  # into a block this step stores: late
+    plan.load(0, 8)  # from a host block this step writes: late
+    plan.load(1, 7)  # into a freed block: late
+    plan.load(3, 6)  # early
+    plan.reads("a", [6])
+    plan.reads("b", [6, 7])
+    assert not plan.is_loading_now("a") and plan.is_loading_now("b")
+    plan.runs("a")
+    with pytest.raises(AssertionError, match="b runs before its loads"):
+        plan.runs("b")
+    assert plan.take() == StepCopies(
+        [(3, 6)], [(4, 0)], CopyFence.LOADS, late_loads=[(2, 4), (0, 8), (1, 7)]
+    )
+    plan.load(5, 7)  # a step later block 7 is no longer in flight
+    plan.runs("b")  # behind the earlier step's late loads
+    assert plan.take() == StepCopies([(5, 7)], [], CopyFence.PREVIOUS)
+    plan.allocated([8])  # loaded late two steps ago, fenced since
+    plan.allocated([7])  # loaded early a step ago, not fenced since
+    assert plan.take().fence is CopyFence.PREVIOUS
+
+
+def test_reusing_a_block_loaded_early_in_the_same_step_waits_for_that_load() -> None:
+    plan = CopyPlan()
+    plan.load(1, 3)
+    plan.allocated([3])
+    assert plan.take().fence is CopyFence.LOADS
+    plan.load(2, 5)
+    plan.freed([6])
+    plan.load(4, 6)
+    plan.allocated([6])  # loaded late this step
+    assert plan.take().fence is CopyFence.ALL
 
 
 def plan_of(
@@ -133,11 +165,32 @@ def test_a_prefix_only_the_host_holds_loads_into_new_blocks() -> None:
     assert kv.num_blocks_to_admit(b, hit) == 3
     kv.admit(b, hit)
     assert b.block_ids == [4, 5, 3] and b.num_computed_tokens == 16
-    assert kv.copies.is_loading_now("b")
+    assert not kv.copies.is_loading_now("b")  # blocks 4 and 5 were never used: it runs now
+    kv.copies.runs("b")
     copies = kv.copies.take()
-    assert copies.loads == [(0, 4), (1, 5)] and copies.stores == []
+    assert copies == StepCopies([(0, 4), (1, 5)], [], CopyFence.LOADS)
     assert (kv.num_prefix_hits, kv.num_prefix_host_hits) == (16, 16)
     assert kv.pool.lookup(b.block_hashes[0]) == 4  # the GPU cache has it again
+
+
+def test_a_prefix_loading_into_blocks_freed_since_the_last_step_waits_a_step() -> None:
+    kv = KVCacheManager(
+        4, 8, enable_prefix_caching=True, prefix_cache_max_fraction=0.0, num_host_blocks=8
+    )
+    a = make_seq("a", list(range(17)))
+    prefill(kv, a)
+    assert a.block_ids == [1, 2, 3]
+    kv.copies.take()
+    kv.free(a)  # the step in flight may still read a's blocks
+    b = make_seq("b", [*range(16), 50, 51])
+    kv.admit(b, kv.find_cached_prefix(b))
+    assert b.block_ids == [3, 2, 1]
+    assert kv.copies.is_loading_now("b")
+    copies = kv.copies.take()
+    # blocks 1 and 2 were written through a step ago: reusing them waits for those stores
+    assert copies == StepCopies([], [], CopyFence.PREVIOUS, late_loads=[(0, 3), (1, 2)])
+    kv.copies.runs("b")
+    assert kv.copies.take().fence is CopyFence.PREVIOUS
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
