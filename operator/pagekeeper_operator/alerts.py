@@ -4,13 +4,9 @@ Each alert reads only the series its trigger lists (`api.runtime.TRIGGERS`), and
 only where the server's runtime exports them (`triggers.is_active`): under runtime vllm with
 VLLM_PLUGINS leaving out pagekeeper's plugin, which exports the allocator and OOM series from
 vLLM's processes, the fragmentation and OOM alerts are left out rather than rendered to never
-fire. Expressions select a server's series by the `namespace` and
-`llmserver` labels. Scrapes must carry `namespace`, `pod`
-and `llmserver` (the ServiceMonitor relabels the pod label `pagekeeper.dev/llmserver` to
-`llmserver`); each expression aggregates `by (namespace, pod, llmserver)`, so every alert names
-exactly one pod, which is what the remediation webhook acts on. The host-memory alert reads
-the cluster's own series (cAdvisor, kube-state-metrics), which carry `namespace`, `pod` and
-`container` but not `llmserver`: it takes that label from the pod's scrape target (`up`).
+fire. Scrapes must carry `namespace`, `pod` and `llmserver` (the ServiceMonitor relabels the
+pod label `pagekeeper.dev/llmserver` to `llmserver`); one rule's shape and the aggregation
+every expression shares are `alert_rule`'s, the host-memory alerts `host_alerts`'.
 """
 
 from __future__ import annotations
@@ -21,10 +17,30 @@ from typing import Any
 
 import yaml
 
+from pagekeeper_operator.alert_rule import (
+    BY,
+    ON,
+    REMEDIATE_LABEL,
+    RUNBOOK_BASE,
+    alert_rule,
+    runbook_url,
+    server_selector,
+)
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import CLUSTER_SERIES, TRIGGER_BY_KEY, TRIGGERS, Runtime
 from pagekeeper_operator.api.types import quantity_value
+from pagekeeper_operator.host_alerts import (
+    ALERT_HOST_MEMORY,
+    ALERT_KV_OFFLOAD_OVER_CAPACITY,
+    ENGINE_CONTAINER,
+    host_alert_rules,
+)
 from pagekeeper_operator.triggers import is_active
+
+__all__ = [
+    "ALERT_HOST_MEMORY", "ALERT_KV_OFFLOAD_OVER_CAPACITY", "ENGINE_CONTAINER", "REMEDIATE_LABEL",
+    "RUNBOOK_BASE", "runbook_url",
+]  # fmt: skip
 
 # The engine metrics these alerts read; a contract test checks the engine exports each one.
 ENGINE_METRICS_USED: tuple[str, ...] = tuple(
@@ -38,23 +54,12 @@ ALERT_KV_CACHE_SATURATED = TRIGGER_BY_KEY["kvCacheSaturation"].alert
 ALERT_QUEUE_BACKLOG = TRIGGER_BY_KEY["queueBacklog"].alert
 ALERT_ENGINE_STALLED = TRIGGER_BY_KEY["engineStalled"].alert
 ALERT_OOM_EVENTS = TRIGGER_BY_KEY["oomEvents"].alert
-ALERT_HOST_MEMORY = TRIGGER_BY_KEY["hostMemory"].alert
-ALERT_KV_OFFLOAD_OVER_CAPACITY = TRIGGER_BY_KEY["kvOffloadOverCapacity"].alert
 ALERT_NAMES: tuple[str, ...] = tuple(trigger.alert for trigger in TRIGGERS)
 
-# Alertmanager routes alerts carrying this label (value "true") to the operator's webhook.
-REMEDIATE_LABEL = "pagekeeper_remediate"
-RUNBOOK_BASE = "docs/runbook.md"
 # The window over which OOM-event increases are counted; the alert stays firing this long.
 OOM_WINDOW = "5m"
-# The engine's container in the pod (`render.meta.ENGINE_CONTAINER`, which imports this package's
-# renderer, so the name is pinned by tests/operator/test_alerts_render.py instead of imported).
-ENGINE_CONTAINER = "engine"
 # Range selectors need a positive window; shorter stall windows are read as this one.
 MIN_STALL_WINDOW = "1m"
-
-_BY = "by (namespace, pod, llmserver)"
-_ON = "on (namespace, pod, llmserver)"
 
 _DURATION_RE = re.compile(r"([0-9]+)(ms|y|w|d|h|m|s)")
 _DURATION_MS: dict[str, int] = {
@@ -83,41 +88,6 @@ def duration_seconds(duration: str) -> float:
     return sum(int(number) * _DURATION_MS[unit] for number, unit in parts) / 1000.0
 
 
-def runbook_url(alert: str, base: str = RUNBOOK_BASE) -> str:
-    """Link to the alert's section of the runbook (headings are the alert names)."""
-    return f"{base}#{alert.lower()}"
-
-
-def _selector(name: str, namespace: str) -> str:
-    return f'{{namespace="{namespace}", llmserver="{name}"}}'
-
-
-def _rule(
-    alert: str,
-    expr: str,
-    for_: str,
-    severity: str,
-    remediation: RemediationSpec,
-    summary: str,
-    description: str,
-    runbook_base: str,
-) -> dict[str, Any]:
-    return {
-        "alert": alert,
-        "expr": expr,
-        "for": for_,
-        "labels": {
-            "severity": severity,
-            REMEDIATE_LABEL: "true" if remediation.enabled else "false",
-        },
-        "annotations": {
-            "summary": summary,
-            "description": description,
-            "runbook_url": runbook_url(alert, runbook_base),
-        },
-    }
-
-
 def render_alert_rules(
     name: str,
     namespace: str,
@@ -129,7 +99,7 @@ def render_alert_rules(
 ) -> list[dict[str, Any]]:
     """The alerting rules for one LLMServer: one per active trigger (`triggers.is_active`: on
     in spec, and fed by the runtime's series), in `ALERT_NAMES` order."""
-    sel = _selector(name, namespace)
+    sel = server_selector(name, namespace)
     triggers = remediation.triggers
 
     def active(key: str) -> bool:
@@ -140,15 +110,15 @@ def render_alert_rules(
 
     frag = triggers.fragmentation
     if active("fragmentation"):
-        reserved = f"sum {_BY} (pagekeeper_allocator_reserved_bytes{sel})"
-        allocated = f"sum {_BY} (pagekeeper_allocator_allocated_bytes{sel})"
+        reserved = f"sum {BY} (pagekeeper_allocator_reserved_bytes{sel})"
+        allocated = f"sum {BY} (pagekeeper_allocator_allocated_bytes{sel})"
         unused = f"({reserved} - {allocated})"
         expr = (
             f"{unused} / {reserved} > {frag.threshold}\n"
-            f"and {_ON}\n{unused} > {quantity_bytes(frag.min_bytes)}"
+            f"and {ON}\n{unused} > {quantity_bytes(frag.min_bytes)}"
         )
         rules.append(
-            _rule(
+            alert_rule(
                 ALERT_FRAGMENTATION,
                 expr,
                 frag.for_,
@@ -165,9 +135,9 @@ def render_alert_rules(
     kv = triggers.kv_cache_saturation
     if active("kvCacheSaturation"):
         rules.append(
-            _rule(
+            alert_rule(
                 ALERT_KV_CACHE_SATURATED,
-                f"max {_BY} (vllm:kv_cache_usage_perc{sel}) > {kv.threshold}",
+                f"max {BY} (vllm:kv_cache_usage_perc{sel}) > {kv.threshold}",
                 kv.for_,
                 "warning",
                 remediation,
@@ -180,11 +150,11 @@ def render_alert_rules(
 
     backlog = triggers.queue_backlog
     if active("queueBacklog"):
-        waiting = f"sum {_BY} (vllm:num_requests_waiting{sel})"
-        running = f"sum {_BY} (vllm:num_requests_running{sel})"
-        expr = f"{waiting} > {backlog.ratio} * {running}\nand {_ON}\n{waiting} > 0"
+        waiting = f"sum {BY} (vllm:num_requests_waiting{sel})"
+        running = f"sum {BY} (vllm:num_requests_running{sel})"
+        expr = f"{waiting} > {backlog.ratio} * {running}\nand {ON}\n{waiting} > 0"
         rules.append(
-            _rule(
+            alert_rule(
                 ALERT_QUEUE_BACKLOG,
                 expr,
                 backlog.for_,
@@ -207,13 +177,13 @@ def render_alert_rules(
         # rather than `and ... == 0`: an engine that never succeeded has no success series.
         waiting = f"vllm:num_requests_waiting{sel}"
         expr = (
-            f"sum {_BY} (min_over_time({waiting}[{window}])) > 0\n"
-            f"and {_ON}\nsum {_BY} ({waiting} offset {window})\n"
-            f"unless {_ON}\n"
-            f"sum {_BY} (increase(vllm:request_success_total{sel}[{window}])) > 0"
+            f"sum {BY} (min_over_time({waiting}[{window}])) > 0\n"
+            f"and {ON}\nsum {BY} ({waiting} offset {window})\n"
+            f"unless {ON}\n"
+            f"sum {BY} (increase(vllm:request_success_total{sel}[{window}])) > 0"
         )
         rules.append(
-            _rule(
+            alert_rule(
                 ALERT_ENGINE_STALLED,
                 expr,
                 "0m",
@@ -229,9 +199,9 @@ def render_alert_rules(
     oom = triggers.oom_events
     if active("oomEvents"):
         rules.append(
-            _rule(
+            alert_rule(
                 ALERT_OOM_EVENTS,
-                f"sum {_BY} (increase(pagekeeper_oom_events_total{sel}[{OOM_WINDOW}])) > 0",
+                f"sum {BY} (increase(pagekeeper_oom_events_total{sel}[{OOM_WINDOW}])) > 0",
                 oom.for_,
                 "critical",
                 remediation,
@@ -242,59 +212,14 @@ def render_alert_rules(
             )
         )
 
-    host = triggers.host_memory
-    if active("hostMemory"):
-        rules.append(
-            _rule(
-                ALERT_HOST_MEMORY,
-                f"{_working_set_ratio(namespace, sel)} > {host.threshold}",
-                host.for_,
-                "critical",
-                remediation,
-                f"Engine container memory near its limit on {pod}",
-                "The engine container's memory working set is {{ $value | humanizePercentage }} "
-                f"of its memory limit (threshold {host.threshold}) for {host.for_}; at the "
-                "limit the kernel kills it (OOMKilled).",
-                runbook_base,
-            )
-        )
-
-    over = triggers.kv_offload_over_capacity
-    if active("kvOffloadOverCapacity"):
-        used = f"sum {_BY} (pagekeeper_kv_offload_bytes_used{sel})"
-        capacity = f"sum {_BY} (pagekeeper_kv_offload_bytes_capacity{sel})"
-        rules.append(
-            _rule(
-                ALERT_KV_OFFLOAD_OVER_CAPACITY,
-                f"{used}\n> {_ON}\n{capacity}",
-                over.for_,
-                "critical",
-                remediation,
-                f"Host KV tier above its capacity on {pod}",
-                # A full tier is an LRU cache's steady state, so fullness alone is not alarmed
-                # on; holding more than its capacity breaks the bound the pod's memory limit was
-                # sized on, and the container is on its way to an OOM kill.
-                "The host KV tier holds {{ $value | humanize1024 }}B, more than its capacity, "
-                f"for {over.for_}: the tier's bound, which the pod's memory limit counts on, "
-                "does not hold.",
-                runbook_base,
-            )
-        )
-    return rules
-
-
-def _working_set_ratio(namespace: str, server_sel: str) -> str:
-    """The engine container's working set over its memory limit, per pod, labelled with the
-    pod's `llmserver` from its scrape target (`group` is 1 per pod, whatever its endpoints)."""
-    container = f'{{namespace="{namespace}", container="{ENGINE_CONTAINER}"}}'
-    limit = f'{{namespace="{namespace}", container="{ENGINE_CONTAINER}", resource="memory"}}'
-    return (
-        f"max by (namespace, pod) (container_memory_working_set_bytes{container})\n"
-        f"/ on (namespace, pod)\n"
-        f"max by (namespace, pod) (kube_pod_container_resource_limits{limit} > 0)\n"
-        f"* on (namespace, pod) group_left (llmserver)\n"
-        f"group by (namespace, pod, llmserver) (up{server_sel})"
+    rules += host_alert_rules(
+        namespace,
+        sel,
+        remediation,
+        {key: active(key) for key in ("hostMemory", "kvOffloadOverCapacity")},
+        runbook_base,
     )
+    return rules
 
 
 def rule_group_name(name: str, namespace: str) -> str:
