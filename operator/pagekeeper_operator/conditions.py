@@ -225,7 +225,12 @@ def runtime_conditions(
     if server.spec.runtime != "vllm":
         return []
     policy = effective_memory_policy(server)
-    verdicts = [policy_verdict(policy, running_image(server, deployment)), plugin_verdict(server)]
+    image = running_image(server, deployment)
+    has_kv_events = server.spec.gateway.kv_events.enabled
+    verdicts = [
+        policy_verdict(policy, image, has_kv_events=has_kv_events),
+        plugin_verdict(server),
+    ]
     generation = server.metadata.generation
     return [
         _condition(server.status.condition(t), t, status, reason, message, generation, now)

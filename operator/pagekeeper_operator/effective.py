@@ -7,7 +7,8 @@ is the one function that builds what pods run (docs/memory-policy.md, "The layer
 2. the tuning layer (`status.tuning.changes`): recommendations accepted by annotation or
    promoted by a canary. A change holds while spec's value of its field is still the one it was
    made over (`specValue`) and its value is inside `spec.tuning.bounds`; it lapses once spec's
-   value changes, for instance when it is carried into Git;
+   value changes, for instance when it is carried into Git; enablePrefixCaching is not tuned
+   while spec.gateway.kvEvents is enabled (a KV-aware router reads the cache's blocks);
 3. the adaptive step-down layer (`status.tuning.stepDown`): caps on gpuMemoryUtilization and
    maxNumBatchedTokens after run-time GPU OOMs, and on kvOffload.size (0: off) after host OOM
    kills, made under one spec (its hash) and dropped when the spec changes.
@@ -69,6 +70,8 @@ def _tuning_layer(server: LLMServer) -> tuple[MemoryPolicy, tuple[TunedChange, .
             continue  # spec moved on: the spec's new value wins
         if not within_bounds(change.field, change.value, spec.tuning.bounds, spec.runtime):
             continue
+        if change.field == "enablePrefixCaching" and spec.gateway.kv_events.enabled:
+            continue  # KV events report the prefix cache's blocks: the router needs the cache
         try:
             policy = with_change(policy, change.field, change.value)
         except ValueError:

@@ -2,8 +2,9 @@
 and whether pagekeeper's plugin loads. Both become conditions under runtime vllm.
 
 - PolicyHonored: False (IgnoredByRuntime) when the image's vLLM version is known to ignore a
-  field the spec sets, or predates the version whose parser pagekeeper checked a field's flag
-  against (`FLAG_FIELDS`: its parser may refuse the flag, and the pod would not start);
+  field the spec sets (spec.gateway.kvEvents among them), or predates the version whose parser
+  pagekeeper checked a field's flag against (`FLAG_FIELDS`: its parser may refuse the flag, and
+  the pod would not start);
   Unknown (RuntimeVersionUnknown) when such a field is set and the image tag names no
   version; True otherwise.
 - PluginLoaded: False (ExcludedByVLLMPlugins) when the container's VLLM_PLUGINS leaves out
@@ -90,6 +91,19 @@ FLAG_FIELDS: tuple[IgnoredField, ...] = (
 )
 
 
+# --kv-events-config: vLLM 0.11.0's and 0.33.0's parsers take it and its JSON fields
+# (tests/vllm/test_real_vllm.py); no older parser is checked, so before 0.11.0 the operator leaves
+# the flag and its ports out and the pods start without events.
+KV_EVENTS_FROM: Version = CHECKED_FROM
+KV_EVENTS_FIELD = IgnoredField(
+    "spec.gateway.kvEvents",
+    lambda policy: True,  # set or not is the spec's, outside the policy: `policy_verdict`
+    KV_EVENTS_FROM,
+    "pagekeeper checks --kv-events-config against vLLM 0.11.0 and later only, so the operator "
+    "leaves it out and the pods publish no KV events",
+)
+
+
 def image_version(image: str) -> Version | None:
     """The version an image's tag names (`vllm/vllm-openai:v0.11.0` -> (0, 11, 0)); None for a
     digest, `latest` or any other tag."""
@@ -111,15 +125,24 @@ def has_kv_offload_flags(image: str) -> bool:
     return version is None or version >= KV_OFFLOAD_FROM
 
 
+def has_kv_events_flag(image: str) -> bool:
+    """Whether the operator renders --kv-events-config for the vLLM of `image`: from
+    `KV_EVENTS_FROM`, and where the tag names no version (the newest have it)."""
+    version = image_version(image)
+    return version is None or version >= KV_EVENTS_FROM
+
+
 def _text(version: Version) -> str:
     return ".".join(map(str, version))
 
 
-def policy_verdict(policy: MemoryPolicy, image: str) -> Verdict:
-    """PolicyHonored for a vLLM pod of `image` running `policy`."""
+def policy_verdict(policy: MemoryPolicy, image: str, *, has_kv_events: bool = False) -> Verdict:
+    """PolicyHonored for a vLLM pod of `image` running `policy`, with spec.gateway.kvEvents
+    enabled where `has_kv_events`."""
     version = image_version(image)
     ignored, unknown = [], []
-    for entry in (*IGNORED_FIELDS, *FLAG_FIELDS):
+    entries = (*IGNORED_FIELDS, *FLAG_FIELDS, *((KV_EVENTS_FIELD,) if has_kv_events else ()))
+    for entry in entries:
         if not entry.is_set(policy):
             continue
         if version is None:

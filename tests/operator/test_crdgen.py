@@ -11,6 +11,12 @@ import yaml
 
 from pagekeeper_operator import crdgen
 from pagekeeper_operator.api.autoscaling import MIN_MAX_RULE, TARGET_RULE
+from pagekeeper_operator.api.gateway import (
+    DISTINCT_PORTS_RULE,
+    PORT_RULE,
+    PREFIX_CACHE_RULE,
+    REPLAY_PORT_RULE,
+)
 from pagekeeper_operator.api.lifecycle import BOUNDS_RULE as AGE_BOUNDS_RULE
 from pagekeeper_operator.api.lifecycle import FORMAT_RULE as AGE_FORMAT_RULE
 from pagekeeper_operator.api.llmserver import (
@@ -230,6 +236,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         CANARY_CAPACITY_RULE,
         AUTOSCALING_CANARY_RULE,
         PYTHONPATH_RULE,
+        PREFIX_CACHE_RULE,
         *TRIGGER_RULES,
         *BOUNDS_RULES,
         APPLY_RULE,
@@ -254,6 +261,12 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
     assert autoscaling["properties"]["targets"]["x-kubernetes-validations"] == [TARGET_RULE]
     lifecycle = spec["properties"]["lifecycle"]
     assert lifecycle["x-kubernetes-validations"] == [AGE_FORMAT_RULE, AGE_BOUNDS_RULE]
+    kv_events = spec["properties"]["gateway"]["properties"]["kvEvents"]
+    assert kv_events["x-kubernetes-validations"] == [
+        PORT_RULE,
+        REPLAY_PORT_RULE,
+        DISTINCT_PORTS_RULE,
+    ]
     env = spec["properties"]["podTemplate"]["properties"]["env"]
     assert env["maxItems"] == 64 and env["items"]["properties"]["name"]["maxLength"] == 253
     rules = [
@@ -261,7 +274,7 @@ def test_cel_rules_sit_where_their_fields_are(schema: dict[str, Any]) -> None:
         for path, node in _schemas(schema)
         for rule in node.get("x-kubernetes-validations", [])
     ]
-    assert len(rules) == 27 + len(TRIGGER_RULES) + len(BOUNDS_RULES) + len(SECONDARY_RULES)
+    assert len(rules) == 31 + len(TRIGGER_RULES) + len(BOUNDS_RULES) + len(SECONDARY_RULES)
     for path, rule in rules:
         assert rule["message"].startswith("spec."), (path, rule)
         assert path.startswith(".spec"), "status is the operator's; no CEL there"

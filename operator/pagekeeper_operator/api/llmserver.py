@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
-from pagekeeper_operator.api.gateway import GatewaySpec
+from pagekeeper_operator.api.gateway import PREFIX_CACHE_RULE, GatewaySpec
 from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import (
@@ -167,6 +167,7 @@ class LLMServerSpec(ApiModel):
             CANARY_CAPACITY_RULE,
             AUTOSCALING_CANARY_RULE,
             PYTHONPATH_RULE,
+            PREFIX_CACHE_RULE,
             *TRIGGER_RULES,
             *BOUNDS_RULES,
             APPLY_RULE,
@@ -240,7 +241,10 @@ class LLMServerSpec(ApiModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout strategy.")
     gateway: GatewaySpec = Field(
         default_factory=GatewaySpec,
-        description="Inference gateway integration (Gateway API Inference Extension).",
+        description=(
+            "How routers reach the pods: an InferencePool (Gateway API Inference Extension) and "
+            "KV cache events for KV-aware routers."
+        ),
     )
     tuning: TuningSpec = Field(
         default_factory=TuningSpec,
@@ -355,6 +359,8 @@ class LLMServerSpec(ApiModel):
             e.name == "PYTHONPATH" and e.value_from is not None for e in self.pod_template.env
         ):
             raise ValueError(PYTHONPATH_RULE["message"])
+        if self.gateway.kv_events.enabled and not policy.enable_prefix_caching:
+            raise ValueError(PREFIX_CACHE_RULE["message"])
         gpus, tensor = self.resources.gpus, self.parallelism.tensor
         if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
             raise ValueError(GPU_RULE["message"])
