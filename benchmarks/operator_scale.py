@@ -20,8 +20,8 @@ from pathlib import Path
 import yaml
 from kubernetes import client
 
-from tests.integration.operator_fixture import CRD_PATH, OperatorProcess
-from tests.support.cluster import Cluster, start_cluster
+from harness.cluster import Cluster, start_cluster
+from harness.operator_process import CRD_PATH, OperatorProcess
 
 WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"}
 OWNED = {

@@ -32,9 +32,8 @@ import kubernetes
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekeeper_operator.alerts import ALERT_KV_CACHE_SATURATED
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     StreamingLoad,
     spawn_engine,
@@ -42,7 +41,7 @@ from tests.support.cpu_engine import (
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     Prometheus,
@@ -55,8 +54,9 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
-from tests.support.processes import Service, prometheus_alerts, start_alertmanager
-from tests.support.tools import REPO
+from harness.processes import Service, prometheus_alerts, start_alertmanager
+from harness.tools import REPO
+from pagekeeper_operator.alerts import ALERT_KV_CACHE_SATURATED
 
 CLUSTER_NAME = "pagekeeper-demo"
 NAMESPACE = "pagekeeper-demo"

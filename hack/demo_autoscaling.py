@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from tests.support.adapter import custom_metrics_api, pod_metric, start_adapter
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.adapter import custom_metrics_api, pod_metric, start_adapter
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     StreamingLoad,
     spawn_engine,
@@ -31,7 +31,7 @@ from tests.support.cpu_engine import (
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     Prometheus,
@@ -40,8 +40,8 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
-from tests.support.processes import exporter
-from tests.support.tools import REPO
+from harness.processes import exporter
+from harness.tools import REPO
 
 EXAMPLE = REPO / "examples" / "llmserver-small.yaml"
 SHAPE = EngineShape(model_name="qwen3-0.6b")

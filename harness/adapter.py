@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.support.cluster import Cluster, wait_for
-from tests.support.processes import Service, free_port, wait_http_ok
-from tests.support.tools import REPO, missing, tool
+from harness.cluster import Cluster, wait_for
+from harness.processes import Service, free_port, wait_http_ok
+from harness.tools import REPO, missing, tool
 
 ADAPTER_RULES = REPO / "charts" / "pagekeeper" / "adapter" / "rules.yaml"
 API_SERVICE = "v1beta1.custom.metrics.k8s.io"

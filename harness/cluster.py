@@ -15,7 +15,7 @@ import kubernetes
 import yaml
 from kubernetes.client import ApiClient
 
-from tests.support.tools import BIN, CACHE, REPO, tool
+from harness.tools import BIN, CACHE, REPO, tool
 
 T = TypeVar("T")
 PROMETHEUS_OPERATOR_CRDS = sorted(

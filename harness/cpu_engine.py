@@ -24,8 +24,8 @@ from openai import APIError, AsyncOpenAI
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tests.support.processes import Service, free_port, wait_http_ok
-from tests.support.tools import REPO
+from harness.processes import Service, free_port, wait_http_ok
+from harness.tools import REPO
 
 logger = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]

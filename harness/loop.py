@@ -26,15 +26,15 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from harness.cluster import Cluster, wait_for
+from harness.operator_process import CRD_PATH
+from harness.processes import Service, free_port, wait_http_ok
+from harness.tools import REPO, tool
 from pagekeeper_operator.alerts import render_rules_file
 from pagekeeper_operator.api.llmserver import GROUP, PLURAL, VERSION, LLMServer
 from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from tests.support.cluster import Cluster, wait_for
-from tests.support.processes import Service, free_port, wait_http_ok
-from tests.support.tools import REPO, tool
 
-CRD_PATH = REPO / "crds" / "llmservers.pagekeeper.dev.yaml"
 # Status and drift are re-planned this often; 5 is the least the settings accept.
 RESYNC_SECONDS = 10
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from tests.support.tools import tool
+from harness.tools import tool
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def engine_pythonpath() -> str:

@@ -10,7 +10,7 @@ import pytest
 
 CACHE = Path(os.environ.get("PAGEKEEPER_CACHE", Path.home() / ".cache" / "pagekeeper"))
 BIN = CACHE / "bin"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def is_ci() -> bool:

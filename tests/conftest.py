@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
-    from tests.support.cluster import Cluster
+    from harness.cluster import Cluster
 
 HERE = Path(__file__).parent
 # What `make test` builds in the background (hack/jobs.sh) is needed only by these; they run
@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """One real control plane for the whole test session; torn down at the end."""
-    from tests.support.cluster import start_cluster  # noqa: PLC0415 (see module docstring)
+    from harness.cluster import start_cluster  # noqa: PLC0415 (see module docstring)
 
     yield from start_cluster()
 

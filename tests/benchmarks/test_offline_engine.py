@@ -8,8 +8,8 @@ from pathlib import Path
 
 from benchmarks import serving
 from benchmarks import serving_workload as wl
+from harness.cpu_engine import VOCAB, write_tiny_checkpoint
 from pagekeeper_engine.heap import thaw_heap
-from tests.support.cpu_engine import VOCAB, write_tiny_checkpoint
 
 
 def test_serving_runs_a_closed_loop_level_through_the_offline_engine(tmp_path: Path) -> None:

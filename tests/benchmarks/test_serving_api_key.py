@@ -9,7 +9,7 @@ import requests
 
 from benchmarks import serving_client
 from benchmarks import serving_workload as wl
-from tests.support.cpu_engine import (
+from harness.cpu_engine import (
     VOCAB,
     EngineShape,
     spawn_engine,

@@ -10,9 +10,9 @@ from benchmarks import tune, tune_serve
 from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from benchmarks.serving_workload import RequestRecord
+from harness.cpu_engine import write_tiny_checkpoint
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.tuning.window import MetricWindow
-from tests.support.cpu_engine import write_tiny_checkpoint
 
 VOCAB = 4000
 
@@ -67,7 +67,7 @@ def test_the_window_is_counters_as_differences_and_gauges_over_the_round() -> No
 
 
 def test_classes_follow_the_workload_description() -> None:
-    chat, rag, burst = tw.classes(0, VOCAB, 8192, quick=True)
+    chat, rag, burst, longout = tw.classes(0, VOCAB, 8192, quick=True)
     assert (chat.concurrency, len(chat.work.prompts), chat.start.max_num_seqs) == (128, 512, 16)
     assert all(64 <= len(p) <= 512 for p in chat.work.prompts)
     prefixes = {tuple(p[: tw.RAG_PREFIX_LEN]) for p in rag.work.prompts}
@@ -82,8 +82,17 @@ def test_classes_follow_the_workload_description() -> None:
     assert burst.start.gpu_memory_utilization == 0.1
     assert (burst.tuning.objective, burst.tuning.ttft_p99_seconds) == ("ThroughputUnderTTFT", 2.0)
     assert (chat.tuning.objective, rag.tuning.objective) == ("Throughput", "Throughput")
-    for cls in (chat, rag, burst):  # each grid point is served anew: the start is no point
+    # short prompts, long outputs, many streams under the default cap, a utilization far too low
+    assert (longout.concurrency, len(longout.work.prompts)) == (tw.LONGOUT_STREAMS, 384)
+    assert all(16 <= len(p) <= 64 for p in longout.work.prompts)
+    assert all(256 <= n <= 768 for n in longout.work.output_lens)
+    assert longout.concurrency < longout.start.max_num_seqs == 256
+    assert longout.start.gpu_memory_utilization == 0.1
+    assert longout.tuning.objective == "Throughput"
+    assert longout.tuning.secondaries == ("PreemptionsPer1000Requests", "TTFTP99", "ITLP99")
+    for cls in (chat, rag, burst, longout):  # each grid point is served anew: not the start
         assert cls.start not in cls.grid and len(cls.grid) >= 2
+    assert [c.name for c in tw.classes(0, VOCAB, 8192, quick=True)] == tune.parse_args([]).classes
 
 
 def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
@@ -100,6 +109,9 @@ def test_a_smoke_round_on_the_cpu(tmp_path: Path) -> None:
     assert first["trial"]["failures"] == {} and first["trial"]["output_tok_s"] > 0
     assert first["in_force"]["maxNumSeqs"] == 16
     assert len(first["trial"]["figures"]["samples"]) == tt.SAMPLES
+    secondary = first["trial"]["figures"]["secondary"]
+    assert set(secondary) == {"PreemptionsPer1000Requests", "TTFTP99", "ITLP99"}
+    assert 0 < len(secondary["TTFTP99"]) <= tt.SAMPLES and secondary["ITLP99"]
     saved = MetricWindow.from_json((tmp_path / "fixtures" / "chat_round0.json").read_text())
     assert saved.num_requests == 12.0
     before, after = (
@@ -198,7 +210,48 @@ def test_a_trial_is_judged_under_the_classes_objective() -> None:
     verdict = tt.judge(served, queued, burst.tuning)
     assert verdict is not None and verdict.is_win  # the bound met, the same tokens served
     plain = tt.judge(served, queued, tw.classes(0, VOCAB, 8192, quick=True)[0].tuning)
-    assert plain is not None and not plain.is_win  # under plain throughput: a tie
+    assert plain is not None and not plain.is_win  # under plain throughput alone: a tie
+
+
+def test_a_latency_win_at_equal_throughput_is_judged_on_the_secondary_figures() -> None:
+    """The long-output class's case: the same tokens/s, far fewer preemptions and a far lower
+    TTFT p99 in every stretch wins under the throughput objective; the reverse loses."""
+    same = [1000.0 + (i % 4) for i in range(16)]
+    poor = {
+        "PreemptionsPer1000Requests": [400.0 + i for i in range(16)],
+        "TTFTP99": [8.0 + i / 10 for i in range(16)],
+        "ITLP99": [0.02] * 16,
+    }
+    good = {"PreemptionsPer1000Requests": [0.0] * 16,
+            "TTFTP99": [1.0 + i / 10 for i in range(16)], "ITLP99": [0.02] * 16}  # fmt: skip
+    spec = tw.classes(0, VOCAB, 8192, quick=True)[3].tuning
+    before, after = (tt.RoundFigures(same, None, None, figures) for figures in (poor, good))
+    win = tt.judge(after, before, spec)
+    assert win is not None and win.is_win, win
+    assert win.reason.startswith("preemptions/1k requests -100% (p = ")
+    assert win.evidence()["canaryPreemptionsPer1k"] == 0.0
+    loss = tt.judge(before, after, spec)
+    assert loss is not None and loss.verdict == "Loss", loss
+    # A round that measured no secondary figure is judged on throughput alone: a tie.
+    alone = tt.judge(tt.RoundFigures(same, None, None), before, spec)
+    assert alone is not None and alone.verdict == "Tie"
+
+
+def test_secondary_samples_per_stretch() -> None:
+    """Preemptions per 1,000 finished requests from the counters, the p99 of the TTFTs and
+    gaps that end in each stretch; a stretch with nothing to measure gives no sample."""
+    finished = [tt.Reading(0.0, 0.0), tt.Reading(2.0, 20.0), tt.Reading(4.0, 20.0)]
+    preempted = [tt.Reading(0.0, 0.0), tt.Reading(1.0, 5.0), tt.Reading(4.0, 5.0)]
+    edges = tt.stretch_edges(0.0, 4.0, num=2)
+    assert edges == [0.0, 2.0, 4.0]
+    assert tt.preemption_samples(preempted, finished, edges) == [250.0]  # none finished after 2 s
+    assert tt.p99_samples([(0.5, 1.0), (1.5, 3.0), (3.0, 2.0)], edges) == [2.98, 2.0]
+    record = RequestRecord(0, 3, send_s=0.0, end_s=3.5, status=200, chunk_s=[0.5, 1.0, 3.0],
+                           chunk_words=[1, 1, 1], num_output_tokens=3, has_usage=True)  # fmt: skip
+    figures = tt.secondary_samples([record], preempted, finished, edges)
+    assert figures == {"TTFTP99": [0.5], "ITLP99": [0.5, 2.0],
+                       "PreemptionsPer1000Requests": [250.0]}  # fmt: skip
+    assert "PreemptionsPer1000Requests" not in tt.secondary_samples([record], [], finished, edges)
 
 
 def test_the_grid_can_come_first_and_reversed_and_reports_in_its_own_order() -> None:

@@ -10,10 +10,10 @@ import pytest
 
 from benchmarks import tune_spread
 from benchmarks import tune_workload as tw
+from harness.cpu_engine import write_tiny_checkpoint
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.tuning.window import MetricWindow
 from tests.benchmarks.test_tune import VOCAB, result
-from tests.support.cpu_engine import write_tiny_checkpoint
 
 
 def test_passes_alternate_direction_so_no_point_always_follows_another() -> None:

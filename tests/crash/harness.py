@@ -19,10 +19,10 @@ from typing import Any
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import OperatorProcess, PodWatch, get_server
 from pagekeeper_operator.faultpoints import FAULT_POINT_ENV, FaultPoint
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import OperatorProcess, PodWatch, get_server
 
 # The operator re-plans every server this often (the least the settings accept).
 RESYNC_SECONDS = 5

@@ -16,6 +16,17 @@ from typing import Any, ClassVar
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
+    PodWatch,
+    Prometheus,
+    get_server,
+    history,
+    is_pod_ready,
+    pod_scrape,
+    server_pods,
+)
+from harness.processes import exporter
 from pagekeeper_operator.canary import template_identity
 from pagekeeper_operator.faultpoints import FaultPoint
 from pagekeeper_operator.scaledown import DELETION_COST_ANNOTATION
@@ -29,17 +40,6 @@ from tests.crash.harness import (
     minutes_ago,
     status_of,
 )
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
-    PodWatch,
-    Prometheus,
-    get_server,
-    history,
-    is_pod_ready,
-    pod_scrape,
-    server_pods,
-)
-from tests.support.processes import exporter
 
 NAME = "crash"
 POD_SPEC: dict[str, Any] = {

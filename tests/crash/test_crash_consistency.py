@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver, restrict_namespace
 from pagekeeper_operator.faultpoints import FaultPoint
 from tests.crash.harness import CONVERGE_TIMEOUT, Operator, pod_watch, timed
 from tests.crash.scenarios import NAME, SCENARIOS, Run, scenario_for, settled
 from tests.integration import operator_fixture
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import llmserver, restrict_namespace
 
 llmserver_crd = operator_fixture.llmserver_crd
 SEEDS = (0, 1, 2)

@@ -20,9 +20,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.support.alerts import notification, post_notification, webhook_alert
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     history,
@@ -32,7 +31,8 @@ from tests.support.loop import (
     server_events,
     wait_ready_pods,
 )
-from tests.support.processes import Service, start_alertmanager
+from harness.processes import Service, start_alertmanager
+from tests.support.alerts import notification, post_notification, webhook_alert
 
 SPEC: dict[str, Any] = {
     "model": {"source": "/models/tiny-llama", "servedModelName": "tiny", "loadFormat": "dummy"},

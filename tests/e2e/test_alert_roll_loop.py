@@ -21,8 +21,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     StreamingLoad,
     spawn_engine,
@@ -30,7 +30,7 @@ from tests.support.cpu_engine import (
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     Prometheus,
@@ -46,7 +46,7 @@ from tests.support.loop import (
     wait_history,
     wait_ready_pods,
 )
-from tests.support.processes import prometheus_alerts, start_alertmanager
+from harness.processes import prometheus_alerts, start_alertmanager
 
 SHAPE = EngineShape()
 ALERT = "PagekeeperKVCacheSaturated"

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.adapter import custom_metrics_api, pod_metric, start_adapter
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.adapter import custom_metrics_api, pod_metric, start_adapter
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     StreamingLoad,
     spawn_engine,
@@ -28,7 +28,7 @@ from tests.support.cpu_engine import (
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     Prometheus,
@@ -41,7 +41,7 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
-from tests.support.processes import exporter
+from harness.processes import exporter
 
 SHAPE = EngineShape()
 COST = "controller.kubernetes.io/pod-deletion-cost"

@@ -18,8 +18,8 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
     OperatorProcess,
     Prometheus,
     get_server,
@@ -33,8 +33,8 @@ from tests.support.loop import (
     wait_beside_canary,
     wait_ready_pods,
 )
-from tests.support.processes import exporter as static_exporter
-from tests.support.processes import start_alertmanager
+from harness.processes import exporter as static_exporter
+from harness.processes import start_alertmanager
 
 GiB = 1 << 30
 # What the engine exports on a GPU whose allocator holds 8 GiB, 1 GiB of it in use.

@@ -19,10 +19,9 @@ from typing import Any
 
 from kubernetes import client
 
-from pagekeeper_engine.frontend.state import RETRY_AFTER_DRAINING_S
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import write_tiny_checkpoint
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import write_tiny_checkpoint
+from harness.loop import (
     OperatorProcess,
     install_crd,
     llmserver,
@@ -30,6 +29,7 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
+from pagekeeper_engine.frontend.state import RETRY_AFTER_DRAINING_S
 from tests.support.pod_fleet import PodFleet
 from tests.support.router import EndpointRouter
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.support.adapter import custom_metrics_api, pod_metric, start_adapter
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
+from harness.adapter import custom_metrics_api, pod_metric, start_adapter
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
     OperatorProcess,
     Prometheus,
     get_server,
@@ -41,7 +41,7 @@ from tests.support.loop import (
     wait_beside_canary,
     wait_ready_pods,
 )
-from tests.support.processes import exporter
+from harness.processes import exporter
 
 NO_DATA_SECONDS = 30
 ANALYSIS_SECONDS = 20

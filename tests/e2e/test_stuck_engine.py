@@ -18,18 +18,15 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from pagekeeper_engine.faults import INJECT_STEP_HANG_ENV
-from pagekeeper_engine.stuck import parse_stuck_message
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     StreamingLoad,
     spawn_engine,
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.kubelet import TERMINATION_LOG, HttpProbe, PodKubelet
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     get_server,
     install_crd,
@@ -40,7 +37,10 @@ from tests.support.loop import (
     wait_history,
     wait_ready_pods,
 )
-from tests.support.processes import Service
+from harness.processes import Service
+from pagekeeper_engine.faults import INJECT_STEP_HANG_ENV
+from pagekeeper_engine.stuck import parse_stuck_message
+from tests.support.kubelet import TERMINATION_LOG, HttpProbe, PodKubelet
 
 SHAPE = EngineShape()
 STUCK_TIMEOUT_S = 5

@@ -31,11 +31,9 @@ from typing import Any
 
 from kubernetes import client
 
-from pagekeeper_operator.prometheus import query_by
-from pagekeeper_operator.resync import RESYNC_DONE
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import stop_engine, write_tiny_checkpoint
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import stop_engine, write_tiny_checkpoint
+from harness.loop import (
     OperatorProcess,
     Prometheus,
     get_server,
@@ -48,7 +46,9 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
-from tests.support.processes import Service
+from harness.processes import Service
+from pagekeeper_operator.prometheus import query_by
+from pagekeeper_operator.resync import RESYNC_DONE
 from tests.support.standin import ClosedLoop, flag_value, rendered_command, start_standin
 
 MODEL = "tiny-llama"

@@ -23,17 +23,15 @@ from typing import Any
 
 from kubernetes import client
 
-from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.render import ClusterFeatures, render_all
-from tests.support.cluster import Cluster, wait_for
-from tests.support.cpu_engine import (
+from harness.cluster import Cluster, wait_for
+from harness.cpu_engine import (
     EngineShape,
     spawn_engine,
     stop_engine,
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from tests.support.loop import (
+from harness.loop import (
     OperatorProcess,
     Prometheus,
     engine_scrape,
@@ -45,6 +43,8 @@ from tests.support.loop import (
     server_pods,
     wait_ready_pods,
 )
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.render import ClusterFeatures, render_all
 
 NAME = "tuned"
 # A pool that holds several 900-token prompts at once.

@@ -19,8 +19,8 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
     OperatorProcess,
     Prometheus,
     get_server,
@@ -33,7 +33,7 @@ from tests.support.loop import (
     wait_history,
     wait_ready_pods,
 )
-from tests.support.processes import free_port, start_alertmanager
+from harness.processes import free_port, start_alertmanager
 from tests.support.vllm_launcher import start_launcher, stop_launcher
 
 ALERT = "PagekeeperFragmentationHigh"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import OperatorProcess
+from harness.processes import Service, start_alertmanager
 from tests.support.certificates import certificate_authority, server_certificate
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import OperatorProcess
-from tests.support.processes import Service, start_alertmanager
 
 
 def notifications(alertmanager: Service) -> tuple[float, float]:

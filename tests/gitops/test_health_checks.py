@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from harness.tools import REPO, tool
 from tests.support.gitops import CASES, SCRIPT, STATES, kstatus, lua_health
-from tests.support.tools import REPO, tool
 
 CHART = REPO / "charts" / "pagekeeper"
 HEALTH_KEY = "resource.customizations.health.pagekeeper.dev_LLMServer"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.tools import REPO, tool
+from harness.tools import REPO, tool
 
 IMAGES_SH = REPO / "hack" / "images.sh"
 # A cold build makes the Debian base and installs PyPI's torch: minutes on two cores.

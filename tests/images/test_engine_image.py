@@ -21,13 +21,13 @@ import pytest
 from openai import OpenAI
 from transformers import PreTrainedModel
 
+from harness.cluster import wait_for
+from harness.processes import free_port
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
 from tests.engine.server.checkpoint import decode, encode, greedy_reference, write_checkpoint
 from tests.images.pod import PodHost, run_args
 from tests.images.podman import Container, run_detached
-from tests.support.cluster import wait_for
-from tests.support.processes import free_port
 
 pytestmark = pytest.mark.timeout(3600)  # a cold `images` fixture builds the bases
 MODEL_DIR = "/models/tiny"

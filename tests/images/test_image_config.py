@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.tools import REPO
 from pagekeeper_operator.settings import OperatorSettings
 from tests.images.podman import images_sh, inspect_image, podman
-from tests.support.tools import REPO
 
 pytestmark = pytest.mark.timeout(3600)  # a cold `images` fixture builds the bases
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

@@ -25,13 +25,13 @@ import pytest
 import yaml
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.processes import free_port
+from harness.tools import REPO, tool
 from tests.images.pod import PodHost, ServiceAccountToken, run_args
 from tests.images.podman import Container, run_detached
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import llmserver, wait_ready
-from tests.support.cluster import Cluster, wait_for
-from tests.support.processes import free_port
-from tests.support.tools import REPO, tool
 
 pytestmark = pytest.mark.timeout(3600)  # a cold `images` fixture builds the bases
 llmserver_crd = operator_fixture.llmserver_crd

@@ -26,15 +26,9 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.integration.operator_fixture import (
-    CRD_PATH,
-    OperatorProcess,
-    apply_server,
-    get_server,
-    llmserver,
-    wait_ready,
-)
-from tests.support.cluster import Cluster, start_cluster, wait_for
+from harness.cluster import Cluster, start_cluster, wait_for
+from harness.operator_process import CRD_PATH, OperatorProcess
+from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
 from tests.support.control_plane import ControlPlane
 
 SPEC: dict[str, Any] = {

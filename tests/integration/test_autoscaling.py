@@ -22,12 +22,16 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import OperatorProcess as WebhookOperator
+from harness.loop import restrict_namespace, wait_history
+from harness.operator_process import OperatorProcess
+from harness.tools import CACHE, missing
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.autoscaling import HANDOVER_MANAGER
 from pagekeeper_operator.render import ClusterFeatures, render_autoscaler
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
-    OperatorProcess,
     apply_server,
     get_or_none,
     get_server,
@@ -35,10 +39,6 @@ from tests.integration.operator_fixture import (
     wait_quiet,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import OperatorProcess as WebhookOperator
-from tests.support.loop import restrict_namespace, wait_history
-from tests.support.tools import CACHE, missing
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

@@ -13,17 +13,17 @@ from typing import Any
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import wait_beside_canary
+from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
-    OperatorProcess,
     apply_server,
     get_or_none,
     get_server,
     llmserver,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import wait_beside_canary
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

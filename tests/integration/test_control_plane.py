@@ -7,7 +7,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.support.cluster import Cluster, wait_for
+from harness.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
 

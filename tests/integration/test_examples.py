@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.cluster import Cluster
+from harness.tools import REPO
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.settings import OperatorSettings
 from tests.integration import operator_fixture
-from tests.support.cluster import Cluster
-from tests.support.tools import REPO
 
 llmserver_crd = operator_fixture.llmserver_crd
 

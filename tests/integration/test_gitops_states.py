@@ -23,19 +23,19 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     GROUP,
     PLURAL,
     VERSION,
-    OperatorProcess,
     apply_server,
     get_or_none,
     get_server,
     llmserver,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
 from tests.support.gitops import CASES, STATES, kstatus, lua_health
 
 llmserver_crd = operator_fixture.llmserver_crd

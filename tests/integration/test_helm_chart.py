@@ -23,14 +23,14 @@ import pytest
 import yaml
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.tools import REPO, tool
 from pagekeeper_engine.frontend.metric_names import METRICS
 from pagekeeper_operator.api.runtime import RUNTIMES, exports
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.meta import HTTP_PORT, METRICS_PORT
 from tests.integration.operator_fixture import llmserver, wait_ready
 from tests.operator.servers import DEFAULT_IMAGES, make_server
-from tests.support.cluster import Cluster, wait_for
-from tests.support.tools import REPO, tool
 
 CHART = REPO / "charts" / "pagekeeper"
 CHART_CRDS = sorted((CHART / "crds").glob("*.yaml"))

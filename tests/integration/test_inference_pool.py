@@ -8,18 +8,18 @@ from typing import Any
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.operator_process import OperatorProcess
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_inference_pool
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
-    OperatorProcess,
     apply_server,
     get_or_none,
     llmserver,
     wait_quiet,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

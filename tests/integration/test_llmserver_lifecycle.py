@@ -6,20 +6,20 @@ from typing import Any
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.operator_process import OperatorProcess
 from pagekeeper_operator.alerts import ALERT_NAMES
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.network import render_service_monitor
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
-    OperatorProcess,
     apply_server,
     get_or_none,
     get_server,
     llmserver,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
 
 # Fixtures shared by the LLMServer integration tests.
 llmserver_crd = operator_fixture.llmserver_crd

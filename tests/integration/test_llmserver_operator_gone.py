@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from kubernetes import client
 
+from harness.cluster import Cluster, wait_for
+from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
-    OperatorProcess,
     apply_server,
     get_or_none,
     get_server,
     llmserver,
     wait_ready,
 )
-from tests.support.cluster import Cluster, wait_for
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

@@ -13,18 +13,13 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.cluster import Cluster, wait_for
+from harness.loop import PodWatch, server_events, server_pods, wait_beside_canary
+from harness.operator_process import OperatorProcess
 from pagekeeper_operator.api.lifecycle import BOUNDS_RULE, FORMAT_RULE
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import (
-    OperatorProcess,
-    apply_server,
-    get_server,
-    llmserver,
-    wait_ready,
-)
+from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
 from tests.integration.test_canary import canary_pods, changed, wait_analyzing, wait_resyncs
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import PodWatch, server_events, server_pods, wait_beside_canary
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

@@ -23,9 +23,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.support.alerts import deliver_notification, notification, webhook_alert
-from tests.support.cluster import Cluster, wait_for
-from tests.support.loop import (
+from harness.cluster import Cluster, wait_for
+from harness.loop import (
     OperatorProcess,
     PodWatch,
     get_server,
@@ -36,6 +35,7 @@ from tests.support.loop import (
     server_events,
     wait_ready_pods,
 )
+from tests.support.alerts import deliver_notification, notification, webhook_alert
 
 GROUP, VERSION, PLURAL = "pagekeeper.dev", "v1alpha1", "llmservers"
 SPEC: dict[str, Any] = {

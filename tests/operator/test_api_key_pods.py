@@ -32,11 +32,11 @@ import pytest
 import requests
 from openai import OpenAI
 
+from harness.cpu_engine import spawn_argv, wait_engine_ready, write_tiny_checkpoint
+from harness.processes import free_port, wait_http_ok
 from pagekeeper_operator.render import render_deployment
 from tests.operator.servers import DEFAULT_IMAGES, make_server
-from tests.support.cpu_engine import spawn_argv, wait_engine_ready, write_tiny_checkpoint
 from tests.support.pod_env import container_argv, container_env
-from tests.support.processes import free_port, wait_http_ok
 from tests.support.standin import standin_argv
 from tests.support.vllm_launcher import FAKE_VLLM
 

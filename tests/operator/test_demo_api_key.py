@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from harness.tools import REPO
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
 from tests.operator.servers import DEFAULT_IMAGES
 from tests.support.pod_env import container_argv, container_env
-from tests.support.tools import REPO
 
 KEY = "5c0ffee5" * 6  # as long as the demo's (token_hex(24))
 

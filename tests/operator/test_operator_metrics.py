@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import free_port
 from pagekeeper_operator.api.tuning import Recommendation, TuningSpec
 from pagekeeper_operator.metrics import REGISTRY, count_tuning, serve_metrics
 from pagekeeper_operator.remediation.payload import WebhookMessage
@@ -16,7 +18,6 @@ from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.tuning.decide import TuningEvent
 from pagekeeper_operator.tuning.tuner import TuneResult
 from tests.operator.remediation_fakes import Clock, FakeCluster, alert_json, message_json
-from tests.support.processes import free_port
 
 KV = "PagekeeperKVCacheSaturated"
 
@@ -82,3 +83,19 @@ def test_the_tuning_spec_names_only_series_the_operator_serves() -> None:
     named = set(re.findall(r"pagekeeper_[a-z_]+", text))
     assert named == {"pagekeeper_tuning_recommendation"}
     assert named <= served
+
+
+def test_the_decisions_help_names_every_reason_the_tuner_posts() -> None:
+    """Each Event reason the tuner's modules post is a value of the counter's `reason` label: the
+    help text names them all (Inconclusive and extended trials among them)."""
+    tuning = Path(__file__).parents[2] / "operator" / "pagekeeper_operator" / "tuning"
+    posted = {
+        reason
+        for path in tuning.glob("*.py")
+        for reason in re.findall(
+            r'TuningEvent\(\s*"(?:Normal|Warning)",\s*"(\w+)"', path.read_text()
+        )
+    }
+    assert {"TuningTrialExtended", "TuningTrialInconclusive", "TuningPromoted"} <= posted
+    [family] = [f for f in REGISTRY.collect() if f.name == "pagekeeper_tuning_decisions"]
+    assert {r for r in posted if r not in family.documentation} == set()

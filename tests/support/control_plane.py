@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.support.cluster import Cluster, wait_for
+from harness.cluster import Cluster, wait_for
 
 API_SERVER = "kube-apiserver"
 # Components that exit when they cannot reach the API server for longer than their leader

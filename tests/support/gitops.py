@@ -16,8 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.tools import BIN, CACHE, REPO, missing
 from tests.support.jobs import wait_job
-from tests.support.tools import BIN, CACHE, REPO, missing
 
 SCRIPT = REPO / "charts" / "pagekeeper" / "argocd" / "health.lua"
 GROUP_KIND = Path("pagekeeper.dev") / "LLMServer"

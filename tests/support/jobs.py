@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.support.tools import REPO
+from harness.tools import REPO
 
 # A cold build of Argo CD's test binary takes about 10 minutes on a loaded 2-core machine.
 JOB_TIMEOUT_S = 45 * 60

@@ -35,8 +35,8 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.support.cluster import Cluster
-from tests.support.processes import Service
+from harness.cluster import Cluster
+from harness.processes import Service
 
 logger = logging.getLogger(__name__)
 # The kubelet's bound on a termination message and on its fallback to the log.

@@ -33,9 +33,9 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from harness.cpu_engine import spawn_argv, wait_engine_ready
+from harness.processes import Service, free_port
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from tests.support.cpu_engine import spawn_argv, wait_engine_ready
-from tests.support.processes import Service, free_port
 from tests.support.standin import rendered_command, standin_argv
 
 RETRYABLE = (429, 503)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kubernetes import client
 
-from tests.support.cpu_engine import spawn_argv, wait_engine_ready
-from tests.support.processes import Service, free_port
+from harness.cpu_engine import spawn_argv, wait_engine_ready
+from harness.processes import Service, free_port
 
 ENGINE_COMMAND = ("pagekeeper-engine", "serve")
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.tools import REPO
+from harness.tools import REPO
 
 FAKE_VLLM = REPO / "tests" / "vllm" / "fake_vllm.py"
 STOP_TIMEOUT_S = 60.0

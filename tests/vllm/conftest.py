@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.tools import CACHE, REPO, missing
 from pagekeeper_vllm.bundle import write_bundle
-from tests.support.tools import CACHE, REPO, missing
 
 HERE = Path(__file__).parent
 # The versions hack/provision.sh installs: the operator's default image, and the newest.

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import wait_for
+from harness.processes import engine_pythonpath, free_port
+from harness.tools import REPO
 from pagekeeper_vllm.launch import Launcher
 from pagekeeper_vllm.pipes import ChildPipe
-from tests.support.cluster import wait_for
-from tests.support.processes import engine_pythonpath, free_port
-from tests.support.tools import REPO
 from tests.support.vllm_launcher import start_launcher, stop_launcher
 from tests.vllm.fake_vllm import OOM, PREFIX, READY
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import free_port
 from pagekeeper_engine.stuck import parse_stuck_message
 from pagekeeper_vllm.launch import exit_code
 from pagekeeper_vllm.probe import vllm_url
 from pagekeeper_vllm.stall import StallTracker, VllmProgress, parse_progress
-from tests.support.processes import free_port
 from tests.support.vllm_launcher import start_launcher, stop_launcher
 from tests.vllm.fake_vllm import IDLE_METRICS, STUCK_METRICS
 

@@ -16,9 +16,9 @@ import pytest
 import requests
 from transformers import PreTrainedModel
 
+from harness.processes import engine_pythonpath, free_port
 from tests.engine.server.checkpoint import MAX_POSITIONS, write_checkpoint
 from tests.support import step_gate
-from tests.support.processes import engine_pythonpath, free_port
 from tests.support.step_gate import StepGate
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -22,9 +22,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import engine_pythonpath, free_port
 from tests.engine.server.conftest import MODEL_NAME, Checkpoint, Server, start_server
 from tests.support import step_gate
-from tests.support.processes import engine_pythonpath, free_port
 from tests.support.step_gate import StepGate
 
 NUM_STREAMS = 3

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.processes import engine_pythonpath, free_port
 from tests.engine.server.conftest import Checkpoint
-from tests.support.processes import engine_pythonpath, free_port
 
 
 def test_server_refuses_a_budget_that_cannot_hold_one_request(
