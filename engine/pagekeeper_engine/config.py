@@ -11,7 +11,11 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from pagekeeper_engine.kv_events_config import KVEventsConfig, parse_kv_events_config
+from pagekeeper_engine.kv_events_config import (
+    KV_EVENTS_ENCODINGS,
+    KVEventsConfig,
+    parse_kv_events_config,
+)
 
 BLOCK_SIZES = (8, 16, 32)
 # --kv-cache-dtype: "auto" stores keys and values in the model's dtype; "fp8" (e4m3, also spelled
@@ -144,6 +148,7 @@ class EngineConfig:
     kv_offloading_backend: str = "native"
     # Where KV cache events go (vLLM's --kv-events-config); None: no events.
     kv_events_config: KVEventsConfig | None = None
+    kv_events_encoding: str = "array"  # kv_events_wire: "array" (vLLM 0.11) or "map" (0.33)
 
     @property
     def is_fp8_kv_cache(self) -> bool:
@@ -368,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         "endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic): publish "
         "BlockStored / BlockRemoved / AllBlocksCleared in vLLM's wire format for KV-aware "
         'routers, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
+    add(
+        "--kv-events-encoding",
+        choices=KV_EVENTS_ENCODINGS,
+        default="array",
+        help="how each KV event is encoded: array (tagged arrays, as vLLM 0.11 sends and llm-d's "
+        "KV-cache indexer reads) or map (tagged maps, as vLLM 0.33 sends)",
     )
     add(
         "--api-server-count",

@@ -33,9 +33,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import zmq
+
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError
 from pagekeeper_engine.heap import freeze_startup_heap
+from pagekeeper_engine.kv_events_wire import Encoding
+from pagekeeper_engine.kv_publisher import ZmqKVEventPublisher
 from pagekeeper_engine.memory.oom import (
     OOMKind,
     OOMPhase,
@@ -163,6 +167,23 @@ class StuckLoopHandler:
         self._exit(1)
 
 
+def start_kv_event_publisher(config: EngineConfig) -> ZmqKVEventPublisher | None:
+    """The publisher `--kv-events-config` asks for (None: events off or the null publisher)."""
+    events = config.kv_events_config
+    if events is None or not events.is_publishing:
+        return None
+    encoding: Encoding = "map" if config.kv_events_encoding == "map" else "array"
+    publisher = ZmqKVEventPublisher(events, encoding)
+    logger.info(
+        "publishing KV events (%s encoding) on %s, replay on %s, topic %r",
+        encoding,
+        publisher.endpoint,
+        publisher.replay_endpoint,
+        events.topic,
+    )
+    return publisher
+
+
 def run_engine_core(config: EngineConfig, addresses: CoreAddresses, num_clients: int) -> None:
     """The process's target: exits 0 after a shutdown, 1 when it cannot load or serve."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -183,9 +204,18 @@ def _serve(
 ) -> int:
     on_rank_failure = RankFailureHandler(config, addresses, num_clients)
     try:
-        return _load_and_serve(config, addresses, num_clients, is_parent_alive, on_rank_failure)
+        kv_events = start_kv_event_publisher(config)
+    except zmq.ZMQError as exc:  # before the model loads: a taken port fails at once
+        logger.error("cannot publish KV events (%s): %s", config.kv_events_config, exc)
+        return 1
+    try:
+        return _load_and_serve(
+            config, addresses, num_clients, is_parent_alive, on_rank_failure, kv_events
+        )
     finally:
         on_rank_failure.finished.set()
+        if kv_events is not None:
+            kv_events.close()
 
 
 def _load_and_serve(
@@ -194,6 +224,7 @@ def _load_and_serve(
     num_clients: int,
     is_parent_alive: Callable[[], bool],
     on_rank_failure: RankFailureHandler,
+    kv_events: ZmqKVEventPublisher | None,
 ) -> int:
     import torch  # noqa: PLC0415  (the front end's process never imports torch)
 
@@ -226,7 +257,9 @@ def _load_and_serve(
         logger.exception("could not load %s", config.model)
         return 1
     engine = LLMEngine(config, runner, runner.eos_token_ids, check_sampling=runner.check_sampling)
-    core = EngineCore(engine, addresses, num_clients, is_parent_alive=is_parent_alive)
+    core = EngineCore(
+        engine, addresses, num_clients, is_parent_alive=is_parent_alive, kv_events=kv_events
+    )
     on_rank_failure.attach(core)
     freeze_startup_heap("engine core")
     try:

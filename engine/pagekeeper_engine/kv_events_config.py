@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 PUBLISHERS = ("null", "zmq")
+# How events are encoded on the wire (`kv_events_wire`); not part of vLLM's JSON, whose parser
+# refuses fields it does not know, so a flag of its own.
+KV_EVENTS_ENCODINGS = ("array", "map")
 # ZMQ transports a publisher can bind or connect; anything else is a typo that would only
 # surface when the core process starts.
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")

@@ -6,7 +6,7 @@ types below, encoded as MessagePack by `Codec` into typed structs (decoding neve
 object of a type not named here: no pickle). Each message carries its type as a tag;
 `PROTOCOL_VERSION` is in the `Ready` handshake and a front end refuses a core of another one.
 
-Front end -> core: `AddRequest`, `AbortRequests`, `AdminRequest`, `Shutdown`.
+Front end -> core: `AddRequest`, `AbortRequests`, `AdminRequest`, `Draining`, `Shutdown`.
 Core -> front end: `Ready` (once, after the model is loaded), `StepOutputs` (one per step per
 front end with work in it, with the loop's stats at most every `STATS_INTERVAL_S` and while
 idle as a heartbeat), `AdminReply`, `Fatal` (the core is giving up and will exit).
@@ -27,7 +27,7 @@ from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 STATS_INTERVAL_S = 0.1  # the loop's stats ride on step outputs at most this often
 HEARTBEAT_INTERVAL_S = 0.5  # an idle core sends its stats this often
 
@@ -44,6 +44,9 @@ class LoopStats(EngineStats):
     max_step_token_budget: int = 0
     allocator: AllocatorStats | None = None
     num_consecutive_failed_steps: int = 0
+    # KV cache events sent to subscribers, and dropped before the wire (`kv_publisher`)
+    num_kv_events_published: int = 0
+    num_kv_events_dropped: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class AdminRequest(msgspec.Struct, tag=True, array_like=True):
     max_running: int
 
 
+class Draining(msgspec.Struct, tag=True, array_like=True):
+    """A front end began its drain (SIGTERM): the core keeps running what it has, and tells
+    KV-aware routers that its cached blocks are gone."""
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop the loop and exit 0 (requests still in flight are aborted)."""
 
@@ -139,7 +147,7 @@ class Fatal(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-ToCore = AddRequest | AbortRequests | AdminRequest | Shutdown
+ToCore = AddRequest | AbortRequests | AdminRequest | Draining | Shutdown
 FromCore = Ready | StepOutputs | AdminReply | Fatal
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagekeeper_engine.config import EngineConfig
+from pagekeeper_engine.core.kv_events import KVEventLog
 from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig
 from pagekeeper_engine.core.loop_stats import release_cached, snapshot
 from pagekeeper_engine.core.outputs import SchedulerOutput
@@ -91,6 +92,12 @@ class LLMEngine:
             runner.num_host_blocks,
         )
         self._oom = OomRecovery(self.scheduler, config.max_consecutive_ooms)
+        # what the prefix cache's tiers gained and lost (`core.kv_events`), when asked for
+        events = config.kv_events_config
+        self.kv_events: KVEventLog | None = None
+        if events is not None and events.enable_kv_cache_events:
+            self.kv_events = KVEventLog(self.scheduler.kv.block_size)
+            self.scheduler.kv.events = self.kv_events
         monitor = runner.allocator_monitor
         self._allocator = (
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
@@ -251,6 +258,12 @@ class LLMEngine:
     def drain(self) -> None:
         """Settle the step in flight now; its outputs come with the next `step()`."""
         self._pending += self._settle()
+
+    def begin_shutdown(self) -> None:
+        """The engine is draining or stopping: report every cached block gone (a KV-aware
+        router must stop sending prefixes here) and report no new ones."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _count_swap_ooms(self) -> None:
         self._oom.count_swap_ooms(self.runner.num_swap_ooms)

@@ -13,6 +13,10 @@ any step failure under tensor parallelism, a tensor-parallel rank that died: `fa
 thread): a `Fatal` message to every front end, `fatal` set, exit 1. `announce_fatal` sends the
 same message from a thread of its own where the loop cannot get there. Each turn of the loop is
 marked (`last_turn_s`, read with the requests held by `progress`) for the progress watchdog.
+
+With KV cache events on, each turn's events go to the `kv_events` sink (a publisher thread:
+the turn only queues them). `Draining` (a front end's SIGTERM) and `Shutdown` report every
+cached block gone first.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import zmq
 
 from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.core.kv_events import KVEventSink
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.messages import (
@@ -34,6 +40,7 @@ from pagekeeper_engine.messages import (
     AdminReply,
     AdminRequest,
     CoreAddresses,
+    Draining,
     EngineOutput,
     Fatal,
     FromCore,
@@ -82,8 +89,10 @@ class EngineCore:
         num_clients: int,
         *,
         is_parent_alive: Callable[[], bool] = lambda: True,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.engine = engine
+        self._kv_events = kv_events if engine.kv_events is not None else None
         self.fatal: FatalEngineError | None = None
         self._failure: FatalEngineError | None = None  # set by `fail`, from any thread
         self._is_parent_alive = is_parent_alive
@@ -158,6 +167,7 @@ class EngineCore:
                     logger.error("the front end that started the engine core is gone; exiting")
                     return 1
             if not engine.has_work():
+                self._publish_kv_events()
                 engine.sample_memory()
                 self._send_outputs([], force_stats=True)
                 continue
@@ -170,10 +180,17 @@ class EngineCore:
                 logger.exception("engine step raised; failing every request in flight")
                 engine.count_failed_step()
                 outputs = self._fail_all("the engine failed while stepping")
+            self._publish_kv_events()
             # an engine that just went idle reports at once: counters match what was answered
             self._send_outputs(outputs, force_stats=not engine.has_work())
         self._send_outputs(self._fail_all("the engine core is shutting down"), force_stats=True)
+        self._publish_kv_events()
         return 0
+
+    def _publish_kv_events(self) -> None:
+        log = self.engine.kv_events
+        if self._kv_events is not None and log is not None and log.events:
+            self._kv_events.publish(log.take())
 
     def _receive_all(self) -> None:
         while True:
@@ -204,8 +221,11 @@ class EngineCore:
                 self.engine.abort(request_id, message.reason)
         elif isinstance(message, AdminRequest):
             self._send(message.client_index, self._admin(message))
+        elif isinstance(message, Draining):
+            self.engine.begin_shutdown()
         elif isinstance(message, Shutdown):
             logger.info("shutdown requested")
+            self.engine.begin_shutdown()
             self._is_stopping = True
 
     def _admin(self, request: AdminRequest) -> AdminReply:
@@ -222,6 +242,12 @@ class EngineCore:
         stats: LoopStats | None = None
         if force_stats or now - self._last_stats_s >= STATS_INTERVAL_S:
             stats = self.engine.stats()
+            if self._kv_events is not None:
+                stats = replace(
+                    stats,
+                    num_kv_events_published=self._kv_events.num_published,
+                    num_kv_events_dropped=self._kv_events.num_dropped,
+                )
             self._last_stats_s = now
         if len(self._outboxes) == 1:
             for output in outputs:

@@ -6,27 +6,20 @@ Pure Python; never imports torch.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagekeeper_engine.core.block_hash import hash_block
 from pagekeeper_engine.core.block_pool import BlockPool
 from pagekeeper_engine.core.host_tier import EvictedRecord, HostTier
 from pagekeeper_engine.core.kv_copies import CopyPlan
+from pagekeeper_engine.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventLog, Medium
 from pagekeeper_engine.core.sequence import Sequence
 
+__all__ = ["KVCacheManager", "PrefixHit", "hash_block", "num_blocks_for"]
+
 _ROOT_HASH = b""
-
-
-def hash_block(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
-    """Chained hash of one full block: it names the block's tokens and everything before them.
-
-    A 128-bit digest rather than Python's `hash`: a collision would silently serve another
-    prompt's keys and values.
-    """
-    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -74,6 +67,8 @@ class KVCacheManager:
     as many hashes as both tiers hold together (what a cache of twice the size could have
     kept): the evidence for a host tier, or a larger one.
 
+    With `events` set, every block a tier registers or drops is recorded there (`kv_events`).
+
     With prefix caching off, `num_prefix_shadow_hits` counts the tokens a cache would have
     found: at a prompt's first admission, its longest prefix of full blocks whose chained hashes
     an earlier prompt had, against a record of the most recent hashes no longer than the pool
@@ -109,6 +104,7 @@ class KVCacheManager:
         self.num_prefix_shadow_hits = 0
         self._max_shadow_hashes = usable
         self._shadow_hashes: OrderedDict[bytes, None] = OrderedDict()
+        self.events: KVEventLog | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -168,7 +164,8 @@ class KVCacheManager:
                 continue
             assert self.host is not None
             gpu_id, taken = new_ids[taken], taken + 1
-            self.pool.cache_block(gpu_id, block_hash)
+            if self.pool.cache_block(gpu_id, block_hash) and self.events is not None:
+                self._record_stored(seq, index, MEDIUM_GPU)
             self.host.note_loaded(block_hash)
             self.copies.load(host_id, gpu_id)
             block_ids.append(gpu_id)
@@ -251,22 +248,39 @@ class KVCacheManager:
             block_id, block_hash = seq.block_ids[index], seq.block_hashes[index]
             if self.pool.cache_block(block_id, block_hash):
                 self.evicted.discard(block_hash)
-                self._store(block_id, block_hash)
+                if self.events is not None:
+                    self._record_stored(seq, index, MEDIUM_GPU)
+                if self._store(block_id, block_hash) and self.events is not None:
+                    self._record_stored(seq, index, MEDIUM_CPU)
         seq.num_registered_blocks = num_full
 
-    def _store(self, block_id: int, block_hash: bytes) -> None:
-        """Write a newly registered block through to the host tier (`kv_copies`)."""
+    def _store(self, block_id: int, block_hash: bytes) -> bool:
+        """Write a newly registered block through to the host tier (`kv_copies`); whether the
+        tier took a new copy."""
         if self.host is None:
-            return
+            return False
         stored = self.host.store(block_hash)
         if stored is None:  # the host tier has it already
-            return
+            return False
         host_id, pushed_out = stored
         self.copies.store(block_id, host_id)
-        if pushed_out is not None and self.pool.lookup(pushed_out) is None:
-            self.evicted.add(pushed_out)
+        if pushed_out is not None:
+            if self.events is not None:
+                self.events.removed(pushed_out, MEDIUM_CPU)
+            if self.pool.lookup(pushed_out) is None:
+                self.evicted.add(pushed_out)
+        return True
+
+    def _record_stored(self, seq: Sequence, index: int, medium: Medium) -> None:
+        assert self.events is not None
+        size = self.block_size
+        parent = seq.block_hashes[index - 1] if index > 0 else None
+        tokens = seq.token_ids[index * size : (index + 1) * size]
+        self.events.stored(seq.block_hashes[index], parent, tokens, medium)
 
     def _evicted_from_gpu(self, block_hash: bytes) -> None:
+        if self.events is not None:
+            self.events.removed(block_hash, MEDIUM_GPU)
         if self.host is None or block_hash not in self.host:
             self.evicted.add(block_hash)
 

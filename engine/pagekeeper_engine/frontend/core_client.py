@@ -43,6 +43,7 @@ from pagekeeper_engine.messages import (
     AdminRequest,
     CoreAddresses,
     DefragmentResult,
+    Draining,
     EngineOutput,
     Fatal,
     LoopStats,
@@ -245,6 +246,7 @@ class CoreClient:
 
     async def drain(self, timeout: float) -> bool:
         self._is_draining = True
+        self._send(Draining())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
         leftover = [rid for rid, request in self._requests.items() if not request.is_done]

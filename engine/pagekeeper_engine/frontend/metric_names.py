@@ -75,6 +75,10 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     # prompt tokens of full blocks that were cached once, then evicted from every tier, and
     # requested again (recomputed): the evidence for a host tier, or a larger one
     "pagekeeper_prefix_cache_evicted_misses_total": ("counter", ()),
+    # KV cache events (--kv-events-config) sent on the PUB socket, and dropped before it (the
+    # publisher's queue was full, or a send failed); both 0 with events off
+    "pagekeeper_kv_events_published_total": ("counter", ()),
+    "pagekeeper_kv_events_dropped_total": ("counter", ()),
 }
 
 # Exported only where they mean something: the CUDA caching allocator, and a start-up budget

@@ -164,6 +164,8 @@ class EngineCollector(Collector):
         yield ooms
         yield self._gauge("pagekeeper_step_token_budget", stats.step_token_budget)
         yield self._counter("pagekeeper_device_wait_seconds_total", stats.device_wait_seconds)
+        yield self._counter("pagekeeper_kv_events_published_total", stats.num_kv_events_published)
+        yield self._counter("pagekeeper_kv_events_dropped_total", stats.num_kv_events_dropped)
         yield from self._host_tier_metrics(stats)
 
     def _host_tier_metrics(self, stats: LoopStats) -> Iterator[Metric]:
