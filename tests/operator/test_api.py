@@ -35,6 +35,7 @@ from pagekeeper_operator.api.policy import (
 )
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.api.tuning_bounds import TIER_MIN_RULE, TIER_ORDER_RULE, TIER_RANGE_RULE
 from tests.operator.servers import make_server, server_body
 
 
@@ -169,10 +170,36 @@ def _error_messages(spec: dict[str, Any]) -> str:
             {"memoryPolicy": {"kvOffload": {"size": "8Gi", "backend": "lmcache"}}},
             KV_OFFLOAD_BACKEND_RULE["message"],
         ),
+        (
+            {"tuning": {"bounds": {"kvOffloadSize": {"min": "0", "max": "8Gi"}}}},
+            TIER_MIN_RULE["message"],
+        ),
+        (
+            {"tuning": {"bounds": {"kvOffloadSize": {"min": "16Gi", "max": "8Gi"}}}},
+            TIER_ORDER_RULE["message"],
+        ),
+        (
+            {
+                "memoryPolicy": {"kvOffload": {"size": "4Gi"}},
+                "tuning": {"bounds": {"kvOffloadSize": {"min": "8Gi", "max": "64Gi"}}},
+            },
+            TIER_RANGE_RULE["message"],
+        ),
     ],
 )
 def test_cross_field_rules_refuse_with_the_crd_message(spec: dict[str, Any], message: str) -> None:
     assert message in _error_messages(spec)
+
+
+def test_a_tier_bound_holding_the_specs_tier_is_kept() -> None:
+    tier = {"memoryPolicy": {"kvOffload": {"size": "32Gi"}}}
+    for bounds in ({"min": "32Gi", "max": "32Gi"}, {"min": "1536Mi", "max": "64Gi"}):
+        server = make_server({**tier, "tuning": {"bounds": {"kvOffloadSize": bounds}}})
+        kept = server.spec.tuning.bounds.kv_offload_size
+        assert kept is not None and (kept.min, kept.max) == (bounds["min"], bounds["max"])
+    untiered = make_server({"tuning": {"bounds": {"kvOffloadSize": {"min": "8Gi", "max": "64Gi"}}}})
+    assert untiered.spec.memory_policy.kv_offload is None
+    assert BOUNDS_RULES[-3:] == (TIER_MIN_RULE, TIER_ORDER_RULE, TIER_RANGE_RULE)
 
 
 @pytest.mark.parametrize(

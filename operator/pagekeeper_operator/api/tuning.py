@@ -12,7 +12,14 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, BlockSize, MemoryPolicy
+from pagekeeper_operator.api.tuning_bounds import (
+    BOUNDS_RULES,
+    FloatRange,
+    IntRange,
+    QuantityRange,
+    TuningBounds,
+    bounds_violation,
+)
 from pagekeeper_operator.api.tuning_status import (
     MAX_HOLD_OFFS,
     MAX_LOOKS,
@@ -33,9 +40,10 @@ from pagekeeper_operator.api.tuning_status import (
 from pagekeeper_operator.api.types import ApiModel, cel, validations
 
 __all__ = [
-    "MAX_HOLD_OFFS", "MAX_LOOKS", "MAX_OUTCOMES", "MAX_RECOMMENDATIONS", "ChangeSource",
-    "DroppedRecommendation", "Evidence", "HoldOff", "Recommendation", "StepDownCaps",
-    "TrialOutcome", "TrialRecord", "TunedChange", "TuningStatus", "TuningTrial",
+    "BOUNDS_RULES", "MAX_HOLD_OFFS", "MAX_LOOKS", "MAX_OUTCOMES", "MAX_RECOMMENDATIONS",
+    "ChangeSource", "DroppedRecommendation", "Evidence", "FloatRange", "HoldOff", "IntRange",
+    "QuantityRange", "Recommendation", "StepDownCaps", "TrialOutcome", "TrialRecord",
+    "TunedChange", "TuningBounds", "TuningStatus", "TuningTrial", "bounds_violation",
 ]  # fmt: skip
 
 TuningMode = Literal["Off", "Recommend", "Apply"]
@@ -69,73 +77,6 @@ SECONDARY_RULES = tuple(
     )
     for objective, figure in BOUNDED_FIGURE.items()
 )
-
-
-class FloatRange(ApiModel):
-    """Closed interval [min, max] of a fractional field."""
-
-    min: float = Field(gt=0.0, le=0.99, description="Lowest value the tuner may set.")
-    max: float = Field(gt=0.0, le=0.99, description="Highest value the tuner may set.")
-
-
-class IntRange(ApiModel):
-    """Closed interval [min, max] of an integer field."""
-
-    min: int = Field(ge=1, le=1_048_576, description="Lowest value the tuner may set.")
-    max: int = Field(ge=1, le=1_048_576, description="Highest value the tuner may set.")
-
-
-class TuningBounds(ApiModel):
-    """Where the tuner may move each memory-policy field; it never leaves these bounds.
-
-    An unset range leaves the field free within its own schema limits; each range must contain
-    the field's spec.memoryPolicy value.
-    """
-
-    gpu_memory_utilization: FloatRange | None = Field(
-        default=None,
-        description=(
-            "Range of gpuMemoryUtilization; unset: up to 0.95. The tuner only raises it, into "
-            "measured slack (spec.remediation.adaptive steps it down after an OOM)."
-        ),
-    )
-    max_num_seqs: IntRange | None = Field(
-        default=None, description="Range of maxNumSeqs; unset: any value the schema allows."
-    )
-    max_num_batched_tokens: IntRange | None = Field(
-        default=None,
-        description="Range of maxNumBatchedTokens; unset: any value the schema allows.",
-    )
-    block_sizes: list[BlockSize] | None = Field(
-        default=None,
-        min_length=1,
-        max_length=3,
-        description=(
-            "Block sizes the tuner may choose; must include spec.memoryPolicy.blockSize. Unset: "
-            "every size the runtime accepts (16 and 32 under vllm)."
-        ),
-    )
-    allow_fp8_kv: bool = Field(
-        default=False,
-        description=(
-            "Whether the tuner may propose kvCacheDtype fp8 (about twice the KV tokens, at a "
-            "small cost in accuracy). Off unless you opt in."
-        ),
-    )
-    allow_prefix_caching_change: bool = Field(
-        default=True, description="Whether the tuner may turn enablePrefixCaching on or off."
-    )
-    allow_allocator_change: bool = Field(
-        default=True,
-        description="Whether the tuner may change allocator options (expandableSegments).",
-    )
-    allow_fragmentation_buffer_change: bool = Field(
-        default=True,
-        description=(
-            "Whether the tuner may set fragmentationBuffer from the observed reserved minus "
-            "allocated peak (runtime pagekeeper only)."
-        ),
-    )
 
 
 class TuningSpec(ApiModel):
@@ -243,65 +184,9 @@ class TuningSpec(ApiModel):
         return tuple(f for f in SECONDARY_FIGURES if f != bounded)
 
 
-def _order_rule(field: str) -> dict[str, str]:
-    path = f"self.tuning.bounds.{field}"
-    return cel(
-        f"!has({path}) || {path}.min <= {path}.max",
-        f"spec.tuning.bounds.{field}.min must be <= spec.tuning.bounds.{field}.max",
-        f".tuning.bounds.{field}.min",
-    )
-
-
-def _range_rule(field: str) -> dict[str, str]:
-    path = f"self.tuning.bounds.{field}"
-    value = f"self.memoryPolicy.{field}"
-    unbound = ""
-    if field == "gpuMemoryUtilization":
-        # Unset, it means 0.9; under a KV byte budget there is no utilization to bound.
-        unbound = " || has(self.memoryPolicy.kvCacheMemory)"
-        value = f"(has({value}) ? {value} : {DEFAULT_GPU_MEMORY_UTILIZATION})"
-    return cel(
-        f"!has({path}) || {path}.min > {path}.max{unbound}"
-        f" || ({path}.min <= {value} && {value} <= {path}.max)",
-        f"spec.tuning.bounds.{field} must contain spec.memoryPolicy.{field} (the tuner starts "
-        "from the spec's value, so it must lie inside the bounds)",
-        f".tuning.bounds.{field}",
-    )
-
-
-RANGE_FIELDS = ("gpuMemoryUtilization", "maxNumSeqs", "maxNumBatchedTokens")
 APPLY_RULE = cel(
     "self.tuning.mode != 'Apply' || self.rollout.canary.enabled",
     "spec.tuning.mode Apply needs spec.rollout.canary.enabled (a change is tried on canary pods "
     "against the others before it is kept)",
     ".tuning.mode",
 )
-BOUNDS_RULES: tuple[dict[str, str], ...] = (
-    *(_order_rule(field) for field in RANGE_FIELDS),
-    *(_range_rule(field) for field in RANGE_FIELDS),
-    cel(
-        "!has(self.tuning.bounds.blockSizes)"
-        " || self.memoryPolicy.blockSize in self.tuning.bounds.blockSizes",
-        "spec.tuning.bounds.blockSizes must include spec.memoryPolicy.blockSize (the tuner "
-        "starts from the spec's value, so it must lie inside the bounds)",
-        ".tuning.bounds.blockSizes",
-    ),
-)
-
-
-def bounds_violation(bounds: TuningBounds, policy: MemoryPolicy) -> str | None:
-    """The message of the first BOUNDS_RULES rule `policy` breaks, or None."""
-    ranges: tuple[tuple[FloatRange | IntRange | None, float | None], ...] = (
-        (bounds.gpu_memory_utilization, policy.effective_utilization),
-        (bounds.max_num_seqs, policy.max_num_seqs),
-        (bounds.max_num_batched_tokens, policy.max_num_batched_tokens),
-    )
-    for order, (bound, _) in zip(BOUNDS_RULES, ranges, strict=False):
-        if bound is not None and bound.min > bound.max:
-            return order["message"]
-    for contains, (bound, value) in zip(BOUNDS_RULES[len(ranges) :], ranges, strict=False):
-        if bound is not None and value is not None and not bound.min <= value <= bound.max:
-            return contains["message"]
-    if bounds.block_sizes is not None and policy.block_size not in bounds.block_sizes:
-        return BOUNDS_RULES[-1]["message"]
-    return None

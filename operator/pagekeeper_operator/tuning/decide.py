@@ -51,6 +51,7 @@ from pagekeeper_operator.api.tuning import (
     TuningTrial,
 )
 from pagekeeper_operator.tuning.compare import Comparison
+from pagekeeper_operator.tuning.fields import change_text
 
 EventType = Literal["Normal", "Warning"]
 INCONCLUSIVE_HOLD_OFF_FRACTION = 0.25
@@ -148,7 +149,7 @@ def _judge(
     spec_value: str,
     now: datetime,
 ) -> Decision:
-    change = f"{trial.field} {trial.current} -> {trial.proposed}"
+    change = change_text(trial.field, trial.current, trial.proposed)
     if evidence is not None and evidence.canary_failure is not None:
         message = f"{change} rolled back: the canary failed ({evidence.canary_failure})"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
@@ -216,13 +217,13 @@ def decide(
     status = status.model_copy(update={"hold_offs": live})
     trial = status.trial
     if trial is not None and spec.mode != "Apply":
-        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        change = change_text(trial.field, trial.current, trial.proposed)
         message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None and _has_moved(trial, baseline):
         assert baseline is not None, "a baseline that moved is known"
-        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        change = change_text(trial.field, trial.current, trial.proposed)
         message = (
             f"{change} rolled back: {baseline.change} while it ran, so the window would "
             "measure more than its change"
@@ -230,7 +231,7 @@ def decide(
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None and trial.field in unfit:
-        change = f"{trial.field} {trial.current} -> {trial.proposed}"
+        change = change_text(trial.field, trial.current, trial.proposed)
         message = f"{change} rolled back: the candidate does not fit ({unfit[trial.field]})"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
@@ -248,7 +249,7 @@ def decide(
             started_at=now,
             baseline_policy_hash=None if baseline is None else baseline.policy_hash,
         )
-        change = f"{top.field} {top.current} -> {top.proposed} ({top.rule})"
+        change = f"{change_text(top.field, top.current, top.proposed)} ({top.rule})"
         if top.field in unfit:
             message = f"{change} skipped: the candidate does not fit ({unfit[top.field]})"
             status = _finish(status, spec, trial, "Skipped", message, {}, now)

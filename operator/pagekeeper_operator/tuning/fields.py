@@ -1,7 +1,9 @@
 """The memory-policy fields the tuner may change: their text form in status, and applying one.
 
 Status carries values as text (`"true"`, `"0.92"`, `"512Mi"`, `"fp8"`) so one schema fits every
-field; `value_text` and `with_change` are the only two conversions.
+field; `value_text` and `with_change` are the only two conversions. `kvOffload.size` reads ""
+while the host KV tier is off; setting it turns the tier on (backend native unless the spec
+names one).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from pydantic import ValidationError
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import FloatRange, IntRange, TuningBounds
+from pagekeeper_operator.api.types import quantity_value
 
 Kind = Literal["bool", "int", "float", "text"]
 # The ceiling of gpuMemoryUtilization when spec.tuning.bounds leaves it unset.
 DEFAULT_MAX_UTILIZATION = 0.95
 
-# camelCase field -> kind; "allocator." fields live in memoryPolicy.allocator.
+# camelCase field -> kind; "allocator." fields live in memoryPolicy.allocator, "kvOffload." ones
+# in memoryPolicy.kvOffload.
 TUNABLE: dict[str, Kind] = {
     "gpuMemoryUtilization": "float",
     "maxNumSeqs": "int",
@@ -29,10 +33,12 @@ TUNABLE: dict[str, Kind] = {
     "fragmentationBuffer": "text",
     "allocator.expandableSegments": "bool",
     "allocator.garbageCollectionThreshold": "float",
+    "kvOffload.size": "text",
 }
-# What a vLLM pod honours of them: vLLM has no --fragmentation-buffer
-# (docs/memory-policy.md, "Fields").
-VLLM_TUNABLE: frozenset[str] = frozenset(TUNABLE) - {"fragmentationBuffer"}
+# What the tuner changes on a vLLM pod: vLLM has no --fragmentation-buffer (docs/memory-policy.md,
+# "Fields"), and the tier's evidence (the evicted-then-requested-again count) is the paged
+# engine's alone, as is the tier on every version (vLLM's flags start at 0.11.1).
+VLLM_TUNABLE: frozenset[str] = frozenset(TUNABLE) - {"fragmentationBuffer", "kvOffload.size"}
 
 
 def is_tunable(field: str, runtime: Runtime) -> bool:
@@ -46,6 +52,11 @@ def value_text(value: object) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
+
+
+def change_text(field: str, current: str, proposed: str) -> str:
+    """`field current -> proposed` for messages; an unset field (a tier off) reads "unset"."""
+    return f"{field} {current or 'unset'} -> {proposed or 'unset'}"
 
 
 def _typed(field: str, text: str) -> object:
@@ -78,7 +89,9 @@ def with_change(policy: MemoryPolicy, field: str, text: str) -> MemoryPolicy:
         raise ValueError(f"{field} is not a field the tuner changes")
     body: dict[str, Any] = policy.to_api()
     value = _typed(field, text)
-    if field.startswith("allocator."):
+    if field == "kvOffload.size":
+        body["kvOffload"] = {**(body.get("kvOffload") or {}), "size": value}
+    elif field.startswith("allocator."):
         allocator = dict(body.get("allocator") or {})
         allocator[field.removeprefix("allocator.")] = value
         if field == "allocator.expandableSegments" and value is True:
@@ -117,4 +130,8 @@ def within_bounds(field: str, text: str, bounds: TuningBounds, runtime: Runtime)
         return bounds.allow_prefix_caching_change
     if field == "fragmentationBuffer":
         return bounds.allow_fragmentation_buffer_change
+    if field == "kvOffload.size":
+        tier = bounds.kv_offload_size
+        assert isinstance(value, str), (field, value)
+        return tier is None or tier.min_bytes <= quantity_value(value) <= tier.max_bytes
     return bounds.allow_allocator_change

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagekeeper_operator.adaptive import StuckClassification
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.host_alerts import memory_limit, working_set_ratio
 from pagekeeper_operator.prometheus import query_by, query_samples
 from pagekeeper_operator.tuning.window import MetricWindow
 
@@ -61,6 +62,9 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         return f'max {by} (pagekeeper_memory_budget_bytes{{{sel[1:-1]},term="{name}"}})'
 
     running = f"vllm:num_requests_running{sel}"
+    # The host-memory alert's own figures (`host_alerts`), peaked over the window.
+    ratio = working_set_ratio(scope.namespace, sel)
+    pods = "pod" if scope.by == "pod" else "llmserver, pod"
     return {
         "num_requests": counter("vllm:request_success_total"),
         "output_tokens_per_s": f"sum {by} (rate(vllm:generation_tokens_total{sel}{w}))",
@@ -94,6 +98,13 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         "gpu_total_bytes": term("total"),
         "budget_allowed_bytes": term("allowed"),
         "fragmentation_buffer_bytes": term("fragmentation_buffer"),
+        "kv_cache_bytes": (
+            f"max {by} (sum by ({pods}) "
+            f'(pagekeeper_memory_budget_bytes{{{sel[1:-1]},term="kv_cache"}}))'
+        ),
+        "prefix_evicted_misses": counter("pagekeeper_prefix_cache_evicted_misses_total"),
+        "host_memory_ratio_peak": f"max {by} (max_over_time(({ratio})[{seconds}s:]))",
+        "memory_limit_bytes": f"max {by} ({memory_limit(scope.namespace, sel)})",
     }
 
 

@@ -15,6 +15,10 @@ from pagekeeper_operator.tuning.window import MetricWindow
 
 # Requests a window must have finished before a rule that reads per-request signals proposes.
 MIN_REQUESTS = 100
+# Prompt tokens looked up in the prefix cache before a rule that reads its counts proposes.
+MIN_PREFIX_TOKENS = 50_000
+# spec.remediation.triggers.hostMemory.threshold's default.
+DEFAULT_HOST_MEMORY_THRESHOLD = 0.9
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,15 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Context:
+    """What a rule reads: the window, the effective policy, spec.tuning, the runtime, and of
+    the pod's host memory the alert's threshold and whether the spec sets its limit."""
+
     window: MetricWindow
     policy: MemoryPolicy
     tuning: TuningSpec
     runtime: Runtime
+    host_memory_threshold: float = DEFAULT_HOST_MEMORY_THRESHOLD
+    is_memory_limit_fixed: bool = False  # spec.resources.limits.memory set, not the plan's
 
 
 Rule = Callable[[Context], Proposal | None]

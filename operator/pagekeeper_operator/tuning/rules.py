@@ -32,7 +32,8 @@ The rules (derived in docs/memory-policy.md, Tuning):
   double maxNumBatchedTokens (more prompt tokens per step); under ThroughputUnderITL with ITL
   p99 above its bound, halve it (shorter prefill chunks stall decodes less).
 - the memory rules (utilization-up, kv-fp8, allocator-expandable, fragmentation-buffer):
-  `memory_rules`.
+  `memory_rules`; the host KV tier's (kv-offload-on, kv-offload-up, kv-offload-down):
+  `host_rules`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import TuningSpec
 from pagekeeper_operator.tuning.fields import is_tunable, with_change
+from pagekeeper_operator.tuning.host_rules import kv_offload
 from pagekeeper_operator.tuning.memory_rules import (
     allocator,
     fragmentation_buffer,
@@ -51,6 +53,8 @@ from pagekeeper_operator.tuning.memory_rules import (
     utilization,
 )
 from pagekeeper_operator.tuning.proposal import (
+    DEFAULT_HOST_MEMORY_THRESHOLD,
+    MIN_PREFIX_TOKENS,
     MIN_REQUESTS,
     Context,
     Proposal,
@@ -62,7 +66,6 @@ from pagekeeper_operator.tuning.proposal import (
 )
 from pagekeeper_operator.tuning.window import MetricWindow
 
-MIN_PREFIX_TOKENS = 50_000
 PREFIX_HIT_THRESHOLD = 0.3
 # The caching-off rule's gain is the host's hashing and lookups alone: on the H200 it stayed
 # within the spread between engine starts (docs/benchmarks.md, W-tune), so it is offered at
@@ -84,6 +87,8 @@ HEADROOM_GROWTH = 2
 HEADROOM_KV_PEAK = 0.9 / HEADROOM_GROWTH  # KV use grows about linearly with running sequences
 HEADROOM_CONFIDENCE = 0.5
 PRIORITY = (
+    # Host memory near its limit ends in an OOM kill of the whole pod.
+    "kv-offload-down",
     "allocator-expandable",
     "fragmentation-buffer",
     # KV-bound with idle GPU memory: more KV removes the limit that fewer sequences and FP8 KV
@@ -96,6 +101,9 @@ PRIORITY = (
     "max-num-seqs-up",
     "max-num-seqs-headroom",
     "prefix-caching-on",
+    # Prefill of evicted prefixes loaded instead of recomputed, for host memory only.
+    "kv-offload-on",
+    "kv-offload-up",
     "prefix-caching-off",
     "block-size-down",
     "batched-tokens",
@@ -259,7 +267,7 @@ def batched_tokens(ctx: Context) -> Proposal | None:
 
 RULES: tuple[Rule, ...] = (
     allocator, fragmentation_buffer, max_num_seqs, kv_fp8, prefix_caching, block_size,
-    batched_tokens, utilization,
+    batched_tokens, utilization, kv_offload,
 )  # fmt: skip
 
 
@@ -269,11 +277,15 @@ def recommend(
     tuning: TuningSpec,
     runtime: Runtime,
     held_fields: Collection[str] = (),
+    *,
+    host_memory_threshold: float = DEFAULT_HOST_MEMORY_THRESHOLD,
+    is_memory_limit_fixed: bool = False,
 ) -> list[Proposal]:
     """Proposals for `policy` (the effective one) from `window`, best first; fields in
-    `held_fields` (hold-offs, a trial under way) are never proposed."""
+    `held_fields` (hold-offs, a trial under way) are never proposed. The host terms:
+    `proposal.Context`."""
     policy = policy.with_budget_resolved()
-    ctx = Context(window, policy, tuning, runtime)
+    ctx = Context(window, policy, tuning, runtime, host_memory_threshold, is_memory_limit_fixed)
     proposals: dict[str, Proposal] = {}
     for rule in RULES:
         proposal = rule(ctx)

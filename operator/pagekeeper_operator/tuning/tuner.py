@@ -47,7 +47,7 @@ from pagekeeper_operator.tuning.decide import (
     decide,
     held_fields,
 )
-from pagekeeper_operator.tuning.fields import TUNABLE, read_field, within_bounds
+from pagekeeper_operator.tuning.fields import TUNABLE, change_text, read_field, within_bounds
 from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
@@ -103,8 +103,8 @@ def _accept(
         )
         changes = [c for c in changes if c.field != rec.field] + [change]
         message = (
-            f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}) accepted by annotation "
-            f"{ACCEPT_ANNOTATION}: the pods run it; spec is unchanged"
+            f"{change_text(rec.field, rec.current, rec.proposed)} ({rec.rule}) accepted by "
+            f"annotation {ACCEPT_ANNOTATION}: the pods run it; spec is unchanged"
         )
         events.append(TuningEvent("Normal", "RecommendationAccepted", message))
     return status.model_copy(update={"changes": changes}), events
@@ -135,7 +135,7 @@ def _recommendation(
 def describe(rec: Recommendation) -> str:
     numbers = ", ".join(f"{e.name}={e.value:g}" for e in rec.evidence)
     return (
-        f"{rec.field} {rec.current} -> {rec.proposed} ({rec.rule}, confidence "
+        f"{change_text(rec.field, rec.current, rec.proposed)} ({rec.rule}, confidence "
         f"{rec.confidence:g}): {rec.expected_effect} [{numbers}]"
     )
 
@@ -148,7 +148,7 @@ def _dropped(rec: Recommendation, reason: str) -> DroppedRecommendation:
 
 def describe_dropped(dropped: DroppedRecommendation) -> str:
     return (
-        f"{dropped.field} {dropped.current} -> {dropped.proposed} ({dropped.rule}) is not "
+        f"{change_text(dropped.field, dropped.current, dropped.proposed)} ({dropped.rule}) is not "
         f"recommended: the candidate does not fit ({dropped.reason})"
     )
 
@@ -258,7 +258,11 @@ def tune(
     proposals: list[Proposal] = []
     if observation.window is not None and spec.mode != "Off":
         held = held_fields(status, now)
-        proposals = recommend(observation.window, policy, spec, server.spec.runtime, held)
+        proposals = recommend(
+            observation.window, policy, spec, server.spec.runtime, held,
+            host_memory_threshold=server.spec.remediation.triggers.host_memory.threshold,
+            is_memory_limit_fixed=server.spec.resources.limits.memory is not None,
+        )  # fmt: skip
     recommendations = [_recommendation(p, previous, now) for p in proposals]
     if observation.window is None and spec.mode != "Off":
         # No window this time (Prometheus away): keep what the last one showed, so a blip

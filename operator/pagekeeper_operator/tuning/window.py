@@ -46,6 +46,11 @@ class MetricWindow:
     gpu_total_bytes: float | None = None  # budget terms of the start-up profile
     budget_allowed_bytes: float | None = None
     fragmentation_buffer_bytes: float | None = None
+    kv_cache_bytes: float | None = None  # a pod's GPU KV cache, over its ranks (the budget's)
+    # prompt tokens of full blocks no tier held any more when asked for again (runtime pagekeeper)
+    prefix_evicted_misses: float | None = None
+    host_memory_ratio_peak: float | None = None  # engine container working set / memory limit
+    memory_limit_bytes: float | None = None  # the engine container's; None: no limit
     is_stepped_down: bool = False  # adaptive step-down caps the effective policy
 
     @property
@@ -57,6 +62,12 @@ class MetricWindow:
     @property
     def prefix_hit_rate(self) -> float | None:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries > 0 else None
+
+    @property
+    def evicted_miss_share(self) -> float | None:
+        """Of the prompt tokens looked up, the share evicted earlier and asked for again."""
+        misses = self.prefix_evicted_misses
+        return misses / self.prefix_queries if misses is not None and self.prefix_queries else None
 
     @property
     def preemptions_per_request(self) -> float:

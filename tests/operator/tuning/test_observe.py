@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 
 from pagekeeper_engine.frontend.metric_names import METRICS
 from pagekeeper_operator.api.remediation import RemediationRecord
+from pagekeeper_operator.api.runtime import CLUSTER_SERIES
+from pagekeeper_operator.host_alerts import memory_limit, working_set_ratio
 from pagekeeper_operator.tuning.observe import (
     Scope,
     build_window,
@@ -34,8 +36,29 @@ def test_every_series_read_is_exported_by_the_engine() -> None:
         p99_query(SCOPE, 600, "vllm:time_to_first_token_seconds"),
     ]
     read = set().union(*(series_read(q) for q in queries))
-    assert read <= set(METRICS), read - set(METRICS)
+    # the host-memory figures are the cluster's (cAdvisor, kube-state-metrics, `up`)
+    assert read <= set(METRICS) | set(CLUSTER_SERIES), read - set(METRICS)
     assert "pagekeeper_prefix_cache_shadow_hits_total" in read
+    assert "pagekeeper_prefix_cache_evicted_misses_total" in read
+    assert set(CLUSTER_SERIES) <= read
+
+
+def test_the_host_figures_are_the_host_alerts() -> None:
+    queries = window_queries(SCOPE, 900, 16)
+    sel = '{namespace="ml",llmserver="qwen"}'
+    assert queries["host_memory_ratio_peak"] == (
+        f"max by (llmserver) (max_over_time(({working_set_ratio('ml', sel)})[900s:]))"
+    )
+    assert queries["memory_limit_bytes"] == f"max by (llmserver) ({memory_limit('ml', sel)})"
+    assert queries["prefix_evicted_misses"] == (
+        f"sum by (llmserver) (increase(pagekeeper_prefix_cache_evicted_misses_total{sel}[900s]))"
+    )
+    assert queries["kv_cache_bytes"] == (
+        "max by (llmserver) (sum by (llmserver, pod) (pagekeeper_memory_budget_bytes"
+        '{namespace="ml",llmserver="qwen",term="kv_cache"}))'
+    )
+    canary = window_queries(Scope("ml", "qwen", "qwen-canary-.*"), 900, 16)
+    assert canary["kv_cache_bytes"].startswith("max by (pod) (sum by (pod) (")
 
 
 def test_queries_select_the_server_and_aggregate_by_what_they_name() -> None:
