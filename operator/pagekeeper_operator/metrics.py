@@ -33,8 +33,12 @@ TUNING_RECOMMENDATIONS = Gauge(
 )
 TUNING_DECISIONS = Counter(
     "pagekeeper_tuning_decisions",
-    "Apply-mode decisions, by event reason (TuningTrialStarted, TuningPromoted, "
-    "TuningRolledBack, TuningTrialSkipped, RecommendationAccepted, TuningRecommendation).",
+    "The tuner's decisions, by Event reason: TuningRecommendation, TuningRecommendationDropped "
+    "(its candidate does not fit), RecommendationAccepted; in Apply mode TuningTrialStarted, "
+    "TuningTrialExtended (the window could not decide: judged again over a longer run), "
+    "TuningPromoted (a win), TuningRolledBack (a loss or tie, a failed canary, a moved "
+    "baseline), TuningTrialInconclusive (the extended trial could not decide either: rolled "
+    "back, held off for a quarter as long), TuningTrialSkipped (the candidate does not fit).",
     ["namespace", "llmserver", "reason"],
     registry=REGISTRY,
 )
