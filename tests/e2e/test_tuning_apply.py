@@ -17,6 +17,17 @@ and each outcome rests on the work a step does, not on the machine's speed:
   tuner proposes caching off. The canary's engine then prefills every prompt token where the
   baseline's skips a quarter (about 0.8x the tokens/s) -> rolled back, held off, not tried again.
 
+Two more servers judge a change on latency at equal throughput, a figure a CPU engine cannot be
+made to show on demand: their pods' series are synthetic (`synthetic_pod`), each pod's figures
+following from the maxNumSeqs the operator rendered for it, under an open-loop load (a pod serves
+its share of the arrivals whatever its cap, so tokens/s stay equal). Both show maxNumSeqs 2 held
+at its cap with requests waiting, so the tuner proposes 5 (the demand):
+
+- `ttftwin`: the queued requests wait for a slot, TTFT p99 about 10 s; at 5 none wait, about 1 s
+  -> promoted on TTFT p99 with tokens/s within 5% (the throughput objective's secondary figures).
+- `ttftloss`: more sequences a step hold each prompt's first token back, TTFT p99 about 1 s at 2
+  and 10 s at 5 -> rolled back as a loss (its spec names TTFTP99 alone: `secondaryFigures`).
+
 Before a trial one engine stands in for both pods of a server; once the canary runs, one stands
 in for the pod the stable Deployment kept and another for the canary pod.
 """
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import random
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +62,7 @@ from harness.processes import Service
 from pagekeeper_operator.prometheus import query_by
 from pagekeeper_operator.resync import RESYNC_DONE
 from tests.support.standin import ClosedLoop, flag_value, rendered_command, start_standin
+from tests.support.synthetic_pod import FigureModel, Figures, start_synthetic_pod
 
 MODEL = "tiny-llama"
 NUM_BLOCKS = 512  # of 16 tokens: far more than either load holds at once
@@ -68,19 +81,46 @@ def shared_prefix_prompt(rng: random.Random) -> str:
     return rng.choice(PREFIXES) + "".join(rng.choice(LETTERS) for _ in range(700))
 
 
-# name -> (memoryPolicy, prompt, max_tokens, requests in flight)
-SERVERS = {
+# name -> (memoryPolicy, prompt, max_tokens, requests in flight): CPU engines, closed loop
+ENGINES = {
     "seqs": ({"maxNumSeqs": 2}, short_prompt, 32, 8),
     "prefix": ({}, shared_prefix_prompt, 1, 4),
 }
+DEMAND = 5  # requests a synthetic pod holds at once, running or waiting
+QUICK_S, SLOW_S = 0.7, 6.0  # TTFT, inside the engine's (0.5, 1] and (5, 10] buckets
 
 
-def spec(policy: dict[str, Any]) -> dict[str, Any]:
+def pod_figures(argv: Sequence[str], ttft_seconds: float) -> Figures:
+    running = min(int(flag_value(argv, "--max-num-seqs") or 0), DEMAND)
+    return Figures(200.0, 4.0, ttft_seconds, running, DEMAND - running, 0.3)
+
+
+def queued(argv: Sequence[str]) -> Figures:
+    """Requests the cap holds back wait for a slot: TTFT is the queue's."""
+    figures = pod_figures(argv, QUICK_S)
+    return pod_figures(argv, SLOW_S) if figures.num_waiting else figures
+
+
+def stalled(argv: Sequence[str]) -> Figures:
+    """More sequences a step hold each prompt's first token back."""
+    return pod_figures(
+        argv, QUICK_S if int(flag_value(argv, "--max-num-seqs") or 0) <= 2 else SLOW_S
+    )
+
+
+# name -> its pods' figures: synthetic pods, open loop
+SYNTHETIC: dict[str, FigureModel] = {"ttftwin": queued, "ttftloss": stalled}
+SERVERS = [*ENGINES, *SYNTHETIC]
+
+
+def spec(name: str) -> dict[str, Any]:
+    policy: dict[str, Any] = ENGINES[name][0] if name in ENGINES else {"maxNumSeqs": 2}
     # one candidate field per workload; seqs' cap may reach the 8 in flight and no further, so
     # once the trial's value runs, the headroom rule has nothing left to add
     bounds: dict[str, Any] = {"blockSizes": [16]}
     if "maxNumSeqs" in policy:
         bounds["maxNumSeqs"] = {"min": 1, "max": 8}
+    named = {"secondaryFigures": ["TTFTP99"]} if name == "ttftloss" else {}
     return {
         "model": {"source": "/models/tiny-llama", "servedModelName": MODEL, "loadFormat": "dummy"},
         "replicas": 2,
@@ -89,7 +129,7 @@ def spec(policy: dict[str, Any]) -> dict[str, Any]:
         "rollout": {"canary": {"enabled": True, "replicas": 1, "analysisSeconds": 3600}},
         "tuning": {
             "mode": "Apply", "windowSeconds": WINDOW_S, "holdOffSeconds": 3600,
-            "bounds": bounds,
+            "bounds": bounds, **named,
         },
     }  # fmt: skip
 
@@ -139,24 +179,30 @@ def test_a_winning_canary_is_promoted_and_a_losing_one_rolled_back_and_held(
         )  # fmt: skip
         stack.callback(operator.stop)
         operator.wait_ready()
-        cluster.apply_yaml([llmserver(n, spec(s[0])) for n, s in SERVERS.items()], "-n", namespace)
-        # scrape job -> (engine, the pods it stands in for)
-        jobs: dict[str, tuple[Service, list[str]]] = {}
+        cluster.apply_yaml([llmserver(n, spec(n)) for n in SERVERS], "-n", namespace)
+        # scrape job -> (its port, the pods it stands in for); engines by job, for their logs
+        jobs: dict[str, tuple[int, list[str]]] = {}
+        engines: dict[str, Service] = {}
 
         def run_standin(job: str, name: str, deployment: str, pods: list[str]) -> list[str]:
             rendered = rendered_command(apps, namespace, deployment)
+            if name in SYNTHETIC:
+                pod = start_synthetic_pod(SYNTHETIC[name], rendered, seed=len(jobs))
+                stack.callback(pod.stop)
+                jobs[job] = (pod.port, pods)
+                return rendered
             engine = start_standin(rendered, checkpoint, tmp_path / job, NUM_BLOCKS)
             stack.callback(stop_engine, engine)
-            _, prompt, max_tokens, num_workers = SERVERS[name]
+            _, prompt, max_tokens, num_workers = ENGINES[name]
             load = ClosedLoop(engine.url, MODEL, prompt, max_tokens, num_workers).start()
             stack.callback(load.stop)
-            jobs[job] = (engine, pods)
+            jobs[job], engines[job] = (engine.port, pods), engine
             return rendered
 
         def scrape() -> None:
             prometheus.reload([
-                pod_scrape(engine.port, *((namespace, p, job.split("-")[0]) for p in pods), job=job)
-                for job, (engine, pods) in jobs.items()
+                pod_scrape(port, *((namespace, p, job.split("-")[0]) for p in pods), job=job)
+                for job, (port, pods) in jobs.items()
             ])  # fmt: skip
 
         for name in SERVERS:
@@ -184,7 +230,12 @@ def test_a_winning_canary_is_promoted_and_a_losing_one_rolled_back_and_held(
                     timeout=60, interval=1, what=f"{name}'s trial in status",
                 )  # fmt: skip
                 rendered = run_standin(f"{name}-canary", name, f"{name}-canary", [pod])
-                if name == "seqs":
+                if name in SYNTHETIC:
+                    assert (trials[name]["field"], trials[name]["proposed"]) == (
+                        "maxNumSeqs", str(DEMAND),
+                    ), trials[name]  # fmt: skip
+                    assert flag_value(rendered, "--max-num-seqs") == str(DEMAND)
+                elif name == "seqs":
                     assert trials[name]["field"] == "maxNumSeqs", trials[name]
                     assert int(trials[name]["proposed"]) > 2
                     assert flag_value(rendered, "--max-num-seqs") == trials[name]["proposed"]
@@ -198,23 +249,41 @@ def test_a_winning_canary_is_promoted_and_a_losing_one_rolled_back_and_held(
                 jobs[f"{name}-stable"] = (jobs[f"{name}-stable"][0], [kept])
                 scrape()
 
-            def decided(name: str) -> dict[str, Any] | None:
-                history = tuning(cluster, namespace, name).get("history") or []
-                return history[-1] if history else None
+            def decided(name: str) -> dict[str, Any]:
+                def last() -> dict[str, Any] | None:
+                    history = tuning(cluster, namespace, name).get("history") or []
+                    return history[-1] if history else None
 
-            won = wait_for(lambda: decided("seqs"), timeout=TRIAL_TIMEOUT_S, interval=2,
-                           what="the trial of seqs decided")  # fmt: skip
-            lost = wait_for(lambda: decided("prefix"), timeout=TRIAL_TIMEOUT_S, interval=2,
-                            what="the trial of prefix decided")  # fmt: skip
+                record = wait_for(last, timeout=TRIAL_TIMEOUT_S, interval=2,
+                                  what=f"the trial of {name} decided")  # fmt: skip
+                assert record is not None
+                return record
+
+            outcomes = {name: decided(name) for name in SERVERS}
         except AssertionError:
-            print(operator.log_tail(8000), {j: e.log for j, (e, _) in jobs.items()})
+            print(operator.log_tail(8000), {j: e.log for j, e in engines.items()})
             raise
+        won, lost = outcomes["seqs"], outcomes["prefix"]
         numbers = {e["name"]: e["value"] for e in won["evidence"]}
         assert won["outcome"] == "Promoted", won
         assert numbers["improvement"] > 0.03 and numbers["pValue"] < 0.05, numbers
         assert lost["outcome"] == "RolledBack", lost
         lost_numbers = {e["name"]: e["value"] for e in lost["evidence"]}
         assert min(lost_numbers["canarySamples"], lost_numbers["baselineSamples"]) >= 8, lost
+        # At equal throughput the TTFT p99 decides, either way.
+        for name, outcome, words in (
+            ("ttftwin", "Promoted", "promoted: TTFT p99 -"),
+            ("ttftloss", "RolledBack", "rolled back (loss): TTFT p99 +"),
+        ):
+            record = outcomes[name]
+            figures = {e["name"]: e["value"] for e in record["evidence"]}
+            assert record["outcome"] == outcome and words in record["message"], record
+            assert abs(figures["improvement"]) < 0.05 and figures["pValue"] > 0.05, record
+            slow, quick = sorted(
+                (figures["canaryTtftP99Seconds"], figures["baselineTtftP99Seconds"]), reverse=True
+            )
+            assert slow > 5 * quick, record
+        assert "tokens/s, not below -5% (p = " in outcomes["ttftwin"]["message"]
 
         # The canaries ran what was tried: more sequences at once; no prefix lookups.
         running = "max by (pod) (max_over_time(vllm:num_requests_running{pod='POD'}[30m]))"
@@ -240,24 +309,29 @@ def test_a_winning_canary_is_promoted_and_a_losing_one_rolled_back_and_held(
         seqs = get_server(cluster, namespace, "seqs")
         assert seqs["spec"]["memoryPolicy"]["maxNumSeqs"] == 2
         assert seqs["status"]["effectiveMemoryPolicy"]["maxNumSeqs"] == int(proposed)
-        [change] = seqs["status"]["tuning"]["changes"]
-        assert (change["field"], change["value"], change["source"]) == (
-            "maxNumSeqs", proposed, "Promoted",
-        )  # fmt: skip
-        reasons = {e.reason for e in server_events(cluster, namespace, "seqs")}
-        assert {"TuningTrialStarted", "TuningPromoted"} <= reasons
-        assert "TuningRolledBack" in {e.reason for e in server_events(cluster, namespace, "prefix")}
+        for name, value in (("seqs", proposed), ("ttftwin", str(DEMAND))):
+            [change] = tuning(cluster, namespace, name)["changes"]
+            assert (change["field"], change["value"], change["source"]) == (
+                "maxNumSeqs", value, "Promoted",
+            )  # fmt: skip
+            reasons = {e.reason for e in server_events(cluster, namespace, name)}
+            assert {"TuningTrialStarted", "TuningPromoted"} <= reasons
+        for name in ("prefix", "ttftloss"):
+            assert "TuningRolledBack" in {e.reason for e in server_events(cluster, namespace, name)}
+        assert flag_value(rendered_command(apps, namespace, "ttftloss"), "--max-num-seqs") == "2"
 
         # Within the hold-off the losing change is neither recommended nor tried again, while
         # the load that made the tuner propose it goes on.
-        held = tuning(cluster, namespace, "prefix")
-        assert [h["field"] for h in held["holdOffs"]] == ["enablePrefixCaching"]
+        lost_fields = {"prefix": "enablePrefixCaching", "ttftloss": "maxNumSeqs"}
+        for name, field in lost_fields.items():
+            assert [h["field"] for h in tuning(cluster, namespace, name)["holdOffs"]] == [field]
         rounds = operator.log_tail(10**7).count(RESYNC_DONE)
         wait_for(
             lambda: operator.log_tail(10**7).count(RESYNC_DONE) >= rounds + 3,
             timeout=90, what="three more resync rounds",
         )  # fmt: skip
-        again = get_server(cluster, namespace, "prefix")["status"]
-        assert again["tuning"].get("trial") is None
-        assert len(again["tuning"]["history"]) == 1
-        assert all(r["field"] != "enablePrefixCaching" for r in again.get("recommendations", []))
+        for name, field in lost_fields.items():
+            again = get_server(cluster, namespace, name)["status"]
+            assert again["tuning"].get("trial") is None
+            assert len(again["tuning"]["history"]) == 1
+            assert all(r["field"] != field for r in again.get("recommendations", []))
