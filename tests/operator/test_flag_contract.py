@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pagekeeper_engine.config import DEFAULT_STUCK_TIMEOUT_S, build_parser, parse_args, parse_bytes
+from pagekeeper_engine.kv_events_config import KVEventsConfig
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.engine import policy_flags
 from pagekeeper_vllm import launch
@@ -48,6 +49,7 @@ SPECS: list[dict[str, Any]] = [
     },
     {"parallelism": {"tensor": 4}},
     {"memoryPolicy": {"kvCacheDtype": "fp8"}},
+    {"gateway": {"kvEvents": {"enabled": True, "replayPort": 5558, "topic": "kv@p@m"}}},
 ]
 
 
@@ -328,3 +330,27 @@ def test_vllm_gets_the_tier_flags_where_its_parser_has_them(image: str, is_rende
         ]
     else:
         assert not KV_OFFLOAD_FLAGS & set(command)
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        {"enabled": True},
+        {"enabled": True, "port": 6100, "replayPort": 6101, "topic": "kv@p@m", "bufferSteps": 7},
+    ],
+)
+def test_engine_parses_the_kv_events_config(events: dict[str, Any]) -> None:
+    """spec.gateway.kvEvents as the engine's parser reads it: vLLM's fields, vLLM's defaults
+    for what the spec leaves out; off, no flag."""
+    server = make_server({"gateway": {"kvEvents": events}})
+    spec = server.spec.gateway.kv_events
+    config = parse_args(_command({"gateway": {"kvEvents": events}})[2:]).kv_events_config
+    assert config == KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{spec.port}",
+        replay_endpoint=None if spec.replay_port is None else f"tcp://*:{spec.replay_port}",
+        buffer_steps=spec.buffer_steps,
+        topic=spec.topic,
+    )
+    assert parse_args(_command({})[2:]).kv_events_config is None

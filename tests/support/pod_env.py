@@ -64,8 +64,11 @@ def _secret_value(name: str, ref: Mapping[str, Any], secrets: Secrets) -> str | 
     return secrets[secret][key]
 
 
-def container_env(container: Mapping[str, Any], secrets: Secrets) -> dict[str, str]:
-    """The container's environment as the kubelet gives it, from its `env` list."""
+def container_env(
+    container: Mapping[str, Any], secrets: Secrets, pod_fields: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The container's environment as the kubelet gives it, from its `env` list; `pod_fields`
+    gives the downward API's values by field path (`status.podIP`: the pod's IP)."""
     env: dict[str, str] = {}
     for var in container.get("env", []):
         name = var["name"]
@@ -75,6 +78,11 @@ def container_env(container: Mapping[str, Any], secrets: Secrets) -> dict[str, s
         source = var.get("valueFrom")
         if source is None:  # no value: the empty string
             env[name] = ""
+            continue
+        if set(source) == {"fieldRef"}:
+            path = source["fieldRef"]["fieldPath"]
+            assert pod_fields is not None and path in pod_fields, f"env {name}: no {path} given"
+            env[name] = pod_fields[path]
             continue
         assert set(source) == {"secretKeyRef"}, f"cannot resolve env {name} from {source}"
         value = _secret_value(name, source["secretKeyRef"], secrets)

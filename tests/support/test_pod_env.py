@@ -76,3 +76,14 @@ def test_a_missing_secret_or_key_keeps_the_container_from_starting(
     assert str(caught.value) == message
     optional = {"env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {**ref, "optional": True}}}]}
     assert container_env(optional, SECRETS) == {}  # unset, and the container starts
+
+
+def test_the_downward_api_fills_a_field_reference() -> None:
+    field = {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    container = {
+        "env": [{"name": "POD_IP", "valueFrom": field}],
+        "command": ["serve", '{"topic":"kv@$(POD_IP)@m"}'],
+    }
+    env = container_env(container, {}, {"status.podIP": "10.1.2.3"})
+    assert env == {"POD_IP": "10.1.2.3"}
+    assert container_argv(container, env) == ["serve", '{"topic":"kv@10.1.2.3@m"}']

@@ -5,6 +5,7 @@ policy sets, as vLLM parsed them. vLLM picks its platform when it builds the par
 machine without a GPU that is its CPU platform, set here the way its own CLI does for `bench`.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -47,5 +48,10 @@ fields = [
     # vLLM 0.11.1 and later: the host KV tier
     "kv_offloading_size",
     "kv_offloading_backend",
+    "prefix_caching_hash_algo",
+    "kv_events_config",  # a KVEventsConfig dataclass, printed as its fields
 ]
-print(json.dumps({name: getattr(args, name) for name in fields if hasattr(args, name)}))
+values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+if dataclasses.is_dataclass(values["kv_events_config"]):
+    values["kv_events_config"] = dataclasses.asdict(values["kv_events_config"])
+print(json.dumps(values))

@@ -114,9 +114,24 @@ SPECS: list[dict[str, Any]] = [
             "weights": {"quantization": "fp8", "cpuOffloadGiB": 2.5},
         },
     },
+    {
+        "runtime": "vllm",
+        "model": {"servedModelName": "qwen3"},
+        "gateway": {
+            "kvEvents": {
+                "enabled": True,
+                "port": 6100,
+                "replayPort": 6101,
+                "topic": "kv@$(POD_IP)@qwen3",
+                "bufferSteps": 500,
+            }
+        },
+    },
 ]
 API_KEY = "sk-4b1d9e"
 SECRETS = {"chat-openai": {"api-key": API_KEY}}  # the key spec.apiKey names by default
+POD_IP = "10.42.0.7"
+POD_FIELDS = {"status.podIP": POD_IP, "metadata.name": "qwen-0", "metadata.namespace": "ml"}
 
 
 def _pod(spec: dict[str, Any], version: str) -> tuple[Any, dict[str, Any]]:
@@ -144,7 +159,7 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
     init_command = [sys.executable, *init["command"][1:-1], str(volume)]
     assert init["command"][-1] == mount_path
     subprocess.run(init_command, check=True, capture_output=True, env={**os.environ})
-    env = container_env(container, SECRETS)
+    env = container_env(container, SECRETS, POD_FIELDS)
     python_path = env["PYTHONPATH"].replace(mount_path, str(volume))
     command = container_argv(container, env)
     separator = command.index("--")
@@ -183,6 +198,25 @@ def test_the_rendered_pod_runs_vllms_parser_under_the_launcher(
             assert size is None
         else:
             assert (size * 2**30, backend) == (tier.size_bytes, tier.backend)
+    # KV events: vLLM's own KVEventsConfig from the rendered JSON, after the kubelet put the
+    # pod's IP in the topic; hwm and max_queue_size are vLLM's defaults.
+    events = server.spec.gateway.kv_events
+    assert parsed.pop("kv_events_config") == (
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events.port}",
+            "replay_endpoint": f"tcp://*:{events.replay_port}",
+            "buffer_steps": events.buffer_steps,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": f"kv@{POD_IP}@qwen3",
+        }
+        if events.enabled
+        else None
+    )
+    # The block hash a router computes (`render.kv_events.HASH_ALGO`); vLLM's own otherwise.
+    assert parsed.pop("prefix_caching_hash_algo") == ("sha256_cbor" if events.enabled else "sha256")
     if policy.kv_cache_memory_bytes is not None:
         # No utilization is rendered under a KV byte budget: vLLM keeps its own default (0.9 in
         # 0.11.0, 0.92 in 0.33.0), which it does not use then.

@@ -12,6 +12,11 @@ from typing import Any
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.effective import allocator_conf
+from pagekeeper_operator.render.kv_events import (
+    kv_events_flags,
+    pod_field_env,
+    publishes_kv_events,
+)
 from pagekeeper_operator.render.meta import HTTP_PORT
 from pagekeeper_operator.render.vllm import PYTHONPATH, python_path
 from pagekeeper_operator.vllm_compat import has_kv_offload_flags
@@ -112,6 +117,8 @@ def engine_command(server: LLMServer, policy: MemoryPolicy, image: str) -> list[
             command.append("--disable-custom-all-reduce")
     has_kv_offload = is_pagekeeper or has_kv_offload_flags(image)
     command += policy_flags(policy, is_pagekeeper=is_pagekeeper, has_kv_offload=has_kv_offload)
+    if publishes_kv_events(server, policy, image):  # absent when off, as above
+        command += kv_events_flags(spec.gateway.kv_events, is_pagekeeper=is_pagekeeper)
     if is_pagekeeper:
         command += ["--shutdown-timeout", str(spec.shutdown_grace_period_seconds)]
         command += stuck_timeout_flags(server)
@@ -129,8 +136,11 @@ def stuck_timeout_flags(server: LLMServer) -> list[str]:
     return [] if seconds is None else ["--stuck-timeout", str(seconds)]
 
 
-def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:
-    """Allocator settings, writable cache locations, then the user's extra variables.
+def engine_env(
+    server: LLMServer, policy: MemoryPolicy, *, has_kv_events: bool = False
+) -> list[dict[str, Any]]:
+    """Allocator settings, writable cache locations, the pod's identity where it publishes KV
+    events (`has_kv_events`: the topic may name it), then the user's extra variables.
 
     A user variable replaces one of ours of the same name (the CRD forbids the allocator
     ones); the list must hold each name once, since server-side apply keys it by name.
@@ -149,6 +159,8 @@ def engine_env(server: LLMServer, policy: MemoryPolicy) -> list[dict[str, Any]]:
         ("TMPDIR", TMP_DIR),
     ):
         ours[name] = {"name": name, "value": value}
+    if has_kv_events:
+        ours.update((var["name"], var) for var in pod_field_env())
     api_key = server.spec.api_key
     if api_key is not None:
         source = {"secretKeyRef": {"name": api_key.secret_name, "key": api_key.key}}

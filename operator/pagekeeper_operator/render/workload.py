@@ -18,6 +18,7 @@ from pagekeeper_operator.render.engine import (
     engine_env,
     stuck_timeout_flags,
 )
+from pagekeeper_operator.render.kv_events import kv_events_ports, publishes_kv_events
 from pagekeeper_operator.render.meta import (
     CONTAINER_NAME,
     HTTP_PORT,
@@ -112,15 +113,18 @@ def _container(server: LLMServer, image: str) -> dict[str, Any]:
         *(mount.to_api() for mount in spec.pod_template.volume_mounts),
     ]
     command = engine_command(server, policy, image)
+    has_kv_events = publishes_kv_events(server, policy, image)
     ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if is_vllm:
         command = launcher_command(command, stuck_timeout_flags(server))
         ports.append(metrics_port())
+    if has_kv_events:
+        ports += kv_events_ports(spec.gateway.kv_events)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": command,
-        "env": engine_env(server, policy),
+        "env": engine_env(server, policy, has_kv_events=has_kv_events),
         "ports": ports,
         "resources": _resources(server, policy),
         "volumeMounts": mounts,
