@@ -282,9 +282,14 @@ class RequestRecord:
     def inter_token_gaps(self) -> list[float]:
         """Seconds between tokens after the first chunk: a chunk's gap spread evenly over its
         tokens where they can be counted (`has_token_counts`), else one gap per chunk."""
+        return [gap for _, gap in self.timed_inter_token_gaps()]
+
+    def timed_inter_token_gaps(self) -> list[tuple[float, float]]:
+        """(arrival of the chunk, gap) for each of `inter_token_gaps`."""
         exact = self.has_token_counts
-        gaps: list[float] = []
+        gaps: list[tuple[float, float]] = []
         for i in range(1, len(self.chunk_s)):
             num_tokens = self.chunk_words[i] if exact else 1
-            gaps += [(self.chunk_s[i] - self.chunk_s[i - 1]) / num_tokens] * num_tokens
+            gap = (self.chunk_s[i] - self.chunk_s[i - 1]) / num_tokens
+            gaps += [(self.chunk_s[i], gap)] * num_tokens
         return gaps

@@ -66,8 +66,8 @@ def verdict_of(trial: dict[str, Any], base: dict[str, Any], spec: TuningSpec) ->
         return {"is_win": False, "reason": "the candidate did not start"}
     if trial["ooms"] or trial["failures"]:
         return {"is_win": False, "reason": "the candidate ran out of memory or lost requests"}
-    figures = [tt.RoundFigures(**r["figures"]) for r in (trial, base)]
-    comparison = tt.judge(*figures, spec)
+    trial_figures, base_figures = (tt.RoundFigures(**r["figures"]) for r in (trial, base))
+    comparison = tt.judge(trial_figures, base_figures, spec)
     if comparison is None:
         return {"is_win": False, "reason": "too few throughput samples to tell"}
     return {"is_win": comparison.is_win, "reason": comparison.reason, **comparison.evidence()}
@@ -85,10 +85,10 @@ def format_change(change: dict[str, str] | None) -> str:
 
 def objective_spec(args: argparse.Namespace) -> TuningSpec:
     """`--objective` for every class, in place of each class's own."""
-    return TuningSpec(
-        objective=args.objective, ttft_p99_seconds=args.ttft_p99_seconds,
-        itl_p99_seconds=args.itl_p99_seconds,
-    )  # fmt: skip
+    return TuningSpec.model_validate({
+        "objective": args.objective, "ttftP99Seconds": args.ttft_p99_seconds,
+        "itlP99Seconds": args.itl_p99_seconds,
+    })  # fmt: skip
 
 
 def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
@@ -100,8 +100,8 @@ def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> 
     policy, held = cls.start, set[str]()
     base, base_window = serve(policy, f"{cls.name}_round0")
     base["verdict"] = None  # round 0 measures the starting policy
-    rounds = [{"round": 0, "trial": base, "in_force": policy.to_api(),
-               "in_force_score": score(base, spec)}]  # fmt: skip
+    rounds: list[dict[str, Any]] = [{"round": 0, "trial": base, "in_force": policy.to_api(),
+                                     "in_force_score": score(base, spec)}]  # fmt: skip
     print(format_row(f"{cls.name} round 0", rounds[0], spec))
     for index in range(1, args.rounds + 1):
         proposals = (
@@ -183,12 +183,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--shape", choices=list(SHAPES), default="qwen3-0.6b")
     add("--model-dir", default=None)
     add("--device", choices=["cuda", "cpu"], default="cuda")
-    add("--classes", nargs="+", choices=["chat", "rag", "burst"], default=["chat", "rag", "burst"])
+    names = ["chat", "rag", "burst", "longout"]
+    add("--classes", nargs="+", choices=names, default=names)
     add("--rounds", type=int, default=5)
     add(
         "--quick",
         action="store_true",
-        help="512 chat and 384 rag requests, 30 s of bursts, eager engines",
+        help="512 chat, 384 rag and 384 long-output requests, 30 s of bursts, eager engines",
     )
     add("--scale", type=float, default=1.0, help="shrink prompt and output lengths (smoke runs)")
     add("--num-requests", type=int, default=None, help="cap each closed-loop class's requests")

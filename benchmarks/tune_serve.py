@@ -1,6 +1,7 @@
 """W-tune's rounds over real engines: one policy served through HTTP (`serving.py`'s server and
-clients), its /metrics read into the operator's metric window and the trial rule's throughput
-samples, the window saved as a rule-test fixture on request."""
+clients), its /metrics and the clients' records read into the operator's metric window and the
+trial rule's samples (throughput and the secondary figures), the window saved as a rule-test
+fixture on request."""
 
 from __future__ import annotations
 
@@ -82,13 +83,9 @@ def open_loop_plans(
 
 
 def readings_of(
-    timed: list[tuple[float, tw.Scrape]],
+    timed: list[tuple[float, tw.Scrape]], name: str = "vllm:generation_tokens_total"
 ) -> list[tt.Reading]:
-    return [
-        tt.Reading(t, value)
-        for t, scrape in timed
-        if (value := scrape.get("vllm:generation_tokens_total")) is not None
-    ]
+    return [tt.Reading(t, value) for t, scrape in timed if (value := scrape.get(name)) is not None]
 
 
 def scrape_text(url: str, args: argparse.Namespace, log: Path, when: str) -> str:
@@ -138,11 +135,16 @@ def serve_round(
         code = server.stop()
     scrapes = [s for _, s in sampler.scrapes]
     window = tw.window_of(before, after, scrapes, records, seconds, policy.max_num_seqs)
-    readings = readings_of([(before_s, before), *sampler.scrapes, (after_s, after)])
+    timed = [(before_s, before), *sampler.scrapes, (after_s, after)]
     span = tt.steady_span(records, cls.concurrency is not None)
+    secondary = tt.secondary_samples(
+        records, readings_of(timed, "vllm:num_preemptions_total"),
+        readings_of(timed, "vllm:request_success_total"), tt.stretch_edges(*span),
+    )  # fmt: skip
     figures = tt.RoundFigures(
-        tt.throughput_samples(readings, *span), window.ttft_p99, window.itl_p99
-    )
+        tt.throughput_samples(readings_of(timed), *span), window.ttft_p99, window.itl_p99,
+        secondary,
+    )  # fmt: skip
     summary = serving_report.summarize(records)
     return {
         "policy": policy.to_api(),

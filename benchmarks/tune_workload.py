@@ -1,4 +1,4 @@
-"""W-tune's pure parts (docs/benchmarks.md, W-tune): the three workload classes, their poor starting
+"""W-tune's pure parts (docs/benchmarks.md, W-tune): the four workload classes, their poor starting
 policies and grids, and a metric window from the engine's /metrics read during a round.
 
 The window is the operator's `tuning.window.MetricWindow`, so the recommender sees on the GPU
@@ -29,6 +29,9 @@ BURST_EVERY_S = 20.0
 # The burst class's objective: its arrivals are open loop, so every policy that keeps up serves
 # the same tokens, and what a poor one loses is the bursts' time to first token.
 BURST_TTFT_P99_S = 2.0
+# The long-output class's streams: under the engine's default cap of 256 sequences, so only
+# memory limits how many run (no sequence-cap rule applies).
+LONGOUT_STREAMS = 192
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,18 @@ def rag(num_requests: int, seed: int, vocab_size: int, scale: float = 1.0) -> Ch
     return ChatWorkload(prompts, outputs)
 
 
+def long_outputs(num_requests: int, seed: int, vocab_size: int, scale: float = 1.0) -> ChatWorkload:
+    """Prompts uniform 16-64 tokens, outputs 256-768: decode-bound streams whose KV grows with
+    each token, so a small budget preempts and recomputes them."""
+    rng = random.Random(f"{seed}-longout")
+    lo, hi = token_id_range(vocab_size)
+    prompts = [_ids(rng, lo, hi, rng.randint(16, 64)) for _ in range(num_requests)]
+    outputs = [
+        rng.randint(max(1, int(256 * scale)), max(1, int(768 * scale))) for _ in range(num_requests)
+    ]
+    return ChatWorkload(prompts, outputs)
+
+
 def burst(
     duration_s: float, seed: int, vocab_size: int, scale: float = 1.0, background_rate: float = 8.0
 ) -> tuple[ChatWorkload, list[float]]:
@@ -113,7 +128,7 @@ def policy(**fields: Any) -> MemoryPolicy:
 def classes(
     seed: int, vocab_size: int, max_model_len: int, *, quick: bool, scale: float = 1.0
 ) -> list[WorkloadClass]:
-    """The three classes, each from a stated poor policy, with a coarse grid over the knobs the
+    """The four classes, each from a stated poor policy, with a coarse grid over the knobs the
     recommender may move for it."""
     n = 512 if quick else 1024
     base = {"maxModelLen": max_model_len}
@@ -144,6 +159,14 @@ def classes(
             TuningSpec.model_validate(
                 {"objective": "ThroughputUnderTTFT", "ttftP99Seconds": BURST_TTFT_P99_S}
             ),
+        ),
+        WorkloadClass(
+            "longout", long_outputs(n * 3 // 4, seed, vocab_size, scale), LONGOUT_STREAMS, [],
+            policy(**base, gpuMemoryUtilization=0.1),
+            [policy(**base, gpuMemoryUtilization=u) for u in (0.3, 0.9)],
+            f"utilization 0.1 holds a fraction of {LONGOUT_STREAMS} streams' growing outputs in "
+            "KV, so they are preempted and recomputed, and the queued ones wait for their "
+            "first token",
         ),
     ]  # fmt: skip
 
