@@ -16,8 +16,20 @@ from pagekeeper_engine.kv_events_config import (
     KVEventsConfig,
     parse_kv_events_config,
 )
+from pagekeeper_memplan.defaults import (
+    BLOCK_SIZES,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFIX_CACHE_MAX_FRACTION,
+    MAX_GPU_MEMORY_UTILIZATION,
+)
 
-BLOCK_SIZES = (8, 16, 32)
+# Re-exported: core/limits.py resolves the step budget from here.
+from pagekeeper_memplan.defaults import (
+    resolve_max_num_batched_tokens as resolve_max_num_batched_tokens,  # noqa: PLC0414
+)
+
 # --kv-cache-dtype: "auto" stores keys and values in the model's dtype; "fp8" (e4m3, also spelled
 # fp8_e4m3, as vLLM does) in one byte each.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -27,10 +39,6 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 QUANTIZATIONS = ("none", "fp8")
 # --kv-offloading-backend: vLLM's names; this engine has only its own (native) host tier.
 KV_OFFLOADING_BACKENDS = ("native",)
-# Tokens per step when --max-num-batched-tokens is not given and chunked prefill is on: large
-# enough to keep the GPU's matrix units busy on prefill, small enough that one chunk's
-# activations stay a small share of memory.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # Sequences that may wait beyond the running ones, per running slot, unless
 # --max-waiting-requests says otherwise. Larger than the queue backlog alert's ratio
 # (waiting > 3 x running), so the alert can fire before 429s start.
@@ -42,7 +50,6 @@ WAITING_PER_RUNNING_SLOT = 8
 # quadratic term included) about 15-20 s. 60 s leaves three times that, and matches the front
 # end's bound on a silent core (`CoreClient.heartbeat_timeout_s`), past which /health fails.
 DEFAULT_STUCK_TIMEOUT_S = 60.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?B?$")
 _UNITS = {
     None: 1,
@@ -114,14 +121,14 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_memory_bytes: int | None = None  # the KV cache's bytes per GPU, when given
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None
     swap_space: float = 4.0
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    prefix_cache_max_fraction: float = 0.5
+    prefix_cache_max_fraction: float = DEFAULT_PREFIX_CACHE_MAX_FRACTION
     fragmentation_buffer: int | Literal["auto"] = "auto"
     num_cpu_blocks_override: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -167,18 +174,6 @@ class EngineConfig:
         return self.max_num_seqs + waiting
 
 
-def resolve_max_num_batched_tokens(
-    max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_model_len: int
-) -> int:
-    """The per-step token budget: as given, else the default chunk, else room for a whole prompt
-    (without chunking a prompt must fit in one step)."""
-    if max_num_batched_tokens is not None:
-        return max_num_batched_tokens
-    if enable_chunked_prefill:
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
-
-
 def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return parse_kv_events_config(text)
@@ -208,10 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add(
         "--gpu-memory-utilization",
-        type=_bounded(float, 0.0, 0.99, lo_open=True),
+        type=_bounded(float, 0.0, MAX_GPU_MEMORY_UTILIZATION, lo_open=True),
         default=None,
-        help="fraction of the GPU's total memory this instance may use, in (0, 0.99]; default "
-        f"{DEFAULT_GPU_MEMORY_UTILIZATION} unless --kv-cache-memory-bytes is given",
+        help="fraction of the GPU's total memory this instance may use, in "
+        f"(0, {MAX_GPU_MEMORY_UTILIZATION}]; default {DEFAULT_GPU_MEMORY_UTILIZATION} unless "
+        "--kv-cache-memory-bytes is given",
     )
     add(
         "--kv-cache-memory-bytes",
@@ -222,14 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
         "weights, activations, non-torch memory, fragmentation buffer and these bytes exceed "
         "the GPU's free memory. On the CPU: the KV cache's bytes in host memory",
     )
-    add("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block")
+    add(
+        "--block-size",
+        type=int,
+        choices=BLOCK_SIZES,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block",
+    )
     add(
         "--max-num-batched-tokens",
         type=_bounded(int, 1, None),
         default=None,
         help="tokens per forward step (the prefill chunk budget)",
     )
-    add("--max-num-seqs", type=_bounded(int, 1, None), default=256, help="running sequences")
+    add(
+        "--max-num-seqs",
+        type=_bounded(int, 1, None),
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="running sequences",
+    )
     add("--max-model-len", type=_bounded(int, 1, None), default=None)
     add(
         "--swap-space",
@@ -242,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--prefix-cache-max-fraction",
         type=_bounded(float, 0.0, 1.0),
-        default=0.5,
+        default=DEFAULT_PREFIX_CACHE_MAX_FRACTION,
         help="bound on the share of KV blocks held only by the prefix cache",
     )
     add(

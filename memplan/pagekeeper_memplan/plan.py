@@ -43,6 +43,12 @@ from pagekeeper_memplan.budget import (
     kv_cache_bytes,
     kv_offload_staging_blocks,
 )
+from pagekeeper_memplan.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    resolve_max_num_batched_tokens,
+)
 from pagekeeper_memplan.gpus import GpuModel
 from pagekeeper_memplan.shape import (
     DTYPE_BYTES,
@@ -52,8 +58,6 @@ from pagekeeper_memplan.shape import (
     split_error,
 )
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # the engine's chunk when the flag is unset
 STEP_EXTRA_ESTIMATE = 128 * MiB
 GRAPH_POOL_ESTIMATE = 64 * MiB
 GRAPH_ESTIMATE_EACH = 1 * MiB
@@ -74,9 +78,9 @@ class PlanInputs:
     quantization: Literal["none", "fp8"] = "none"
     cpu_offload_bytes: int = 0  # per GPU
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float | None = None
@@ -163,11 +167,9 @@ def plan_memory(shape: ModelShape, inputs: PlanInputs, gpu: GpuModel) -> MemoryP
     """The plan of one rank on `gpu`, and its verdict (the first problem found, in the order of
     the module docstring's terms)."""
     max_model_len = inputs.max_model_len or shape.max_position_embeddings
-    tokens = inputs.max_num_batched_tokens
-    if tokens is None:
-        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if not inputs.enable_chunked_prefill:
-            tokens = max(max_model_len, tokens)
+    tokens = resolve_max_num_batched_tokens(
+        inputs.max_num_batched_tokens, inputs.enable_chunked_prefill, max_model_len
+    )
     dtype_bytes = model_dtype_bytes(shape, inputs.dtype)
     on_gpu, offloadable = weight_bytes(shape, inputs, max_model_len)
     offload = min(inputs.cpu_offload_bytes, offloadable)

@@ -10,15 +10,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
+from pagekeeper_memplan.defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
 from pagekeeper_operator.api.gateway import PREFIX_CACHE_RULE, GatewaySpec
 from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
-from pagekeeper_operator.api.policy import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    KV_OFFLOAD_BACKEND_RULE,
-    MemoryPolicy,
-)
+from pagekeeper_operator.api.policy import KV_OFFLOAD_BACKEND_RULE, MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.rollout import RolloutSpec
 from pagekeeper_operator.api.runtime import (
@@ -76,8 +73,8 @@ ADAPTIVE_FLOOR_RULE = cel(
     " <= (has(self.memoryPolicy.gpuMemoryUtilization)"
     f" ? self.memoryPolicy.gpuMemoryUtilization : {DEFAULT_GPU_MEMORY_UTILIZATION})",
     "spec.remediation.adaptive.minGpuMemoryUtilization must be <= "
-    "spec.memoryPolicy.gpuMemoryUtilization (0.9 when unset; the floor of a step-down cannot be "
-    "above the utilization it steps down from)",
+    f"spec.memoryPolicy.gpuMemoryUtilization ({DEFAULT_GPU_MEMORY_UTILIZATION} when unset; the "
+    "floor of a step-down cannot be above the utilization it steps down from)",
     ".remediation.adaptive.minGpuMemoryUtilization",
 )
 OFFLOAD_MEMORY_RULE = cel(

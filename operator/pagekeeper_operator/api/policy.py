@@ -7,13 +7,23 @@ Each field maps one-to-one onto an engine flag (or, for `allocator`, onto
 from __future__ import annotations
 
 from decimal import Decimal, localcontext
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
+from pagekeeper_memplan.defaults import (
+    BLOCK_SIZES,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFIX_CACHE_MAX_FRACTION,
+    MAX_GPU_MEMORY_UTILIZATION,
+)
 from pagekeeper_operator.api.types import ApiModel, Quantity, cel, quantity_value, validations
 
 BlockSize = Literal[8, 16, 32]
+assert get_args(BlockSize) == BLOCK_SIZES, "BlockSize must list memplan's BLOCK_SIZES"
 FRAGMENTATION_BUFFER_PATTERN = r"^(auto|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?)$"
 
 BATCHED_TOKENS_RULE = cel(
@@ -29,7 +39,6 @@ NUM_SEQS_RULE = cel(
     "needs at least one token of the step budget)",
     ".maxNumSeqs",
 )
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 BUDGETS_RULE = cel(
     "!(has(self.gpuMemoryUtilization) && has(self.kvCacheMemory))",
     "spec.memoryPolicy.kvCacheMemory and spec.memoryPolicy.gpuMemoryUtilization are mutually "
@@ -207,11 +216,12 @@ class MemoryPolicy(ApiModel):
     gpu_memory_utilization: float | None = Field(
         default=None,
         gt=0.0,
-        le=0.99,
+        le=MAX_GPU_MEMORY_UTILIZATION,
         description=(
-            "--gpu-memory-utilization, in (0, 0.99]: the fraction of the GPU's total memory "
-            "this instance may use (weights, activations, fragmentation buffer and KV cache). "
-            "Unset, 0.9 unless kvCacheMemory is set; mutually exclusive with kvCacheMemory."
+            f"--gpu-memory-utilization, in (0, {MAX_GPU_MEMORY_UTILIZATION}]: the fraction of "
+            "the GPU's total memory this instance may use (weights, activations, fragmentation "
+            f"buffer and KV cache). Unset, {DEFAULT_GPU_MEMORY_UTILIZATION} unless "
+            "kvCacheMemory is set; mutually exclusive with kvCacheMemory."
         ),
     )
     kv_cache_memory: Quantity | None = Field(
@@ -228,10 +238,11 @@ class MemoryPolicy(ApiModel):
         description="Weight memory: FP8 quantization and CPU offload. Unset: neither.",
     )
     block_size: BlockSize = Field(
-        default=16, description="--block-size: tokens per KV-cache block, 8, 16 or 32."
+        default=DEFAULT_BLOCK_SIZE,
+        description="--block-size: tokens per KV-cache block, 8, 16 or 32.",
     )
     max_num_batched_tokens: int = Field(
-        default=8192,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         ge=1,
         le=1_048_576,
         description=(
@@ -240,7 +251,10 @@ class MemoryPolicy(ApiModel):
         ),
     )
     max_num_seqs: int = Field(
-        default=256, ge=1, le=65_536, description="--max-num-seqs: sequences running at once."
+        default=DEFAULT_MAX_NUM_SEQS,
+        ge=1,
+        le=65_536,
+        description="--max-num-seqs: sequences running at once.",
     )
     max_model_len: int | None = Field(
         default=None,
@@ -276,7 +290,7 @@ class MemoryPolicy(ApiModel):
         description="--enable-prefix-caching: reuse KV blocks of identical prompt prefixes.",
     )
     prefix_cache_max_fraction: float = Field(
-        default=0.5,
+        default=DEFAULT_PREFIX_CACHE_MAX_FRACTION,
         ge=0.0,
         le=1.0,
         description=(

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagekeeper_memplan.defaults import MAX_GPU_MEMORY_UTILIZATION
 from pagekeeper_operator.api.types import Timestamp
 
 # A Prometheus duration (`30s`, `5m`, `1h30m`, `0m`); units in descending order, each at most once.
@@ -252,7 +253,7 @@ class AdaptiveSpec(_Model):
     min_gpu_memory_utilization: float = Field(
         default=0.7,
         gt=0.0,
-        le=0.99,
+        le=MAX_GPU_MEMORY_UTILIZATION,
         alias="minGpuMemoryUtilization",
         description="Floor for the effective gpuMemoryUtilization.",
     )

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from pagekeeper_operator.api.policy import DEFAULT_GPU_MEMORY_UTILIZATION, BlockSize, MemoryPolicy
+from pagekeeper_memplan.defaults import DEFAULT_GPU_MEMORY_UTILIZATION, MAX_GPU_MEMORY_UTILIZATION
+from pagekeeper_operator.api.policy import BlockSize, MemoryPolicy
 from pagekeeper_operator.api.types import ApiModel, Quantity, cel, quantity_value
 
 
 class FloatRange(ApiModel):
     """Closed interval [min, max] of a fractional field."""
 
-    min: float = Field(gt=0.0, le=0.99, description="Lowest value the tuner may set.")
-    max: float = Field(gt=0.0, le=0.99, description="Highest value the tuner may set.")
+    min: float = Field(
+        gt=0.0, le=MAX_GPU_MEMORY_UTILIZATION, description="Lowest value the tuner may set."
+    )
+    max: float = Field(
+        gt=0.0, le=MAX_GPU_MEMORY_UTILIZATION, description="Highest value the tuner may set."
+    )
 
 
 class IntRange(ApiModel):
@@ -115,7 +120,7 @@ def _range_rule(field: str) -> dict[str, str]:
     value = f"self.memoryPolicy.{field}"
     unbound = ""
     if field == "gpuMemoryUtilization":
-        # Unset, it means 0.9; under a KV byte budget there is no utilization to bound.
+        # Unset, it means the default; under a KV byte budget there is no utilization to bound.
         unbound = " || has(self.memoryPolicy.kvCacheMemory)"
         value = f"(has({value}) ? {value} : {DEFAULT_GPU_MEMORY_UTILIZATION})"
     return cel(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagekeeper_engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, parse_args
+from pagekeeper_engine.config import parse_args
 from pagekeeper_engine.memory.budget import (
     GiB,
     KVLayout,
@@ -17,6 +17,7 @@ from pagekeeper_engine.memory.budget import (
     compute_budget,
     num_cpu_kv_blocks,
 )
+from pagekeeper_memplan.defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from tests.engine.checkpoints import make_runner, write_checkpoint
 
 # Llama-3.1-8B on an 80 GiB card: 2 MiB per 16-token block over its 32 layers.

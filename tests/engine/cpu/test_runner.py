@@ -5,12 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagekeeper_engine.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    EngineConfig,
-    parse_args,
-    resolve_max_num_batched_tokens,
-)
+from pagekeeper_engine.config import EngineConfig, parse_args
 from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
@@ -18,6 +13,10 @@ from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.model.hf_config import load_model_config
 from pagekeeper_engine.runner.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
 from pagekeeper_engine.runner.runner import ModelRunner
+from pagekeeper_memplan.defaults import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    resolve_max_num_batched_tokens,
+)
 from tests.engine.checkpoints import make_runner, seq, tokens, write_checkpoint
 
 
