@@ -1,12 +1,13 @@
 """A model's shape from its Hugging Face `config.json`, and its weight bytes on one rank.
 
-The fields are read as the engine reads them (`pagekeeper_engine/model/hf_config.py`): heads
-default to the attention heads, `head_dim` to hidden / heads, `max_position_embeddings` to 2048,
-Qwen2 always carries a q/k/v bias and Qwen3 a q/k norm. The split over tensor-parallel ranks is
-the engine's (`model/shard.py`): q/k/v and gate/up keep a slice of their output rows, o and down
-a slice of their input columns, KV heads split evenly or (fewer of them than ranks) are
-replicated, the embedding and LM head hold `ceil(vocab / ranks)` rows each (the last shard
-padded), norms and biases of row-parallel projections are whole on every rank.
+This is the engine's shape too: its `ModelConfig` (`pagekeeper_engine/model/hf_config.py`)
+extends `ModelShape` and is read by `parse_shape`: heads default to the attention heads,
+`head_dim` to hidden / heads, `max_position_embeddings` to 2048, Qwen2 always carries a q/k/v
+bias and Qwen3 a q/k norm. `RankShape` and `split_error` are the engine's split over
+tensor-parallel ranks (`model/shard.py` uses them): q/k/v and gate/up keep a slice of their
+output rows, o and down a slice of their input columns, KV heads split evenly or (fewer of them
+than ranks) are replicated, the embedding and LM head hold `ceil(vocab / ranks)` rows each (the
+last shard padded), norms and biases of row-parallel projections are whole on every rank.
 
 `CATALOGUE` holds the published `config.json` shapes of well-known checkpoints, so a plan needs
 no download when the model source names one of them (`known_shape`).

@@ -1,4 +1,5 @@
-"""The plan's exact terms against what the engine itself allocates for the same shapes.
+"""The plan's exact terms against what the engine itself allocates for the same shapes, and
+the one shape model they share (the engine's `ModelConfig` is memplan's `ModelShape`).
 
 Weights: the engine's loader with dummy weights (one rank) and its `CausalLM` built on the meta
 device for other ranks and sizes; the step buffers: the engine's workspace, sampler rows and
@@ -7,7 +8,7 @@ shard picker; the KV block: the engine's `KVLayout`.
 
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, fields
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from pagekeeper_engine.kernels.pick_scratch import PickScratch
 from pagekeeper_engine.model.hf_config import parse_model_config
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.loader import load_model
-from pagekeeper_engine.model.shard import ShardPlan
+from pagekeeper_engine.model.shard import ShardError, ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.kv_cache import kv_layout as engine_kv_layout
 from pagekeeper_engine.runner.sampler import SamplerBuffers
@@ -30,7 +31,7 @@ from pagekeeper_memplan.activations import (
     workspace_bytes,
 )
 from pagekeeper_memplan.plan import PlanInputs, kv_layout, weight_bytes
-from pagekeeper_memplan.shape import parse_shape
+from pagekeeper_memplan.shape import ModelShape, RankShape, parse_shape, split_error
 
 MAX_POSITION = 64
 
@@ -63,6 +64,29 @@ CASES = [
     ("qwen2", {}),
     ("qwen3", {"tie_word_embeddings": True}),
 ]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), CASES)
+def test_the_engine_runs_the_shape_the_plan_reads(arch: str, overrides: dict[str, Any]) -> None:
+    raw = tiny_config(arch, **overrides, torch_dtype="bfloat16")
+    config, shape = parse_model_config(raw), parse_shape(raw)
+    assert isinstance(config, ModelShape)
+    dimensions = {field.name: getattr(config, field.name) for field in fields(ModelShape)}
+    assert ModelShape(**dimensions) == shape
+    for size in (2, 4):
+        plan = ShardPlan.for_rank(config, 0, size)
+        rank = RankShape(shape, size)
+        assert (plan.num_heads, plan.num_kv_heads, plan.intermediate_size, plan.vocab_shard) == (
+            rank.num_heads,
+            rank.num_kv_heads,
+            rank.intermediate_size,
+            rank.vocab_shard,
+        )
+    reason = "4 attention heads do not split evenly over 8 ranks"
+    assert split_error(shape, 8) == reason
+    with pytest.raises(ShardError) as refused:
+        ShardPlan.for_rank(config, 0, 8)
+    assert str(refused.value) == f"--tensor-parallel-size 8: {reason}"
 
 
 @pytest.mark.parametrize(("arch", "overrides"), CASES)

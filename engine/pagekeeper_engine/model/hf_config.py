@@ -1,4 +1,6 @@
-"""A Hugging Face `config.json` parsed into the typed `ModelConfig` the engine runs.
+"""A Hugging Face `config.json` parsed into the typed `ModelConfig` the engine runs: memplan's
+`ModelShape` (the dimensions, read the one way the operator's memory plan reads them) and what
+only the engine needs (norm epsilon, rotary frequencies, special tokens).
 
 Torch-free on purpose: the tokenizer and the command line read checkpoints without it. Both the
 older layout (`rope_theta` + `rope_scaling`, `torch_dtype`) and the newer one (`rope_parameters`,
@@ -8,13 +10,12 @@ older layout (`rope_theta` + `rope_scaling`, `torch_dtype`) and the newer one (`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pagekeeper_memplan.shape import ShapeError, detect_arch, parse_shape
+from pagekeeper_memplan.shape import ENGINE_ARCHS, ModelShape, ShapeError, detect_arch, parse_shape
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,36 +37,17 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of one decoder-only checkpoint (Llama, Qwen2 or Qwen3)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ModelShape):
+    """One decoder-only checkpoint the engine runs (Llama, Qwen2 or Qwen3): its shape, whose
+    `arch` is one of `ENGINE_ARCHS` and `torch_dtype` "bfloat16", "float16", "float32" or None
+    if unstated, and what the engine alone needs to run it."""
 
-    arch: str  # "llama", "qwen2" or "qwen3"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    has_qk_norm: bool  # RMSNorm over each head of q and k before rotary (Qwen3)
-    torch_dtype: str | None  # "bfloat16", "float16", "float32" or None if unstated
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -120,11 +102,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def _arch(raw: dict[str, Any]) -> str:
-    arch = detect_arch(raw, SUPPORTED_ARCHS)
+    arch = detect_arch(raw, ENGINE_ARCHS)
     if arch is None:
         raise ValueError(
             f"model_type {raw.get('model_type')!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"(supported: {', '.join(ENGINE_ARCHS)})"
         )
     return arch
 
@@ -177,23 +159,12 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        dimensions = {field.name: getattr(shape, field.name) for field in fields(ModelShape)}
         config = ModelConfig(
-            arch=arch,
-            vocab_size=shape.vocab_size,
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_layers=shape.num_layers,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
+            **{**dimensions, "arch": arch, "torch_dtype": torch_dtype},
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=shape.max_position_embeddings,
-            tie_word_embeddings=shape.tie_word_embeddings,
-            attention_bias=shape.attention_bias,
-            has_qk_norm=shape.has_qk_norm,
-            torch_dtype=torch_dtype,
             eos_token_ids=token_id_list(raw.get("eos_token_id")),
             bos_token_id=token_id_list(raw.get("bos_token_id"))[0]
             if raw.get("bos_token_id") is not None

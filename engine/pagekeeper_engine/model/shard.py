@@ -12,11 +12,11 @@ Norms are replicated.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from pagekeeper_engine.model.hf_config import ModelConfig
+from pagekeeper_memplan.shape import ModelShape, RankShape, split_error
 
 # Checkpoint projection -> (the dimension it is split on, what its slice counts).
 _SPLITS: dict[str, tuple[int, Literal["q", "kv", "mlp", "vocab"]]] = {
@@ -73,12 +73,17 @@ class ShardPlan:
         return ShardPlan(config, rank, size)
 
     @property
+    def rank_shape(self) -> RankShape:
+        """What each rank holds, as the memory plan counts it."""
+        return RankShape(self.config, self.size)
+
+    @property
     def num_heads(self) -> int:
-        return self.config.num_heads // self.size
+        return self.rank_shape.num_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return max(self.config.num_kv_heads // self.size, 1)
+        return self.rank_shape.num_kv_heads
 
     @property
     def kv_head_start(self) -> int:
@@ -90,12 +95,12 @@ class ShardPlan:
 
     @property
     def intermediate_size(self) -> int:
-        return self.config.intermediate_size // self.size
+        return self.rank_shape.intermediate_size
 
     @property
     def vocab_shard(self) -> int:
         """Rows of the embedding and LM head on every rank (the last one padded)."""
-        return math.ceil(self.config.vocab_size / self.size)
+        return self.rank_shape.vocab_shard
 
     @property
     def vocab_start(self) -> int:
@@ -156,24 +161,9 @@ class ShardPlan:
         return TensorSlice(dim, start, stop, cfg.vocab_size)
 
 
-def check_divisible(config: ModelConfig, size: int) -> None:
-    """Raise ShardError naming the shape that `--tensor-parallel-size size` cannot split."""
-    flag = f"--tensor-parallel-size {size}"
-    if config.num_heads % size:
-        raise ShardError(
-            f"{flag}: the model's {config.num_heads} attention heads do not split evenly "
-            f"over {size} ranks"
-        )
-    kv = config.num_kv_heads
-    if kv % size and size % kv:
-        raise ShardError(
-            f"{flag}: the model's {kv} KV heads neither split evenly over {size} ranks nor "
-            f"replicate evenly onto them"
-        )
-    if config.intermediate_size % size:
-        raise ShardError(
-            f"{flag}: the MLP's {config.intermediate_size} columns do not split evenly over "
-            f"{size} ranks"
-        )
-    if config.vocab_size < size:
-        raise ShardError(f"{flag}: a vocabulary of {config.vocab_size} is smaller than {size}")
+def check_divisible(shape: ModelShape, size: int) -> None:
+    """Raise ShardError naming the shape that `--tensor-parallel-size size` cannot split (the
+    memory plan's `split_error`, so the operator refuses the same sizes)."""
+    reason = split_error(shape, size)
+    if reason is not None:
+        raise ShardError(f"--tensor-parallel-size {size}: {reason}")

@@ -65,10 +65,10 @@ def test_the_last_vocabulary_shard_is_padded() -> None:
 @pytest.mark.parametrize(
     ("changes", "size", "message"),
     [
-        ({"num_heads": 14}, 4, "the model's 14 attention heads do not split evenly over 4"),
-        ({"num_kv_heads": 3, "num_heads": 24}, 4, "the model's 3 KV heads neither split evenly"),
+        ({"num_heads": 14}, 4, "14 attention heads do not split evenly over 4 ranks"),
+        ({"num_kv_heads": 3, "num_heads": 24}, 4, "3 KV heads neither split evenly over 4 ranks"),
         ({"intermediate_size": 3004}, 8, "the MLP's 3004 columns do not split evenly over 8"),
-        ({"vocab_size": 3}, 4, "a vocabulary of 3 is smaller than 4"),
+        ({"vocab_size": 3}, 4, "a vocabulary of 3 is smaller than 4 ranks"),
     ],
 )
 def test_shapes_that_do_not_split_are_refused_by_name(
