@@ -22,8 +22,9 @@ Compact JSON is asked for (no whitespace beyond the separators'), so a model can
 tokens on blank space.
 
 xgrammar (which imports torch and transformers) is imported on the first structured request;
-a compiled schema is cached by its text. A request whose schema does not compile is refused
-before it runs (`check`), naming `response_format`.
+a compiled schema is cached by its text. A request whose schema does not compile, or whose
+first token no token of this vocabulary can spell (a word-level vocabulary without `{`), is
+refused before it runs (`check`), naming `response_format`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class _Matcher:
     is_stuck: bool = False
 
 
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(V,) bool from a packed row of (ceil(V / 32),) int32 words: token t is bit t % 32 of
+    word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, None] >> shifts) & 1  # (W, 32)
+    return bits.flatten()[:vocab_size].bool()
+
+
 class GrammarMasks:
     """The schemas' token masks for the sampled rows of rank 0's steps."""
 
@@ -77,6 +86,7 @@ class GrammarMasks:
         self.device = device
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
         self._compiled: dict[str, Any] = {}  # schema text -> xgrammar.CompiledGrammar
+        self._can_start_by_schema: dict[str, bool] = {}  # schema text -> `_can_start`
         self._lock = threading.Lock()
         # a request's matcher, by the id of its parameters (dropped with them)
         self._matchers: dict[int, _Matcher] = {}
@@ -109,17 +119,41 @@ class GrammarMasks:
         return xgrammar.GrammarCompiler(info, max_threads=1)
 
     def check(self, params: SamplingParams) -> None:
-        """RequestRejectedError naming response_format for a schema that does not compile."""
+        """RequestRejectedError naming response_format for a schema that does not compile, or
+        whose first token this vocabulary cannot spell (its reply could only be empty)."""
         if params.json_schema is None:
             return
         try:
-            self._compile(params.json_schema)
+            compiled = self._compile(params.json_schema)
         except RuntimeError as exc:  # xgrammar's converter reports every fault so
             reason = str(exc).splitlines()[-1] if str(exc) else type(exc).__name__
             raise RequestRejectedError(
                 f"response_format: the JSON schema cannot be enforced: {reason}",
                 param="response_format",
             ) from None
+        if not self._can_start(params.json_schema, compiled):
+            raise RequestRejectedError(
+                "response_format: the model's vocabulary has no token that can begin a reply "
+                "matching this schema",
+                param="response_format",
+            )
+
+    def _can_start(self, schema: str, compiled: Any) -> bool:
+        """Whether some token other than end-of-sequence is allowed first (cached by schema)."""
+        with self._lock:
+            known = self._can_start_by_schema.get(schema)
+        if known is not None:
+            return known
+        import xgrammar  # noqa: PLC0415
+
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # (1, ceil(V / 32)) int32
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        allowed = unpack_bitmask(mask[0], self.vocab_size)  # (V,) bool
+        allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False
+        can_start = bool(allowed.any())
+        with self._lock:
+            self._can_start_by_schema[schema] = can_start
+        return can_start
 
     def _matcher_for(self, params: SamplingParams) -> _Matcher:
         key = id(params)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar
+import xgrammar.testing
 from transformers import PreTrainedTokenizerFast
 
 from pagekeeper_engine.core.limits import RequestRejectedError
@@ -17,7 +18,7 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.logits_processing import StepHistory
 from pagekeeper_engine.runner.sampler import Sampler
-from pagekeeper_engine.runner.structured_output import GrammarMasks
+from pagekeeper_engine.runner.structured_output import GrammarMasks, unpack_bitmask
 from tests.engine.server.checkpoint import EOS_ID, JSON_VOCAB, VOCAB, write_tokenizer
 
 SCHEMA = json.dumps(
@@ -105,6 +106,29 @@ def test_a_schema_that_does_not_compile_is_refused_naming_response_format(tmp_pa
         grammar.check(SamplingParams(json_schema='{"type": 5}'))
     assert info.value.param == "response_format"
     assert str(info.value).startswith("response_format: the JSON schema cannot be enforced")
+
+
+def test_a_schema_whose_first_token_the_vocabulary_cannot_spell_is_refused(
+    tmp_path: Path,
+) -> None:
+    grammar = grammar_for(tmp_path, VOCAB)  # no braces, no quotes
+    for schema in (SCHEMA, '{"type": "object"}'):
+        with pytest.raises(RequestRejectedError) as info:
+            grammar.check(SamplingParams(json_schema=schema))
+        assert info.value.param == "response_format"
+        assert "vocabulary has no token" in str(info.value)
+    grammar.check(SamplingParams(json_schema='{"type": "integer"}'))  # digits it can spell
+
+
+def test_unpacked_bitmask_rows_name_exactly_their_tokens() -> None:
+    vocab_size = 70  # three words, the last one partly past the vocabulary
+    token_ids = [0, 1, 31, 32, 63, 64, 69]
+    bool_mask = torch.zeros(1, vocab_size, dtype=torch.bool)
+    bool_mask[0, token_ids] = True
+    words = xgrammar.testing.bool_mask_to_bitmask(bool_mask)
+    assert words.shape == (1, 3)
+    unpacked = unpack_bitmask(words[0], vocab_size)
+    assert torch.nonzero(unpacked).flatten().tolist() == token_ids
 
 
 def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Structured output through the official `openai` client: every sampled reply to a
 `json_schema` request parses and matches its schema, on a random-weight model that would
-otherwise write anything; a schema the grammar library rejects is a 400 naming
-`response_format`."""
+otherwise write anything; a schema the grammar library rejects, or one the model's vocabulary
+cannot begin to spell, is a 400 naming `response_format`."""
 
 from __future__ import annotations
 
@@ -147,3 +147,31 @@ def test_completions_honour_response_format_as_vllm_does(client: OpenAI) -> None
             model=MODEL_NAME, prompt="x", extra_body={"response_format": {"type": "yaml"}}
         )
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def test_a_schema_the_vocabulary_cannot_spell_is_refused_before_it_runs(server: Server) -> None:
+    """The shared server's vocabulary has neither braces nor quotes: no reply can begin a JSON
+    object, so the request is refused (never a 200 with empty content), and the server goes on
+    serving."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    formats: list[Any] = [
+        {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        {"type": "json_object"},
+    ]
+    for response_format in formats:
+        with pytest.raises(BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, response_format=response_format
+            )
+        assert info.value.status_code == 400
+        body: Any = info.value.body
+        assert body["param"] == "response_format", body
+        assert body["type"] == "invalid_request_error", body
+        assert "vocabulary" in body["message"], body
+        with pytest.raises(BadRequestError) as info:
+            client.completions.create(
+                model=MODEL_NAME, prompt="x", extra_body={"response_format": response_format}
+            )
+        assert info.value.body["param"] == "response_format"  # type: ignore[index]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
+    assert plain.choices[0].finish_reason in ("stop", "length")
