@@ -32,7 +32,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.kv_events import KVEventLog
 from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig
 from pagekeeper_engine.core.loop_stats import release_cached, snapshot
-from pagekeeper_engine.core.outputs import SchedulerOutput
+from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.protocols import (
     ModelRunnerProtocol,
     PendingStepProtocol,
@@ -187,7 +187,9 @@ class LLMEngine:
         self.num_steps += 1
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total += out.num_batched_tokens
-        outputs += self._process_tokens(self.scheduler.update(out, runner_out))
+        outputs += self._process_tokens(
+            self.scheduler.update(out, runner_out), cut_request_ids(out, runner_out)
+        )
         if self._allocator is not None:
             self._allocator.maybe_read()
         return outputs
@@ -253,7 +255,10 @@ class LLMEngine:
             if later is not None:
                 outputs += self._fail_step(later.out, exc)
             return outputs
-        return self._process_tokens(self.scheduler.fill(step.out, step.seqs, runner_out))
+        return self._process_tokens(
+            self.scheduler.fill(step.out, step.seqs, runner_out),
+            cut_request_ids(step.out, runner_out),
+        )
 
     def drain(self) -> None:
         """Settle the step in flight now; its outputs come with the next `step()`."""
@@ -326,8 +331,12 @@ class LLMEngine:
                 outputs.append(engine_output(seq, [], [], error=error))
         return outputs
 
-    def _process_tokens(self, seqs: list[Sequence]) -> list[EngineOutput]:
-        """Stop checks, finishing or keeping each sequence, and outputs, in batch order."""
+    def _process_tokens(
+        self, seqs: list[Sequence], cut_ids: frozenset[str] = frozenset()
+    ) -> list[EngineOutput]:
+        """Stop checks, finishing or keeping each sequence, and outputs, in batch order. A
+        sequence in `cut_ids` that stops was held to end-of-sequence by its schema, which this
+        vocabulary could not continue: it ends as cut ("length"), not as a complete reply."""
         self.num_generation_tokens += len(seqs)
         max_seq_len = self.scheduler.max_seq_len
         outputs = []
@@ -336,6 +345,8 @@ class LLMEngine:
             if num_known_outputs == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             status = check_token_stop(seq, self._eos_token_ids, max_seq_len)
+            if status is SequenceStatus.FINISHED_STOPPED and seq.request_id in cut_ids:
+                status = SequenceStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(seq, status)
             else:
@@ -360,6 +371,13 @@ class LLMEngine:
         reason = status.finish_reason
         assert reason is not None
         self.num_requests_success[reason] += 1
+
+
+def cut_request_ids(out: SchedulerOutput, runner_out: RunnerOutput) -> frozenset[str]:
+    """The requests of a step whose replies the runner cut (`RunnerOutput.cut_seqs`)."""
+    if not runner_out.cut_seqs:
+        return frozenset()
+    return frozenset(out.seqs[i].request_id for i in runner_out.cut_seqs)
 
 
 def engine_output(

@@ -81,3 +81,6 @@ class RunnerOutput:
     # per entry, the sampled token's top alternatives (token id, log-probability), likeliest
     # first, where its request asked for them; None when no request of the step did
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # entries whose reply was cut: the schema could not be continued in this vocabulary, so
+    # the row was held to end-of-sequence (its reply ends as "length", not as a match)
+    cut_seqs: list[int] = field(default_factory=list)

@@ -33,7 +33,7 @@ import torch
 
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.runner.structured_output import GrammarMasks
+from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch
 
 
@@ -72,21 +72,26 @@ class NewestOnHost:
 @dataclass(frozen=True)
 class StepHistory:
     """The sampled rows' sequences, in row order, and where their newest tokens are on the
-    device: `input_ids[sample_indices]`; with `newest_on_host`, already on their way to the
-    host (`with_newest_on_host`)."""
+    device: `input_ids[sample_indices]`, or their own copy `newest_ids` once
+    `with_newest_on_host` made it (and started its copy to the host): the step's input buffers
+    are refilled by the next launch, which a deferred sampling comes after."""
 
     seqs: Sequence[TokenHistory]
     input_ids: torch.Tensor  # (T,) int64: the step's inputs, placeholders filled
     sample_indices: torch.Tensor  # (N,) int64: each sampled row's last input row
     newest_on_host: NewestOnHost | None = None
+    newest_ids: torch.Tensor | None = None  # (N,) int64: a copy of input_ids[sample_indices]
 
     def last_token_ids(self) -> torch.Tensor:
+        if self.newest_ids is not None:
+            return self.newest_ids
         return self.input_ids.index_select(0, self.sample_indices)  # (N,)
 
     def with_newest_on_host(self) -> StepHistory:
-        """This history with its newest ids' copy to the host enqueued now (call it once the
-        step's inputs hold them, before the forward pass)."""
-        return replace(self, newest_on_host=NewestOnHost(self.last_token_ids()))
+        """This history with its newest ids copied on the device and their copy to the host
+        enqueued now (call it once the step's inputs hold them, before the forward pass)."""
+        newest = self.last_token_ids()
+        return replace(self, newest_on_host=NewestOnHost(newest), newest_ids=newest)
 
     def newest_token_list(self) -> list[int]:
         """The newest ids on the host: from the copy enqueued early, or read now (which waits
@@ -230,18 +235,15 @@ def process_scores(
     work: torch.Tensor,  # (>= N, V) fp32 plane
     scratch: CutScratch,
     grammar: GrammarMasks | None = None,
+    masks: PendingMasks | None = None,  # the step's masks, started at its launch
 ) -> None:
     """Every processor the batch's rows ask for, in order (the module docstring)."""
     if uses_grammars(params):
         assert grammar is not None, "a structured request reached a sampler without grammars"
-        assert history is not None, "the grammars read the rows' tokens so far"
-        grammar.apply(
-            scores,
-            params,
-            [s.all_token_ids for s in history.seqs],
-            [s.num_prompt_tokens for s in history.seqs],
-            history.newest_token_list(),
-        )
+        if masks is None:
+            assert history is not None, "the grammars read the rows' tokens so far"
+            masks = grammar.start(params, history)
+        grammar.apply(scores, masks)
     if any(p.logit_bias for p in params):
         add_logit_bias(scores, params)
     if any(p.has_penalties for p in params):

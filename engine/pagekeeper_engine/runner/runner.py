@@ -73,7 +73,7 @@ from pagekeeper_engine.runner.step_faults import (
 )
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
 from pagekeeper_engine.runner.step_launch import StepLauncher
-from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.step_results import HostResultBuffers, LaunchedStep, PendingStep
 from pagekeeper_engine.runner.structured_output import GrammarMasks
 
 logger = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class ModelRunner:
         """
         return self.launch(out).result()
 
-    def launch(self, out: SchedulerOutput) -> PendingStep | FatalOnFailure:
+    def launch(self, out: SchedulerOutput) -> LaunchedStep | FatalOnFailure:
         """`execute` without the wait: the step is enqueued on the device (and handed to the
         other ranks first). Under tensor parallelism every failure of the step, here or while
         its tokens come back, ends the engine (`step_failure`)."""
@@ -445,7 +445,7 @@ class ModelRunner:
             raise FatalEngineError(f"the host KV tier's copies failed: {exc}") from exc
 
     @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput) -> PendingStep:
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         self._issue_kv_copies(
             StepCopies(out.kv_loads, out.kv_stores, out.kv_fence, out.kv_late_loads)
         )

@@ -36,7 +36,7 @@ from pagekeeper_engine.runner.logits_processing import (
     top_logprobs,
     uses_processors,
 )
-from pagekeeper_engine.runner.structured_output import GrammarMasks
+from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -193,6 +193,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         history: StepHistory | None = None,  # the rows' tokens so far, for the penalties
+        masks: PendingMasks | None = None,  # the schemas' masks, started at the launch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids (N,) int64 and (2 + 2K, N) float64 [ids; log-probabilities; K rows of the
         top alternatives' ids; K of their log-probabilities] (K = 0 unless a row asks for
@@ -207,7 +208,7 @@ class Sampler:
         if masked is not scores:
             scores.copy_(masked)
         process_scores(
-            scores, params, history, buffers.noise, buffers.rows, buffers.cut, self.grammar
+            scores, params, history, buffers.noise, buffers.rows, buffers.cut, self.grammar, masks
         )
         token_ids, packed = self._pick(logits, scores, params, num_output_tokens, buffers)
         num_top = min(max(p.top_logprobs for p in params), logits.shape[1])

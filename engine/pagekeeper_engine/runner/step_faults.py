@@ -19,7 +19,7 @@ from pagekeeper_engine.core.outputs import RunnerOutput
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError, TensorParallelStepError
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 from pagekeeper_engine.runner.follower_step import FollowerStep
-from pagekeeper_engine.runner.step_results import PendingStep
+from pagekeeper_engine.runner.step_results import LaunchedStep
 
 # How long a failed step on rank 0 waits to learn whether a peer's death caused it: a peer's
 # dropped connection fails rank 0's collective a moment before the peer's exit can be seen.
@@ -62,7 +62,7 @@ class FatalOnFailure:
     """A tensor-parallel step on its way to the host: a failure to bring its tokens back ends
     the engine as a failure to launch it would."""
 
-    pending: PendingStep
+    pending: LaunchedStep
     to_fatal: Callable[[Exception], FatalEngineError]
 
     def result(self) -> RunnerOutput:

@@ -12,6 +12,14 @@ holds its vocabulary shard's logits: the common batches are picked across the sh
 samples it and broadcasts the ids, so every rank's next step reads the same placeholders.
 The other ranks run rank 0's packed inputs (`follow`): they never see the scheduler's
 sequences, only the sampled rows' parameters and request ids (`follower_step.py`).
+
+A step holding a structured request (on one device) is sampled one launch late: its launch
+enqueues the forward pass and the logits, hands its grammar work to the grammar thread
+(`structured_output`) and returns a `DeferredStep`; the next launch, before it gathers that
+step's ids, enqueues its sampling (the masks are filled by then, while the host settled,
+scheduled and packed), as does the step's `result` if that comes first. The device runs the
+same work in the same order as for any step; only the host stops waiting for the grammar. A
+step without a schema takes the path it always took.
 """
 
 from __future__ import annotations
@@ -30,7 +38,13 @@ from pagekeeper_engine.runner.logits_processing import StepHistory, uses_grammar
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.shard_pick import ShardPicker
 from pagekeeper_engine.runner.step_inputs import StepInputBuilder, StepInputs
-from pagekeeper_engine.runner.step_results import HostResultBuffers, PendingStep
+from pagekeeper_engine.runner.step_results import (
+    DeferredStep,
+    HostResultBuffers,
+    LaunchedStep,
+    PendingStep,
+)
+from pagekeeper_engine.runner.structured_output import PendingMasks
 
 
 class StepLauncher:
@@ -62,6 +76,7 @@ class StepLauncher:
         # request's row in them: the next step's placeholder inputs come from there.
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[str, int] = {}
+        self._deferred: DeferredStep | None = None  # the step whose sampling is still to come
 
     @property
     def sampling_nbytes(self) -> int:
@@ -77,7 +92,7 @@ class StepLauncher:
         return self.inputs.build(seqs, padding, self._previous_rows, keep_packed=keep_packed)
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, seqs: Sequence[ScheduledSeq]) -> PendingStep:
+    def run(self, step: StepInputs, seqs: Sequence[ScheduledSeq]) -> LaunchedStep:
         """Run a step that `prepare` made of `seqs`, without waiting."""
         picked = [seqs[i] for i in step.sampled_seqs]
         return self._run(
@@ -90,7 +105,7 @@ class StepLauncher:
         )
 
     @torch.inference_mode()
-    def follow(self, step: FollowerStep) -> PendingStep:
+    def follow(self, step: FollowerStep) -> LaunchedStep:
         """Run the step rank 0 packed (a rank > 0 under tensor parallelism), without waiting."""
         if step.inputs is None:
             return PendingStep(0, [], None, None)
@@ -110,7 +125,9 @@ class StepLauncher:
         sampling: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         history: StepHistory | None = None,  # rank 0's: the sampled rows' tokens so far
-    ) -> PendingStep:
+    ) -> LaunchedStep:
+        if self._deferred is not None:  # the step before's ids, before they are gathered
+            self._deferred.sampled()
         if step.placeholder_rows is not None:
             sources = step.placeholder_sources
             assert self._previous_sampled is not None and sources is not None
@@ -134,11 +151,58 @@ class StepLauncher:
         if not step.sampled_seqs:
             return PendingStep(num_seqs, [], None, None)
         logits = self._logits(step, hidden)  # (N, V or the rank's shard), the model's dtype
-        token_ids, packed = self.sample_rows(logits, sampling, num_output_tokens, history)
+        masks = None
+        if history is not None and uses_grammars(sampling):
+            assert self.sampler.grammar is not None, "structured rows on a rank without grammars"
+            masks = self.sampler.grammar.start(sampling, history)
+            if self.shards is None:
+                self._previous_rows = {
+                    request_id: row for row, request_id in enumerate(request_ids)
+                }
+                deferred = (step, num_seqs, request_ids, sampling, num_output_tokens, history)
+                self._deferred = DeferredStep(
+                    lambda: self._sample_deferred(*deferred, masks, logits)
+                )
+                return self._deferred
+        return self._sample(
+            step, num_seqs, request_ids, sampling, num_output_tokens, history, masks, logits
+        )
+
+    def _sample(
+        self,
+        step: StepInputs,
+        num_seqs: int,
+        request_ids: Sequence[str],
+        sampling: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        history: StepHistory | None,
+        masks: PendingMasks | None,
+        logits: torch.Tensor,  # (N, V or the rank's shard)
+    ) -> PendingStep:
+        token_ids, packed = self.sample_rows(logits, sampling, num_output_tokens, history, masks)
         self._remember(token_ids, request_ids)
         if packed is None:  # rank > 0: rank 0 hands the results over
             return PendingStep(num_seqs, [], None, None)
-        return self.results.send(num_seqs, step.sampled_seqs, packed)
+        pending = self.results.send(num_seqs, step.sampled_seqs, packed)
+        if masks is not None:
+            pending.cut_rows = masks.filled.result()
+        return pending
+
+    def _sample_deferred(
+        self,
+        step: StepInputs,
+        num_seqs: int,
+        request_ids: Sequence[str],
+        sampling: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        history: StepHistory,
+        masks: PendingMasks,
+        logits: torch.Tensor,  # in the LM head's buffer: no forward pass was enqueued since
+    ) -> PendingStep:
+        self._deferred = None
+        return self._sample(
+            step, num_seqs, request_ids, sampling, num_output_tokens, history, masks, logits
+        )
 
     def sample_rows(
         self,
@@ -146,12 +210,13 @@ class StepLauncher:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         history: StepHistory | None = None,
+        masks: PendingMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every rank's ids (N,) int64 and, on rank 0, the (2 + 2K, N) float64 [ids;
         log-probs; top alternatives] for the host (None on the other ranks), left on the
         device. A batch with logits processors is always sampled whole on rank 0."""
         if self.shards is None:
-            return self.sampler.sample(logits, params, num_output_tokens, history)
+            return self.sampler.sample(logits, params, num_output_tokens, history, masks)
         picked = self.shards.pick(logits, params, num_output_tokens)
         if picked is not None:
             token_ids, packed = picked
@@ -164,7 +229,7 @@ class StepLauncher:
             token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
             self.tp.broadcast_(token_ids)
             return token_ids, None
-        token_ids, packed = self.sampler.sample(whole, params, num_output_tokens, history)
+        token_ids, packed = self.sampler.sample(whole, params, num_output_tokens, history, masks)
         self.tp.broadcast_(token_ids)
         return token_ids, packed
 

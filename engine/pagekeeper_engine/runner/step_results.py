@@ -7,11 +7,15 @@ buffers, each with the event its copy records, suffice. The events are made once
 on the device's current stream, named: at batch 1 the host's step is as long as the device's,
 and asking torch for the current device on every record cost ~20 us of it
 (docs/benchmarks-archive.md, "the batch-1 host step, as long as the device's").
+
+A step holding a structured request is sampled later than it is launched (`step_launch`): it
+is a `DeferredStep` until its sampling is enqueued, at the next launch or at its `result`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +33,8 @@ class PendingStep:
     # K of their log-probabilities (None: nothing sampled)
     host: torch.Tensor | None
     copied: torch.cuda.Event | None  # recorded after the copy into `host` (None: on the CPU)
+    # sampled rows whose schema the vocabulary could not continue: cut, held to end-of-sequence
+    cut_rows: list[int] = field(default_factory=list)
 
     def result(self) -> RunnerOutput:
         token_ids: list[int | None] = [None] * self.num_seqs
@@ -48,7 +54,40 @@ class PendingStep:
                     tops[i] = [
                         (int(top_rows[k][row]), top_rows[num_top + k][row]) for k in range(num_top)
                     ]
-        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)
+        cut_seqs = [self.sampled_seqs[row] for row in self.cut_rows]
+        return RunnerOutput(
+            sampled_token_ids=token_ids, logprobs=logprobs, top_logprobs=tops, cut_seqs=cut_seqs
+        )
+
+
+class DeferredStep:
+    """A launched step whose sampling is still to be enqueued, by `sample` (called at most once
+    by whichever comes first: the next launch or this step's `result`); a failure to sample it
+    is raised again to every later caller."""
+
+    def __init__(self, sample: Callable[[], PendingStep]) -> None:
+        self._sample: Callable[[], PendingStep] | None = sample
+        self._sampled: PendingStep | None = None
+        self._error: Exception | None = None
+
+    def sampled(self) -> PendingStep:
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            try:
+                self._sampled = sample()
+            except Exception as exc:
+                self._error = exc
+                raise
+        if self._error is not None:
+            raise self._error
+        assert self._sampled is not None
+        return self._sampled
+
+    def result(self) -> RunnerOutput:
+        return self.sampled().result()
+
+
+LaunchedStep = PendingStep | DeferredStep
 
 
 class HostResultBuffers:

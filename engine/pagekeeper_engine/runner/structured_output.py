@@ -2,62 +2,55 @@
 
 Each such request gets a grammar matcher of xgrammar (a library made for this: it compiles a
 JSON schema against the tokenizer's vocabulary once, and then gives, at each step, the set of
-tokens that keep the output a prefix of a match as a bitmask over the vocabulary). A step's
-matchers fill their rows of a host bitmask allocated once for `max_rows` rows; one copy takes
-it to the device, where it sets the disallowed scores to -inf before any other processor
-(`logits_processing.process_scores`). Once the schema is complete only the end-of-sequence
-tokens stay allowed, so the request ends there.
+tokens that keep the output a prefix of a match as a bitmask over the vocabulary). Once the
+schema is complete only the end-of-sequence tokens stay allowed, so the request ends there.
 
-The step's rows are filled in one call of xgrammar's batch matcher, on up to
-`MAX_FILL_THREADS` threads of its own that release the GIL: a row's mask walks the vocabulary,
-and filled one row after another the step would wait for every row in turn.
+A step's masks are made in two halves, so the host's grammar work never sits between the
+device's steps:
+- `start`, at the launch, right after the forward pass is enqueued: it fixes what the grammar
+  work needs (`grammar_fill.FillJob`) and hands it to the grammar thread. There each matcher
+  takes its newest token, read from the host copy the launch started before the forward pass
+  (so the wait is for the step before, which sampled it), and xgrammar's batch matcher fills
+  the rows of a pinned host bitmask on up to `MAX_FILL_THREADS` threads of its own (they
+  release the GIL). Meanwhile the step loop's thread settles the step before, schedules the
+  next step and packs its inputs, and the device runs this step's forward pass.
+- `apply`, when the step is sampled (`step_launch` defers a structured step's sampling to the
+  next launch, or to the step's result): it takes the filled mask, copies it to the device in
+  one non-blocking copy and sets the disallowed scores to -inf in one launch, before any other
+  processor (`logits_processing.process_scores`). Nothing waits for the device.
 
-A matcher must have taken every token before it masks the next. Under asynchronous scheduling
-a request's newest token is still on the device when its next step launches. The step copies
-the newest ids to the host before it enqueues its forward pass (`StepHistory.with_newest_on_host`),
-so the masks wait for the step before, which sampled them, while this step's forward runs on the
-device; read after the forward was enqueued, they would wait for that forward too, and the host
-would fill the masks and schedule the next step with the device idle.
+Two host bitmasks are used in turn; each records an event once its copy to the device is
+enqueued, and the grammar thread waits for that event before it fills the buffer again. A
+schema the vocabulary cannot continue mid-way (no token allowed) holds its row to the
+end-of-sequence tokens and reports the row as cut, so the reply ends with `finish_reason`
+"length", never as a complete match.
+
 Compact JSON is asked for (no whitespace beyond the separators'), so a model cannot spend its
-tokens on blank space.
-
-xgrammar (which imports torch and transformers) is imported on the first structured request;
-a compiled schema is cached by its text. A request whose schema does not compile, or whose
-first token no token of this vocabulary can spell (a word-level vocabulary without `{`), is
-refused before it runs (`check`), naming `response_format`.
+tokens on blank space. xgrammar (which imports torch and transformers) is imported on the first
+structured request; a compiled schema is cached by its text. A request whose schema does not
+compile, or whose first token no token of this vocabulary can spell (a word-level vocabulary
+without `{`), is refused before it runs (`check`), naming `response_format`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.sampling import SamplingParams
-
-logger = logging.getLogger(__name__)
+from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_FILL_THREADS = 8  # the rows of one step's masks are filled on up to this many threads
-
-
-@dataclass
-class _Matcher:
-    """A request's matcher and how many of its output tokens it has taken; `is_stuck` once
-    its schema can go no further with this vocabulary (the request is then ended: only the
-    end-of-sequence tokens stay allowed)."""
-
-    matcher: Any  # xgrammar.GrammarMatcher
-    num_accepted: int = 0
-    is_stuck: bool = False
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -66,6 +59,34 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, None] >> shifts) & 1  # (W, 32)
     return bits.flatten()[:vocab_size].bool()
+
+
+class SeqTokens(Protocol):
+    """A sampled row's sequence: its prompt then outputs, the newest possibly pending."""
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class StepRows(Protocol):
+    """A step's sampled rows as the grammars read them (`logits_processing.StepHistory`)."""
+
+    @property
+    def seqs(self) -> Sequence[SeqTokens]: ...
+
+    def newest_token_list(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class PendingMasks:
+    """A step's masks on their way: filled on the grammar thread into `host`."""
+
+    host: torch.Tensor  # (N, W) int32 rows of one of the two host bitmasks
+    turn: int  # which of the two
+    filled: Future[list[int]]  # the rows cut mid-way, once filled
 
 
 class GrammarMasks:
@@ -89,10 +110,13 @@ class GrammarMasks:
         self._can_start_by_schema: dict[str, bool] = {}  # schema text -> `_can_start`
         self._lock = threading.Lock()
         # a request's matcher, by the id of its parameters (dropped with them)
-        self._matchers: dict[int, _Matcher] = {}
-        self._host_mask: torch.Tensor | None = None  # (max_rows, ceil(V / 32)) int32
+        self._matchers: dict[int, MatcherState] = {}
+        self._host_masks: list[torch.Tensor] = []  # two (max_rows, ceil(V / 32)) int32
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's copy enqueued
         self._device_mask: torch.Tensor | None = None
+        self._num_started = 0
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self._thread: ThreadPoolExecutor | None = None  # the grammar thread
 
     def _compile(self, schema: str) -> Any:
         with self._lock:
@@ -155,84 +179,81 @@ class GrammarMasks:
             self._can_start_by_schema[schema] = can_start
         return can_start
 
-    def _matcher_for(self, params: SamplingParams) -> _Matcher:
+    def _matcher_for(self, params: SamplingParams) -> MatcherState:
         key = id(params)
         state = self._matchers.get(key)
         if state is None:
             import xgrammar  # noqa: PLC0415
 
             assert params.json_schema is not None
-            state = _Matcher(xgrammar.GrammarMatcher(self._compile(params.json_schema)))
+            state = MatcherState(xgrammar.GrammarMatcher(self._compile(params.json_schema)))
             self._matchers[key] = state
             weakref.finalize(params, self._matchers.pop, key, None)
         return state
 
-    def _masks(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._host_mask is None:
-            import xgrammar  # noqa: PLC0415
-
-            host = xgrammar.allocate_token_bitmask(self.max_rows, self.vocab_size)
-            is_cuda = self.device.type == "cuda"
-            self._host_mask = host.pin_memory() if is_cuda else host
-            self._device_mask = host.to(self.device) if is_cuda else self._host_mask
-        assert self._device_mask is not None
-        return self._host_mask[:num_rows], self._device_mask[:num_rows]
-
-    @staticmethod
-    def _allow_only(mask_row: torch.Tensor, token_ids: frozenset[int]) -> None:
-        """A mask row (int32 words, token t at bit t % 32 of word t // 32) allowing only
-        `token_ids`."""
-        mask_row.zero_()
-        for token_id in token_ids:
-            word = token_id // 32
-            bits = (int(mask_row[word]) & 0xFFFFFFFF) | (1 << (token_id % 32))
-            mask_row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits
-
-    def apply(
-        self,
-        scores: torch.Tensor,  # (N, V) fp32, rewritten in place
-        params: Sequence[SamplingParams],
-        all_token_ids: Sequence[list[int]],  # each row's prompt then outputs
-        num_prompt_tokens: Sequence[int],
-        newest_token_ids: Sequence[int],  # (N,) each row's newest token
-    ) -> None:
-        """-inf on every token a structured row's schema does not allow next."""
+    def _set_up(self) -> None:
         import xgrammar  # noqa: PLC0415
 
-        num_rows = scores.shape[0]
+        is_cuda = self.device.type == "cuda"
+        # plain tensors even when the first launch is under inference mode: the grammar thread,
+        # outside it, writes them
+        with torch.inference_mode(False):
+            for _ in range(2):
+                host = xgrammar.allocate_token_bitmask(self.max_rows, self.vocab_size)
+                self._host_masks.append(host.pin_memory() if is_cuda else host)
+            self._device_mask = self._host_masks[0].to(self.device) if is_cuda else None
+        threads = max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    def start(self, params: Sequence[SamplingParams], history: StepRows) -> PendingMasks:
+        """Hand the step's grammar work to the grammar thread (call once the step's newest ids
+        are on their way to the host, `StepHistory.with_newest_on_host`)."""
+        if self._thread is None:
+            self._set_up()
+        assert self._thread is not None
+        num_rows = len(params)
+        assert num_rows <= self.max_rows, f"{num_rows} rows, masks for {self.max_rows}"
         rows = [row for row, p in enumerate(params) if p.json_schema is not None]
-        host, device = self._masks(num_rows)
-        host.fill_(-1)  # every token allowed in the other rows
-        live: list[tuple[int, _Matcher]] = []
-        for row in rows:
-            state = self._matcher_for(params[row])
-            outputs = all_token_ids[row][num_prompt_tokens[row] :]
-            for index in range(state.num_accepted, len(outputs)):
-                token_id = newest_token_ids[row] if index == len(outputs) - 1 else outputs[index]
-                if not state.is_stuck and not state.matcher.accept_token(token_id):
-                    logger.error("token %d does not continue its schema; ending it", token_id)
-                    state.is_stuck = True
-            state.num_accepted = len(outputs)
-            if state.matcher.is_terminated():  # it took an end token the engine did not stop on
-                state.is_stuck = True
-            if state.is_stuck:
-                self._allow_only(host[row], self.eos_token_ids)
-            else:
-                live.append((row, state))
-        if live:
-            if self._batch is None:
-                threads = max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
-                self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
-            live_rows = [row for row, _ in live]
-            self._batch.batch_fill_next_token_bitmask(
-                [state.matcher for _, state in live], host, live_rows
-            )
-            # a schema this vocabulary cannot continue (no allowed token) ends the reply
-            allows_any = host[live_rows].any(dim=1).tolist()
-            for (row, state), any_allowed in zip(live, allows_any, strict=True):
-                if not any_allowed:
-                    state.is_stuck = True
-                    self._allow_only(host[row], self.eos_token_ids)
-        if device is not host:
-            device.copy_(host, non_blocking=True)
-        xgrammar.apply_token_bitmask_inplace(scores, device, vocab_size=scores.shape[1])
+        seqs = [history.seqs[row] for row in rows]
+        turn = self._num_started % 2
+        self._num_started += 1
+        job = FillJob(
+            host=self._host_masks[turn][:num_rows],
+            rows=rows,
+            states=[self._matcher_for(params[row]) for row in rows],
+            token_lists=[s.all_token_ids for s in seqs],
+            num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
+            num_output_tokens=[len(s.all_token_ids) - s.num_prompt_tokens for s in seqs],
+            newest_token_ids=history.newest_token_list,
+        )
+        filled = self._thread.submit(self._fill, job, self._copied[turn])
+        return PendingMasks(job.host, turn, filled)
+
+    def _fill(self, job: FillJob, copied: torch.cuda.Event | None) -> list[int]:
+        if copied is not None:  # the buffer's last copy to the device has been read
+            copied.synchronize()
+        return fill_step_masks(job, self._batch, self.eos_token_ids)
+
+    def apply(self, scores: torch.Tensor, pending: PendingMasks) -> list[int]:
+        """-inf on every token a structured row's schema does not allow next (scores (N, V)
+        fp32, rewritten in place); the rows cut mid-way."""
+        import xgrammar  # noqa: PLC0415
+
+        cut_rows = pending.filled.result()
+        mask = pending.host
+        if self._device_mask is not None:
+            device = self._device_mask[: mask.shape[0]]
+            device.copy_(mask, non_blocking=True)
+            event = self._copied[pending.turn] or torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._copied[pending.turn] = event
+            mask = device
+        xgrammar.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[1])
+        return cut_rows
+
+    def mask_now(
+        self, scores: torch.Tensor, params: Sequence[SamplingParams], history: StepRows
+    ) -> list[int]:
+        """`start` then `apply`: a step sampled as soon as it is launched."""
+        return self.apply(scores, self.start(params, history))

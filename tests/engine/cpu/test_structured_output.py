@@ -135,6 +135,7 @@ def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path
     grammar = grammar_for(tmp_path, VOCAB)  # no braces, no quotes
     scores = torch.zeros(2, len(VOCAB))
     params = [SamplingParams(json_schema=SCHEMA), SamplingParams()]
-    grammar.apply(scores, params, [PROMPT, PROMPT], [3, 3], [6, 6])
+    history = StepHistory([Seq(PROMPT), Seq(PROMPT)], torch.tensor([6, 6]), torch.arange(2))
+    assert grammar.mask_now(scores, params, history) == [0], "the row is reported cut"
     assert torch.nonzero(scores[0].isfinite()).flatten().tolist() == [EOS_ID]
     assert bool(scores[1].isfinite().all()), "a free row is not masked"

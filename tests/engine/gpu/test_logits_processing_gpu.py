@@ -13,7 +13,9 @@ from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.logits_processing import StepHistory, process_scores_ref
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
+from tests.engine.cpu.test_structured_deferred import check_deferred_sampling
 from tests.engine.cpu.test_structured_output import check_picks_continue_the_schema
+from tests.engine.server.checkpoint import JSON_VOCAB, write_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,6 +115,13 @@ def test_a_plain_batch_has_no_extra_rows_on_the_gpu() -> None:
 def test_the_schemas_masks_on_the_gpu(tmp_path: Path, temperature: float) -> None:
     """The bitmask copied to the device and applied there (xgrammar's CUDA path)."""
     check_picks_continue_the_schema(tmp_path, temperature, "cuda")
+
+
+def test_deferred_structured_sampling_on_the_gpu(tmp_path: Path) -> None:
+    """A structured step sampled at the next launch (masks from the grammar thread, copied and
+    applied on the device) gives the synchronous loop's tokens, every reply a match."""
+    write_checkpoint(tmp_path, max_positions=128, vocab=JSON_VOCAB)
+    check_deferred_sampling(tmp_path, "cuda")
 
 
 def test_the_newest_ids_copied_early_wait_for_the_kernels_before_the_copy() -> None:

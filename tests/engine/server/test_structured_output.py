@@ -175,3 +175,32 @@ def test_a_schema_the_vocabulary_cannot_spell_is_refused_before_it_runs(server: 
         assert info.value.body["param"] == "response_format"  # type: ignore[index]
     plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4)
     assert plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_reply_the_vocabulary_cannot_finish_says_it_was_cut(client: OpenAI) -> None:
+    """The vocabulary can begin the object (`{"`) but has no upper-case letter for its key: the
+    reply ends there as "length", neither a complete match nor an empty success."""
+    schema = {
+        "type": "object",
+        "properties": {"Q": {"type": "boolean"}},
+        "required": ["Q"],
+        "additionalProperties": False,
+    }
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "q", "schema": schema}}
+    for stream in (False, True):
+        args: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "temperature": 0,
+            "max_completion_tokens": 40,
+            "response_format": response_format,
+        }
+        if stream:
+            chunks = list(client.chat.completions.create(**args, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+            reason = next(r for r in reasons if r is not None)
+        else:
+            out = client.chat.completions.create(**args)
+            text, reason = out.choices[0].message.content or "", out.choices[0].finish_reason
+        assert (text, reason) == ('{"', "length")
