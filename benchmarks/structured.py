@@ -5,6 +5,12 @@ of C clients sends its next request when the last one ends).
     PYTHONPATH=engine:. python benchmarks/structured.py --url http://127.0.0.1:8000 \
         --model-name qwen3-0.6b --concurrency 64 --num-requests 256 --num-samples 200
     PYTHONPATH=engine:memplan:. python benchmarks/structured.py --shape qwen3-0.6b
+    PYTHONPATH=engine:memplan:. python benchmarks/structured.py --shape qwen3-0.6b --smoke \
+        --concurrency 8 --num-requests 16 --num-samples 8
+
+`--smoke` shrinks the shape (two layers, a 4,096-token vocabulary) and runs it on the CPU: it
+checks the benchmark's plumbing, not its figures. `--out` also writes the report there, with
+the device and the versions. `benchmarks/structured_gpu.sh` is the one GPU command.
 
 With `--shape` the engine is started here on random weights at that shape, with the default
 flags and a character-level tokenizer padded to the shape's vocabulary (`write_json_tokenizer`:
@@ -103,16 +109,42 @@ def write_json_tokenizer(model_dir: Path, config: dict[str, Any]) -> None:
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
 
+SMOKE_CONFIG: dict[str, Any] = {  # what --smoke changes in the shape
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
 def start_engine(
-    shape: str, root: Path, max_num_seqs: int, engine_args: list[str]
+    shape: str, root: Path, max_num_seqs: int, engine_args: list[str], smoke: bool = False
 ) -> serving_server.Server:
-    """The engine with its default flags on random weights at `shape` (the GPU, bf16)."""
+    """The engine with its default flags on random weights at `shape` (the GPU, bf16), or at
+    its shrunk copy on the CPU (`smoke`)."""
     from benchmarks.offline_engine import write_checkpoint  # noqa: PLC0415 (imports torch)
 
     model_dir = write_checkpoint(shape, root)
-    write_json_tokenizer(model_dir, SHAPES[shape])
+    config = {**SHAPES[shape], **(SMOKE_CONFIG if smoke else {})}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    write_json_tokenizer(model_dir, config)
+    if smoke:
+        engine_args = ["--num-gpu-blocks-override", "1024", *engine_args]
     settings = wl.EngineSettings(
-        "cuda", "bfloat16", serving_server.MAX_MODEL_LEN, max_num_seqs, 16, None, 0.9, True, False
+        "cpu" if smoke else "cuda",
+        "float32" if smoke else "bfloat16",
+        serving_server.MAX_MODEL_LEN,
+        max_num_seqs,
+        16,
+        None,
+        None if smoke else 0.9,
+        True,
+        False,
     )
     args = argparse.Namespace(start_timeout=1200.0, api_server_count=None, server_cpus=None)
     args.engine_arg = engine_args
@@ -209,13 +241,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.url is not None:
         return asyncio.run(main(args))
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_engine(args.shape, Path(tmp), args.max_num_seqs, args.engine_arg)
+        server = start_engine(args.shape, Path(tmp), args.max_num_seqs, args.engine_arg, args.smoke)
         try:
             args.url, args.model_name = server.url, serving_server.MODEL_NAME
             report = asyncio.run(main(args))
         finally:
             report_exit = server.stop()
-        return {"shape": args.shape, "server_exit_code": report_exit, **report}
+        return {
+            "shape": args.shape,
+            "smoke": args.smoke,
+            "engine_args": args.engine_arg,
+            "server_exit_code": report_exit,
+            **report,
+        }
+
+
+def environment() -> dict[str, Any]:
+    """The device and the versions the figures were measured with."""
+    from importlib.metadata import version  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    packages = ("torch", "triton", "xgrammar", "transformers")
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = version(name)
+        except ImportError:
+            versions[name] = None
+    return {"gpu": gpu, "cuda": torch.version.cuda, "versions": versions}
 
 
 if __name__ == "__main__":
@@ -232,7 +287,12 @@ if __name__ == "__main__":
     parser.add_argument("--num-requests", type=int, default=256, help="per throughput pass")
     parser.add_argument("--num-samples", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="with --shape: tiny, on the CPU")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parsed = parser.parse_args()
     if parsed.url is not None and parsed.model_name is None:
         parser.error("--url needs --model-name")
-    print(json.dumps(run(parsed), indent=2))
+    result = {**run(parsed), **environment()}
+    print(json.dumps(result, indent=2))
+    if parsed.out is not None:
+        parsed.out.write_text(json.dumps(result, indent=2) + "\n")
