@@ -77,8 +77,10 @@ HONOURED: dict[str, dict[str, tuple[Any, str]]] = {
         "store": (False, "nothing is stored"),
         "modalities": (["text"], "text is what the server writes"),
         "prompt_cache_retention": ("in_memory", "the prefix cache lives in memory"),
+        # json_object and json_schema need a vocabulary that spells JSON, which this server's
+        # has not (it refuses them naming response_format): test_structured_output runs them.
         "response_format": (
-            {"type": "json_object"},
+            {"type": "text"},
             "test_structured_output.test_every_sampled_reply_matches_its_schema",
         ),
         "tools": ([], "no tools"),
