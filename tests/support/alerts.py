@@ -10,7 +10,7 @@ import urllib.request
 from datetime import datetime
 from typing import Any
 
-from tests.support.cluster import wait_for
+from harness.cluster import wait_for
 
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's endsAt of a firing alert
 

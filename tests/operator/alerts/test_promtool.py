@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.tools import tool
 from pagekeeper_operator.alerts import render_rules_file
 from pagekeeper_operator.api.remediation import RemediationSpec
-from tests.support.tools import tool
 
 NS = "llm-prod"
 SERVER = "chat"
