@@ -10,6 +10,9 @@ The rules (derived in docs/memory-policy.md, Tuning):
 - prefix-caching-off: hit rate < 0.3 over >= MIN_PREFIX_TOKENS looked-up tokens. At most 30% of
   prompt tokens skip prefill, while every full block of every prompt is hashed and looked up;
   freed blocks are evicted on demand, so the host's hashing is all that turning it off saves.
+  Never while spec.gateway.kvEvents is enabled: the events report the prefix cache's blocks, so
+  with the cache off a KV-aware router sees none (the API server refuses that spec, and
+  `effective.compose` drops such a change).
 - prefix-caching-on: caching off, and >= 30% of prompt tokens repeated an earlier prompt's full
   blocks (the engine's shadow count): that share of prefill would be skipped.
 - block-size-down / block-size-up: internal waste w (allocated slots not holding tokens) is
@@ -116,6 +119,8 @@ def prefix_caching(ctx: Context) -> Proposal | None:
     if not ctx.tuning.bounds.allow_prefix_caching_change:
         return None
     if policy.enable_prefix_caching:
+        if ctx.is_kv_events_enabled:
+            return None  # the router reads the cache's blocks from the events: it stays on
         rate = w.prefix_hit_rate
         if w.prefix_queries < MIN_PREFIX_TOKENS or rate is None or rate >= PREFIX_HIT_THRESHOLD:
             return None
@@ -280,12 +285,16 @@ def recommend(
     *,
     host_memory_threshold: float = DEFAULT_HOST_MEMORY_THRESHOLD,
     is_memory_limit_fixed: bool = False,
+    is_kv_events_enabled: bool = False,
 ) -> list[Proposal]:
     """Proposals for `policy` (the effective one) from `window`, best first; fields in
-    `held_fields` (hold-offs, a trial under way) are never proposed. The host terms:
-    `proposal.Context`."""
+    `held_fields` (hold-offs, a trial under way) are never proposed. The host terms and
+    `is_kv_events_enabled`: `proposal.Context`."""
     policy = policy.with_budget_resolved()
-    ctx = Context(window, policy, tuning, runtime, host_memory_threshold, is_memory_limit_fixed)
+    ctx = Context(
+        window, policy, tuning, runtime, host_memory_threshold, is_memory_limit_fixed,
+        is_kv_events_enabled,
+    )  # fmt: skip
     proposals: dict[str, Proposal] = {}
     for rule in RULES:
         proposal = rule(ctx)

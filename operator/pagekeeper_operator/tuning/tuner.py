@@ -262,6 +262,7 @@ def tune(
             observation.window, policy, spec, server.spec.runtime, held,
             host_memory_threshold=server.spec.remediation.triggers.host_memory.threshold,
             is_memory_limit_fixed=server.spec.resources.limits.memory is not None,
+            is_kv_events_enabled=server.spec.gateway.kv_events.enabled,
         )  # fmt: skip
     recommendations = [_recommendation(p, previous, now) for p in proposals]
     if observation.window is None and spec.mode != "Off":

@@ -69,6 +69,18 @@ def test_prefix_caching_off_when_prompts_never_repeat() -> None:
     assert proposal.confidence == 0.451
 
 
+def test_prefix_caching_stays_on_while_kv_events_are_published() -> None:
+    # KV events report the prefix cache's blocks: with it off a KV-aware router sees nothing.
+    proposals = recommend(
+        window("no_prefix_reuse"),
+        MemoryPolicy(),
+        TuningSpec(),
+        "pagekeeper",
+        is_kv_events_enabled=True,
+    )
+    assert proposals == []
+
+
 def test_prefix_caching_on_from_the_engines_shadow_count() -> None:
     off = {"enablePrefixCaching": False}
     assert changes(run("rag_caching_off", off)) == [

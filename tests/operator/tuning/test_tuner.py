@@ -77,6 +77,14 @@ def test_a_new_recommendation_posts_one_event_and_then_stays_quiet() -> None:
     assert again.tuning == first.tuning
 
 
+def test_no_prefix_caching_off_is_recommended_while_kv_events_are_on() -> None:
+    server = make_server({"gateway": {"kvEvents": {"enabled": True}}})
+    result = tune(server, NO_REUSE, T0)
+    assert result.recommendations == []
+    assert result.events == []
+    assert result.tuning is not None and result.tuning.message == NO_CHANGE_MESSAGE
+
+
 def test_a_recommendation_that_does_not_fit_is_dropped_with_the_plans_reason() -> None:
     server = make_server()
     checked: list[str | None] = []
