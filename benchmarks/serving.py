@@ -92,7 +92,7 @@ def first_wave_floor_ms(
 def server_num_gpus(engine_args: list[str]) -> int:
     """The GPUs the server's `--engine-arg`s split the model over, read by the engine's own
     parser."""
-    from pagekeeper_engine.config import build_parser  # noqa: PLC0415 (no torch)
+    from pagekeeper_engine.flags import build_parser  # noqa: PLC0415 (no torch)
 
     namespace, _ = build_parser().parse_known_args(["model", *engine_args])
     return int(namespace.tensor_parallel_size)

@@ -60,7 +60,7 @@ DEFAULT_METRICS_PORT = 8001
 PUMP_JOIN_S = 5.0
 EXEC_FAILED = 127
 # --stuck-timeout's default, also read from this variable: as the paged engine's (see its
-# `config.DEFAULT_STUCK_TIMEOUT_S` for the longest legitimate step it allows for).
+# `flags.DEFAULT_STUCK_TIMEOUT_S` for the longest legitimate step it allows for).
 STUCK_TIMEOUT_ENV = "PAGEKEEPER_VLLM_STUCK_TIMEOUT"
 DEFAULT_STUCK_TIMEOUT_S = 60.0
 DEFAULT_PROBE_INTERVAL_S = 5.0

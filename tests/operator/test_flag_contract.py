@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pagekeeper_engine.config import DEFAULT_STUCK_TIMEOUT_S, build_parser, parse_args, parse_bytes
+from pagekeeper_engine.config import parse_args
+from pagekeeper_engine.flags import DEFAULT_STUCK_TIMEOUT_S, build_parser, parse_bytes
 from pagekeeper_engine.kv_events_config import KVEventsConfig
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.engine import policy_flags

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagekeeper_engine.config import EngineConfig, resolve_max_num_batched_tokens
+from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.kv_manager import num_blocks_for
+from pagekeeper_memplan.defaults import resolve_max_num_batched_tokens
 
 
 class RequestRejectedError(ValueError):

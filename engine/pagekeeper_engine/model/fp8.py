@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from pagekeeper_engine.flags import QUANTIZATIONS
 from pagekeeper_engine.model.hf_config import read_json
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 # Floor of a scale: an all-zero row (or token) quantizes to zeros instead of 0 / 0.
 MIN_SCALE = 1e-12
-QUANTIZATIONS = ("none", "fp8")
 WEIGHT_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 # GEMMs on FP8 tensor cores need K and N in multiples of 16 (cuBLASLt's FP8 layout rule).
 SCALED_MM_ALIGNMENT = 16
