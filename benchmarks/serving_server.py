@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import serving_workload as wl
 from benchmarks.shapes import SHAPES
+from harness.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench"
@@ -68,14 +68,7 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM (the server drains), then its exit code once it has gone."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout=120)
 
 
 def parse_cpus(text: str | None) -> set[int]:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import string
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from openai import APIError, AsyncOpenAI
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from harness.processes import Service, free_port, wait_http_ok
+from harness.processes import Service, free_port, stop_process, wait_http_ok
 from harness.tools import REPO
 
 logger = logging.getLogger(__name__)
@@ -143,14 +142,7 @@ def wait_engine_ready(engine: Service, timeout: float = START_TIMEOUT_S) -> None
 
 def stop_engine(engine: Service) -> int:
     """SIGTERM (the engine drains), then its exit code."""
-    if engine.proc.poll() is None:
-        engine.proc.send_signal(signal.SIGTERM)
-        try:
-            engine.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.proc.kill()
-            engine.proc.wait()
-    return engine.proc.returncode
+    return stop_process(engine.proc, timeout=30)
 
 
 class StreamingLoad:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from harness.cluster import Cluster, wait_for
 from harness.operator_process import CRD_PATH
-from harness.processes import Service, free_port, wait_http_ok
+from harness.processes import Service, free_port, stop_process, wait_http_ok
 from harness.tools import REPO, tool
 from pagekeeper_operator.alerts import render_rules_file
 from pagekeeper_operator.api.llmserver import GROUP, PLURAL, VERSION, LLMServer
@@ -108,13 +107,7 @@ class OperatorProcess:
         return self.log.read_text(errors="replace")[-num_chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=30)
 
 
 def llmserver(name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -67,6 +67,20 @@ def wait_http_ok(
     raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float, *, terminate: bool = True) -> int:
+    """SIGTERM (with `terminate`; else the caller has signalled already), up to `timeout`
+    seconds for the process to end, then SIGKILL; its exit code."""
+    if proc.poll() is None:
+        if terminate:
+            proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 @dataclass
 class Service:
     """A child process serving HTTP on 127.0.0.1:port, with its log file."""
@@ -81,13 +95,7 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=15)
 
 
 def _spawn(name: str, argv: list[str], workdir: Path, port: int, ready_path: str) -> Service:

@@ -26,12 +26,13 @@ import yaml
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.processes import free_port
 from harness.tools import REPO, tool
 from tests.images.pod import PodHost, ServiceAccountToken, run_args
 from tests.images.podman import Container, run_detached
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import llmserver, wait_ready
+from tests.integration.operator_fixture import wait_ready
 
 pytestmark = pytest.mark.timeout(3600)  # a cold `images` fixture builds the bases
 llmserver_crd = operator_fixture.llmserver_crd

@@ -81,15 +81,6 @@ def operator(
         process.stop()
 
 
-def llmserver(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "LLMServer",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
-
-
 def apply_server(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
 

@@ -24,12 +24,13 @@ import yaml
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.tools import REPO, tool
 from pagekeeper_engine.frontend.metric_names import METRICS
 from pagekeeper_operator.api.runtime import RUNTIMES, exports
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.meta import HTTP_PORT, METRICS_PORT
-from tests.integration.operator_fixture import llmserver, wait_ready
+from tests.integration.operator_fixture import wait_ready
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
 CHART = REPO / "charts" / "pagekeeper"

@@ -10,9 +10,10 @@ from typing import Any
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
+from tests.integration.operator_fixture import apply_server, get_server, wait_ready
 from tests.integration.test_canary import wait_resyncs
 
 llmserver_crd = operator_fixture.llmserver_crd

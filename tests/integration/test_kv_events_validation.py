@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from harness.cluster import Cluster
+from harness.loop import llmserver
 from pagekeeper_operator.api.gateway import (
     DISTINCT_PORTS_RULE,
     PORT_RULE,
@@ -17,7 +18,6 @@ from pagekeeper_operator.api.gateway import (
     REPLAY_PORT_RULE,
 )
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import llmserver
 
 llmserver_crd = operator_fixture.llmserver_crd
 

@@ -12,6 +12,7 @@ import yaml
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import RESYNC_SECONDS, OperatorProcess
 from pagekeeper_operator.api.llmserver import (
     ADAPTIVE_FLOOR_RULE,
@@ -39,7 +40,7 @@ from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, T
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import RESYNC_DONE
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
+from tests.integration.operator_fixture import apply_server, get_server, wait_ready
 from tests.operator.servers import merge
 
 # Fixtures shared by the LLMServer integration tests.

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from harness.cluster import Cluster, wait_for
-from harness.loop import PodWatch, server_events, server_pods, wait_beside_canary
+from harness.loop import PodWatch, llmserver, server_events, server_pods, wait_beside_canary
 from harness.operator_process import OperatorProcess
 from pagekeeper_operator.api.lifecycle import BOUNDS_RULE, FORMAT_RULE
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
+from tests.integration.operator_fixture import apply_server, get_server, wait_ready
 from tests.integration.test_canary import canary_pods, changed, wait_analyzing, wait_resyncs
 
 llmserver_crd = operator_fixture.llmserver_crd

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from harness.cluster import Cluster
+from harness.loop import llmserver
 from pagekeeper_operator.api.tuning import SECONDARY_RULES
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import get_server, llmserver
+from tests.integration.operator_fixture import get_server
 
 llmserver_crd = operator_fixture.llmserver_crd
 

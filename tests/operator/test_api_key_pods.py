@@ -19,7 +19,6 @@ without a key, as the kubelet's carry none.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,7 +32,7 @@ import requests
 from openai import OpenAI
 
 from harness.cpu_engine import spawn_argv, wait_engine_ready, write_tiny_checkpoint
-from harness.processes import free_port, wait_http_ok
+from harness.processes import free_port, stop_process, wait_http_ok
 from pagekeeper_operator.render import render_deployment
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 from tests.support.pod_env import container_argv, container_env
@@ -150,14 +149,7 @@ def start_vllm_pod(
 
 def stop(proc: subprocess.Popen[bytes]) -> int:
     """SIGTERM, as the kubelet sends it (the engine drains, the launcher forwards it)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+    return stop_process(proc, timeout=STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=["pagekeeper", "vllm"])

@@ -36,7 +36,7 @@ from typing import Any
 from kubernetes import client
 
 from harness.cluster import Cluster
-from harness.processes import Service
+from harness.processes import Service, stop_process
 
 logger = logging.getLogger(__name__)
 # The kubelet's bound on a termination message and on its fallback to the log.
@@ -194,14 +194,7 @@ class PodKubelet:
         return not self._stopping.is_set()
 
     def _end(self, proc: subprocess.Popen[bytes]) -> int:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        code = proc.returncode
+        code = stop_process(proc, timeout=self.grace_s)
         return 128 - code if code < 0 else code  # a signal's end, as a container runtime says it
 
     def _report(self, ended: Termination) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -34,7 +33,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from harness.cpu_engine import spawn_argv, wait_engine_ready
-from harness.processes import Service, free_port
+from harness.processes import Service, free_port, stop_process
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from tests.support.standin import rendered_command, standin_argv
 
@@ -171,12 +170,7 @@ class PodFleet:
             probe.refused_status, probe.refused_retry_after = status, headers.get("Retry-After")
         except OSError as exc:
             probe.errors.append(f"a completion after SIGTERM: {exc!r}")
-        try:
-            engine.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            engine.proc.kill()
-            engine.proc.wait()
-        probe.exit_code = engine.proc.returncode
+        probe.exit_code = stop_process(engine.proc, timeout=grace, terminate=False)
         stream.join(timeout=30)
 
     def _wait_streaming(self, engine: Service) -> None:

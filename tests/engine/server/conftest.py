@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import requests
 from transformers import PreTrainedModel
 
-from harness.processes import engine_pythonpath, free_port
+from harness.processes import engine_pythonpath, free_port, stop_process
 from tests.engine.server.checkpoint import MAX_POSITIONS, write_checkpoint
 from tests.support import step_gate
 from tests.support.step_gate import StepGate
@@ -68,14 +67,7 @@ class Server:
             time.sleep(0.1)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout=60)
 
 
 def start_server(
