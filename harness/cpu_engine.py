@@ -57,7 +57,16 @@ def write_tiny_checkpoint(path: Path, max_positions: int = 1024) -> Path:
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = HFTokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    write_char_tokenizer(path)
+    return path
+
+
+def write_char_tokenizer(
+    path: Path, vocab: Mapping[str, int] = VOCAB, chat_template: str | None = None
+) -> None:
+    """A tokenizer of one token per character of `vocab` (ids 0-2 `<unk>`, `<s>`, `</s>`; `<s>`
+    begins every encoding), with its tokenizer and generation configs, in `path`."""
+    tokenizer = HFTokenizer(models.WordLevel(dict(vocab), unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
@@ -66,9 +75,10 @@ def write_tiny_checkpoint(path: Path, max_positions: int = 1024) -> Path:
     )
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
-    return path
 
 
 @dataclass(frozen=True)

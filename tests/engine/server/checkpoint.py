@@ -8,19 +8,15 @@ transformers forward, for exact comparisons with what the server returns.
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
 from transformers import PreTrainedModel
 
+from harness.cpu_engine import BOS_ID, EOS_ID, SPECIAL_TOKENS, write_char_tokenizer
 from tests.engine.checkpoints import make_hf_model
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
-BOS_ID, EOS_ID = 1, 2
 CHARACTERS = string.ascii_lowercase + string.digits + " .,!?'[]:\n"
 VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
 # A vocabulary that can spell JSON, for structured output
@@ -34,17 +30,7 @@ CHAT_TEMPLATE = (
 
 
 def write_tokenizer(path: Path, vocab: dict[str, int] = VOCAB) -> None:
-    tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
-    )
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
+    write_char_tokenizer(path, vocab, chat_template=CHAT_TEMPLATE)
 
 
 def write_checkpoint(
