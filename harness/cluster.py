@@ -95,7 +95,9 @@ def start_cluster(fresh: bool = False) -> Iterator[Cluster]:
     else:
         name = f"pk-test-{uuid.uuid4().hex[:6]}"
         kubeconfig, owned = _hack("up", name), True
-    api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+    api = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=kubeconfig
+    )
     cluster = Cluster(name=name, kubeconfig=kubeconfig, api=api, owned=owned)
     try:
         for path in PROMETHEUS_OPERATOR_CRDS:
@@ -111,7 +113,10 @@ def start_cluster(fresh: bool = False) -> Iterator[Cluster]:
 
 
 def wait_for(
-    predicate: Callable[[], T], timeout: float = 60, interval: float = 0.5, what: str = "condition"
+    predicate: Callable[[], T | None],
+    timeout: float = 60,
+    interval: float = 0.5,
+    what: str = "condition",
 ) -> T:
     """Poll `predicate` until it returns a truthy value; fail with `what` after `timeout`."""
     deadline = time.monotonic() + timeout

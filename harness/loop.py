@@ -120,9 +120,10 @@ def llmserver(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_server(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    obj: dict[str, Any] = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+    obj = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, name
     )
+    assert isinstance(obj, dict), f"LLMServer {namespace}/{name} came back as {type(obj)}"
     return obj
 
 
@@ -145,13 +146,22 @@ def server_pods(cluster: Cluster, namespace: str, name: str) -> list[client.V1Po
     pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
         namespace, label_selector=f"{SERVER_LABEL}={name}"
     )
-    return sorted(pods.items, key=lambda pod: pod.metadata.name)
+    return sorted(pods.items, key=pod_name)
+
+
+def pod_name(pod: client.V1Pod) -> str:
+    assert pod.metadata is not None and pod.metadata.name, "a pod from the API server has a name"
+    return pod.metadata.name
+
+
+def is_pod_terminating(pod: client.V1Pod) -> bool:
+    return pod.metadata is not None and pod.metadata.deletion_timestamp is not None
 
 
 def is_pod_ready(pod: client.V1Pod) -> bool:
     conditions = (pod.status.conditions if pod.status else None) or []
     is_ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    return is_ready and pod.metadata.deletion_timestamp is None
+    return is_ready and not is_pod_terminating(pod)
 
 
 def wait_ready_pods(
@@ -162,7 +172,7 @@ def wait_ready_pods(
     def ready() -> list[str] | None:
         pods = server_pods(cluster, namespace, name)
         if len(pods) == num_pods and all(is_pod_ready(pod) for pod in pods):
-            return [pod.metadata.name for pod in pods]
+            return [pod_name(pod) for pod in pods]
         return None
 
     names: list[str] = wait_for(ready, timeout=timeout, what=f"{num_pods} Ready pods of {name}")
@@ -178,7 +188,7 @@ def wait_beside_canary(
 
     def settled() -> set[str] | None:
         pods = server_pods(cluster, namespace, name)
-        others = {pod.metadata.name for pod in pods} - {canary}
+        others = {pod_name(pod) for pod in pods} - {canary}
         if len(others) == num_stable and all(is_pod_ready(pod) for pod in pods):
             return others
         return None
@@ -227,12 +237,14 @@ class PodWatch:
     pod that comes and goes between two polls is still seen."""
 
     def __init__(self, kubeconfig: str, namespace: str) -> None:
-        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.api = config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig
+        )
         self.namespace = namespace
         self.seen: list[tuple[str, client.V1Pod]] = []
         self.error: Exception | None = None
         self._is_stopping = False
-        self._watch = watch.Watch()
+        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
         self._thread = threading.Thread(target=self._run, name="pod-watch", daemon=True)
 
     def start(self) -> PodWatch:
@@ -242,7 +254,10 @@ class PodWatch:
     def _run(self) -> None:
         core = client.CoreV1Api(self.api)
         try:
-            for event in self._watch.stream(core.list_namespaced_pod, self.namespace):
+            stream = self._watch.stream(  # type: ignore[no-untyped-call]
+                core.list_namespaced_pod, self.namespace
+            )
+            for event in stream:
                 self.seen.append((str(event["type"]), event["object"]))
         except (ApiException, ValueError, urllib3.exceptions.HTTPError) as exc:
             if not self._is_stopping:
@@ -250,7 +265,7 @@ class PodWatch:
 
     def stop(self) -> None:
         self._is_stopping = True
-        self._watch.stop()
+        self._watch.stop()  # type: ignore[no-untyped-call]
         self.api.close()
 
     def wait_seen(
@@ -268,7 +283,7 @@ class PodWatch:
         assert self.error is None, f"the pod watch broke: {self.error!r}"
 
     def versions_of(self, pod: str) -> list[client.V1Pod]:
-        return [obj for _, obj in list(self.seen) if obj.metadata.name == pod]
+        return [obj for _, obj in list(self.seen) if pod_name(obj) == pod]
 
     def disruption_of(self, pod: str) -> tuple[str, str] | None:
         """(reason, message) of the DisruptionTarget condition the API server sets on a pod
@@ -281,9 +296,9 @@ class PodWatch:
 
     def was_deleted(self, pod: str) -> bool:
         return any(
-            obj.metadata.deletion_timestamp is not None or kind == "DELETED"
+            is_pod_terminating(obj) or kind == "DELETED"
             for kind, obj in list(self.seen)
-            if obj.metadata.name == pod
+            if pod_name(obj) == pod
         )
 
 
