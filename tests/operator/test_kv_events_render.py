@@ -55,7 +55,7 @@ def test_the_paged_engine_publishes_on_named_ports() -> None:
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"},
-        {"name": "kv-events-replay", "containerPort": 5558, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"},
     ]
     env = container["env"]
     assert env[-3:] == FIELD_ENV
@@ -121,7 +121,7 @@ def test_vllm_gets_the_flag_from_the_oldest_checked_parser(image: str, has_flag:
         assert "--prefix-caching-hash-algo" not in vllm_args
     assert "--kv-events-config" not in command[: command.index("--")]  # not the launcher's
     names = [p["name"] for p in container["ports"]]
-    expected = ["kv-events", "kv-events-replay"] if has_flag else []
+    expected = ["kv-events", "kv-replay"] if has_flag else []
     assert names == ["http", "pk-metrics", *expected]
     assert ({"POD_IP", "POD_NAME"} <= {e["name"] for e in container["env"]}) is has_flag
 

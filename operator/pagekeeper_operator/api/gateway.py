@@ -80,7 +80,7 @@ class KVEventsSpec(ApiModel):
         le=65535,
         description=(
             "Set: a ZMQ ROUTER socket on this port (replay endpoint tcp://*:<port>, the "
-            "container port named kv-events-replay) resends the last bufferSteps batches from "
+            "container port named kv-replay) resends the last bufferSteps batches from "
             "a sequence number, so a subscriber that missed some can catch up. Unset (the "
             "default): no replay socket."
         ),

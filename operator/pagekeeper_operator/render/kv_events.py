@@ -18,8 +18,10 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.vllm_compat import has_kv_events_flag
 
+# Container port names are IANA service names, at most 15 characters: the API server refuses
+# a pod with a longer one.
 EVENTS_PORT_NAME = "kv-events"
-REPLAY_PORT_NAME = "kv-events-replay"
+REPLAY_PORT_NAME = "kv-replay"
 HASH_ALGO = "sha256_cbor"  # vLLM 0.11.0's and 0.33.0's parsers both take it
 # What the topic may name: the kubelet expands $(NAME) in the command from these.
 POD_FIELD_ENV = {
