@@ -19,12 +19,14 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.api.tuning import TuningStatus
 from pagekeeper_operator.api_key import API_KEY_AVAILABLE, ApiKeyCheck
-from pagekeeper_operator.effective import compose, effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.effective import EffectivePolicy, memory_policy_hash
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
@@ -219,12 +221,17 @@ def running_image(server: LLMServer, deployment: Mapping[str, Any] | None) -> st
 
 
 def runtime_conditions(
-    server: LLMServer, deployment: Mapping[str, Any] | None, now: str
+    server: LLMServer,
+    deployment: Mapping[str, Any] | None,
+    now: str,
+    policy: MemoryPolicy | None = None,
 ) -> list[Condition]:
-    """PolicyHonored and PluginLoaded under runtime vllm (`vllm_compat`); none otherwise."""
+    """PolicyHonored and PluginLoaded under runtime vllm (`vllm_compat`), of the effective
+    `policy` (composed here when not given); none otherwise."""
     if server.spec.runtime != "vllm":
         return []
-    policy = effective_memory_policy(server)
+    if policy is None:
+        policy = effective.compose(server).policy
     image = running_image(server, deployment)
     has_kv_events = server.spec.gateway.kv_events.enabled
     verdicts = [
@@ -274,11 +281,13 @@ def compute_status(
     autoscaling: AutoscalingStatus | None = None,
     fit: FitOutcome | None = None,
     api_key: ApiKeyCheck | None = None,
+    composed: EffectivePolicy | None = None,
 ) -> LLMServerStatus:
     """The status to write, given the Deployment as observed (None when absent), under
     spec.autoscaling what its autoscaler did (`autoscaling.autoscaling_status`), the memory
-    plan of this reconcile (`fit.decide_fit`; None keeps the last one) and its read of the API
-    key's Secret (`api_key.check_api_key`; None keeps the last one)."""
+    plan of this reconcile (`fit.decide_fit`; None keeps the last one), its read of the API
+    key's Secret (`api_key.check_api_key`; None keeps the last one) and its composition of the
+    effective policy (`effective.compose`; made here when not given)."""
     old = server.status
     generation = server.metadata.generation
     conditions = [
@@ -288,15 +297,16 @@ def compute_status(
     memory = memory_condition(server, now)
     canary = canary_condition(server, now)
     dep_status = (deployment or {}).get("status", {})
-    effective = compose(server)
-    policy = effective.policy
+    if composed is None:
+        composed = effective.compose(server)
+    policy = composed.policy
     tuning = old.tuning
-    if tuning is not None or effective.step_down is not None:
-        tuning = (tuning or TuningStatus()).model_copy(update={"step_down": effective.step_down})
+    if tuning is not None or composed.step_down is not None:
+        tuning = (tuning or TuningStatus()).model_copy(update={"step_down": composed.step_down})
     others = [
         memory,
         *canary,
-        *runtime_conditions(server, deployment, now),
+        *runtime_conditions(server, deployment, now, policy),
         *fit_condition(server, fit, now),
         *api_key_condition(server, api_key, now),
     ]

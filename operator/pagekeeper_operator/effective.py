@@ -17,19 +17,24 @@ Remediation steps down by writing `status.effectiveMemoryPolicy` (the composed p
 without `status.policyHash`; a stored policy whose hash differs from `policyHash` is therefore a
 step-down not yet folded into the caps, and its lower values become caps. Without a tuning
 layer, any stored value below the spec's is a step-down. The renderer, the
-canary, the tuner and status all read `compose`'s result, never re-derive it.
+canary, the tuner and status all read `compose`'s result, never re-derive it: a reconcile
+composes once and hands the `EffectivePolicy` down (render, the memory plan, status); while a
+tuning trial runs it also carries the trial's candidate (`EffectivePolicy.rendered`).
+Callers reach `compose` as this module's attribute (`effective.compose`), never a name imported
+from it, so that a test can count the compositions of one reconcile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
-from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange
+from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange, TuningTrial
 from pagekeeper_operator.api.types import quantity_value
 from pagekeeper_operator.tuning.fields import read_field, with_change, within_bounds
 
@@ -56,16 +61,46 @@ def memory_policy_hash(policy: MemoryPolicy) -> str:
 class EffectivePolicy:
     """The composed policy and the layers that made it, each as it still holds."""
 
-    policy: MemoryPolicy
+    policy: MemoryPolicy  # what status records
     changes: tuple[TunedChange, ...]  # the tuning layer's changes in force
     step_down: StepDownCaps | None  # the step-down layer's caps in force
+    # While a tuning trial runs: the layers with the trial's change in the tuning layer.
+    trial_policy: MemoryPolicy | None = None
+
+    @property
+    def rendered(self) -> MemoryPolicy:
+        """What the rendered pods run: the trial's candidate while a trial runs, else `policy`
+        (the canary then runs the candidate beside the stable pods, `canary`)."""
+        return self.policy if self.trial_policy is None else self.trial_policy
 
 
-def _tuning_layer(server: LLMServer) -> tuple[MemoryPolicy, tuple[TunedChange, ...]]:
-    spec, tuning = server.spec, server.status.tuning
+def changes_with_trial(server: LLMServer, trial: TuningTrial) -> list[TunedChange]:
+    """The tuning layer with `trial`'s change in place of its field's change (in memory only;
+    status records the trial, not this layer): made over the spec value of the field's change
+    in force, if any, else over spec's value."""
+    tuning = server.status.tuning
+    changes = tuning.changes if tuning is not None else []
+    from_spec = next((c.spec_value for c in changes if c.field == trial.field), None)
+    change = TunedChange(
+        field=trial.field,
+        value=trial.proposed,
+        spec_value=read_field(server.spec.memory_policy, trial.field)
+        if from_spec is None
+        else from_spec,
+        source="Promoted",
+        rule=trial.rule,
+        time=trial.started_at,
+    )
+    return [c for c in changes if c.field != trial.field] + [change]
+
+
+def _tuning_layer(
+    server: LLMServer, changes: Sequence[TunedChange]
+) -> tuple[MemoryPolicy, tuple[TunedChange, ...]]:
+    spec = server.spec
     policy = spec.memory_policy.with_budget_resolved()
     kept: list[TunedChange] = []
-    for change in tuning.changes if tuning is not None else ():
+    for change in changes:
         if read_field(spec.memory_policy, change.field) != change.spec_value:
             continue  # spec moved on: the spec's new value wins
         if not within_bounds(change.field, change.value, spec.tuning.bounds, spec.runtime):
@@ -80,7 +115,9 @@ def _tuning_layer(server: LLMServer) -> tuple[MemoryPolicy, tuple[TunedChange, .
     return policy, tuple(kept)
 
 
-def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps | None:
+def _caps(
+    server: LLMServer, base: MemoryPolicy, spec_hash: str, has_layer: bool
+) -> StepDownCaps | None:
     status = server.status
     recorded = status.tuning.step_down if status.tuning is not None else None
     if recorded is not None and recorded.spec_memory_policy_hash != spec_hash:
@@ -91,7 +128,6 @@ def _caps(server: LLMServer, base: MemoryPolicy, spec_hash: str) -> StepDownCaps
     # Without a tuning layer the base is the spec, so a stored value below it can only be a
     # step-down (also one recorded before the layers existed); with one, only a stored policy
     # remediation wrote since status last recorded the composition (no policyHash) is new.
-    has_layer = status.tuning is not None and bool(status.tuning.changes)
     is_new_step = not has_layer or memory_policy_hash(stored) != status.policy_hash
     if not is_new_step:
         return recorded
@@ -148,16 +184,30 @@ def _apply_caps(policy: MemoryPolicy, caps: StepDownCaps | None) -> MemoryPolicy
     return policy.model_copy(update=update)
 
 
+def _layers(
+    server: LLMServer, changes: Sequence[TunedChange], spec_hash: str
+) -> tuple[MemoryPolicy, tuple[TunedChange, ...], StepDownCaps | None]:
+    base, kept = _tuning_layer(server, changes)
+    caps = _caps(server, base, spec_hash, has_layer=bool(changes))
+    return _apply_caps(base, caps), kept, caps
+
+
 def compose(server: LLMServer) -> EffectivePolicy:
-    """spec -> tuning layer -> step-down caps (see the module docstring)."""
+    """spec -> tuning layer -> step-down caps (see the module docstring), and under a tuning
+    trial the same with the trial's change in the tuning layer."""
     spec_hash = memory_policy_hash(server.spec.memory_policy)
-    base, changes = _tuning_layer(server)
-    caps = _caps(server, base, spec_hash)
-    return EffectivePolicy(_apply_caps(base, caps), changes, caps)
+    tuning = server.status.tuning
+    changes = tuning.changes if tuning is not None else []
+    policy, kept, caps = _layers(server, changes, spec_hash)
+    trial_policy = None
+    if tuning is not None and tuning.trial is not None:
+        trying = changes_with_trial(server, tuning.trial)
+        trial_policy, _, _ = _layers(server, trying, spec_hash)
+    return EffectivePolicy(policy, kept, caps, trial_policy)
 
 
 def effective_memory_policy(server: LLMServer) -> MemoryPolicy:
-    """The policy to render: `compose(server).policy`."""
+    """`compose(server).policy`, for tools and tests; a reconcile hands its composition down."""
     return compose(server).policy
 
 

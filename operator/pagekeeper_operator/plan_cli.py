@@ -28,10 +28,10 @@ from pydantic import ValidationError
 from pagekeeper_memplan.gpus import GpuModel, parse_product
 from pagekeeper_memplan.host import ESTIMATED_HOST_TERMS
 from pagekeeper_memplan.plan import ESTIMATED_TERMS
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import KIND, LLMServer
 from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.fit import FitOutcome, decide_fit
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNKNOWN = 0, 1, 2
@@ -116,7 +116,7 @@ def plan_server(
     server: LLMServer, gpu: tuple[GpuModel, str] | None, config: dict[str, Any] | None
 ) -> FitOutcome:
     """The operator's plan of one server, with no nodes to read labels from."""
-    return decide_fit(server, effective_memory_policy(server), None, config=config, gpu=gpu)
+    return decide_fit(server, effective.compose(server).policy, None, config=config, gpu=gpu)
 
 
 def _gib(num_bytes: int) -> str:

@@ -1,5 +1,6 @@
 """One reconcile of one LLMServer: tune (`tuning.step`: observe, recommend, decide a trial),
-render, plan, apply what the plan says, compute status.
+compose the effective policy once (`effective.compose`), render, plan, apply what the plan
+says, compute status; render, the memory plan and status all read that one composition.
 
 The handlers (and the remediation code, after it steps a policy down) call `reconcile`; it
 writes children only when the plan says so, and returns the status patch for the caller to
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api_key import (
@@ -37,7 +39,6 @@ from pagekeeper_operator.canary import (
 )
 from pagekeeper_operator.canary_data import observe_canary_data
 from pagekeeper_operator.conditions import compute_status, status_patch
-from pagekeeper_operator.effective import effective_memory_policy
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
@@ -51,7 +52,7 @@ from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, aut
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.timestamps import format_time, parse_time, utc_now
 from pagekeeper_operator.tuning.decide import TuningEvent
-from pagekeeper_operator.tuning.step import candidate, observe, promote_canary, trial_canary_spec
+from pagekeeper_operator.tuning.step import observe, promote_canary, trial_canary_spec
 from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,11 @@ def reconcile(
     stored = server  # the status patch is the difference from what the API server holds
     nodes = _candidate_nodes(kube, server)
     server, tuning_events = _with_tuning(server, prometheus_url, now, nodes)
-    rendered = candidate(server)  # the effective policy, with a change under trial if any
-    desired = render_all(rendered, default_images, features)
-    fit = decide_fit(rendered, effective_memory_policy(rendered), nodes)
-    api_key = _check_api_key(kube, rendered)
+    composed = effective.compose(server)
+    # The pods run the composed policy, with the change under trial if any (the canary's).
+    desired = render_all(server, default_images, features, composed.rendered)
+    fit = decide_fit(server, composed.rendered, nodes)
+    api_key = _check_api_key(kube, server)
     if fit.holds_rollout or (api_key is not None and api_key.holds_rollout):
         running = kube.get("apps/v1", "Deployment", namespace, server.metadata.name)
         desired = hold_rollout(desired, running)
@@ -168,7 +170,9 @@ def reconcile(
             _post_event(kube, server, tuning_event.type, tuning_event.reason, tuning_event.message)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
     autoscaling = _autoscaling(kube, server, features, observed)
-    status = compute_status(server, deployment, now, error_text, autoscaling, fit, api_key)
+    status = compute_status(
+        server, deployment, now, error_text, autoscaling, fit, api_key, composed
+    )
     result.status_patch = status_patch(stored, status)
     return result
 
@@ -328,7 +332,7 @@ def _with_tuning(
     whose candidate the memory plan would hold never starts (or ends at once)."""
 
     def does_not_fit(trying: LLMServer) -> str | None:
-        fit = decide_fit(trying, effective_memory_policy(trying), nodes)
+        fit = decide_fit(trying, effective.compose(trying).policy, nodes)
         return fit.status.message if fit.holds_rollout else None
 
     when = parse_time(now)

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.adaptive import (
     OOMClassification,
     Termination,
@@ -34,7 +35,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.canary import CANARY_SUFFIX
-from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.effective import memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
 from pagekeeper_operator.remediation.remediator import EventType
 from pagekeeper_operator.timestamps import format_time, parse_or
@@ -142,7 +143,7 @@ def respond_to_oom(
     elif not remediation.enabled or not remediation.adaptive.enabled:
         outcome, message = "disabled", "spec.remediation.adaptive is disabled"
     else:
-        current = effective_memory_policy(server)
+        current = effective.compose(server).policy
         is_host = isinstance(classification, OOMClassification) and classification.device == "host"
         # Each side steps its own terms: a host OOM never lowers a GPU term, nor the reverse.
         step = (step_down_host if is_host else step_down)(current.to_api(), remediation.adaptive)

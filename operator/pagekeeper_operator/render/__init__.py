@@ -13,6 +13,7 @@ from typing import Any
 
 from pagekeeper_operator.alerts import render_prometheus_rule
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.render.autoscaler import (
     HPA_API_VERSION,
     HPA_KIND,
@@ -65,14 +66,17 @@ def render_autoscaler(server: LLMServer, features: ClusterFeatures) -> dict[str,
 
 
 def render_all(
-    server: LLMServer, default_images: Mapping[str, str], features: ClusterFeatures
+    server: LLMServer,
+    default_images: Mapping[str, str],
+    features: ClusterFeatures,
+    policy: MemoryPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the server needs, in apply order (the Deployment's Service first, its
-    autoscaler after it)."""
+    autoscaler after it); the pods run `policy` (`render_deployment`)."""
     objects = [render_service(server)]
     if server.spec.disruption_budget.managed:
         objects.append(render_pod_disruption_budget(server))
-    objects.append(render_deployment(server, default_images))
+    objects.append(render_deployment(server, default_images, policy))
     autoscaler = render_autoscaler(server, features)
     if autoscaler is not None:
         objects.append(autoscaler)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
-from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.effective import memory_policy_hash
 from pagekeeper_operator.host_memory import memory_quantities, shm_size
 from pagekeeper_operator.render.engine import (
     CACHE_DIR,
@@ -101,9 +102,8 @@ def _resources(server: LLMServer, policy: MemoryPolicy) -> dict[str, Any]:
     return resources
 
 
-def _container(server: LLMServer, image: str) -> dict[str, Any]:
+def _container(server: LLMServer, policy: MemoryPolicy, image: str) -> dict[str, Any]:
     spec = server.spec
-    policy = effective_memory_policy(server)
     is_vllm = spec.runtime == "vllm"
     mounts = [
         {"name": "tmp", "mountPath": TMP_DIR},
@@ -138,7 +138,9 @@ def _container(server: LLMServer, image: str) -> dict[str, Any]:
     return container
 
 
-def _pod_spec(server: LLMServer, image: str, engine_image: str) -> dict[str, Any]:
+def _pod_spec(
+    server: LLMServer, policy: MemoryPolicy, image: str, engine_image: str
+) -> dict[str, Any]:
     spec = server.spec
     overrides = spec.pod_template
     node_selector = dict(overrides.node_selector)
@@ -149,7 +151,7 @@ def _pod_spec(server: LLMServer, image: str, engine_image: str) -> dict[str, Any
         # GPU nodes are commonly tainted so that only GPU workloads land on them.
         tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     pod: dict[str, Any] = {
-        "containers": [_container(server, image)],
+        "containers": [_container(server, policy, image)],
         "volumes": [
             {"name": "tmp", "emptyDir": {}},
             {"name": "cache", "emptyDir": {}},
@@ -192,15 +194,20 @@ def _pod_spec(server: LLMServer, image: str, engine_image: str) -> dict[str, Any
     return pod
 
 
-def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> dict[str, Any]:
-    """The Deployment running the engine pods.
+def render_deployment(
+    server: LLMServer, default_images: Mapping[str, str], policy: MemoryPolicy | None = None
+) -> dict[str, Any]:
+    """The Deployment running the engine pods with `policy`, the effective memory policy the
+    reconcile composed (`EffectivePolicy.rendered`); tools and tests that pass none get
+    `effective.compose(server).policy`.
 
     The pod template carries `pagekeeper.dev/policy-hash` of the effective memory policy: a
     policy change alters the template and rolls the pods; a replicas change does not. Under
     spec.autoscaling `replicas` is left out, so the server-side apply never owns it.
     """
     spec = server.spec
-    policy = effective_memory_policy(server)
+    if policy is None:
+        policy = effective.compose(server).policy
     image = spec.image or default_images[spec.runtime]
     pod_labels = {**spec.pod_template.labels, **common_labels(server)}
     pod_annotations = {
@@ -230,7 +237,7 @@ def render_deployment(server: LLMServer, default_images: Mapping[str, str]) -> d
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": pod_annotations},
-                "spec": _pod_spec(server, image, default_images["pagekeeper"]),
+                "spec": _pod_spec(server, policy, image, default_images["pagekeeper"]),
             },
         },
     }

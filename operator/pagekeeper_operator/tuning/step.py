@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.canary import CANARY_SUFFIX
-from pagekeeper_operator.effective import compose
 from pagekeeper_operator.prometheus import PrometheusError, query_samples
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare
@@ -159,15 +159,15 @@ def observe(
         return Observation(None)
     if url is None:
         return Observation(None, error=NO_PROMETHEUS)
-    effective = compose(server)
+    composed = effective.compose(server)
     alerts, ooms = records_since(status.remediation_history, now, spec.window_seconds)
     extra = {
         "num_fragmentation_alerts": alerts,
         "num_oom_terminations": ooms,
-        "is_stepped_down": effective.step_down is not None,
+        "is_stepped_down": composed.step_down is not None,
     }
     meta = server.metadata
-    key, max_num_seqs = (meta.namespace, meta.name), effective.policy.max_num_seqs
+    key, max_num_seqs = (meta.namespace, meta.name), composed.policy.max_num_seqs
     inputs = repr((spec.window_seconds, max_num_seqs, sorted(extra.items())))
     try:
         window = cache.get(key, inputs, spec.window_seconds, now)

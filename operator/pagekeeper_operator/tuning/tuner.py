@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.tuning import (
     DroppedRecommendation,
@@ -39,7 +40,7 @@ from pagekeeper_operator.api.tuning import (
     TuningTrial,
 )
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.effective import EffectivePolicy, compose, memory_policy_hash
+from pagekeeper_operator.effective import EffectivePolicy, memory_policy_hash
 from pagekeeper_operator.tuning.decide import (
     Baseline,
     TrialEvidence,
@@ -157,18 +158,7 @@ def with_trial(server: LLMServer, trial: TuningTrial) -> LLMServer:
     """`server` with `trial`'s change in its tuning layer: the server whose rendering is the
     trial's canary (in memory only; status records the trial, not this layer)."""
     tuning = server.status.tuning or TuningStatus()
-    from_spec = next((c.spec_value for c in tuning.changes if c.field == trial.field), None)
-    change = TunedChange(
-        field=trial.field,
-        value=trial.proposed,
-        spec_value=read_field(server.spec.memory_policy, trial.field)
-        if from_spec is None
-        else from_spec,
-        source="Promoted",
-        rule=trial.rule,
-        time=trial.started_at,
-    )
-    changes = [c for c in tuning.changes if c.field != trial.field] + [change]
+    changes = effective.changes_with_trial(server, trial)
     status = server.status.model_copy(
         update={"tuning": tuning.model_copy(update={"changes": changes})}
     )
@@ -208,7 +198,7 @@ def _oom_text(label: str) -> str:
     return "host OOM kill (OOMKilled)" if label.startswith("host") else "run-time GPU OOM"
 
 
-def baseline_change(server: LLMServer, effective: EffectivePolicy) -> str:
+def baseline_change(server: LLMServer, composed: EffectivePolicy) -> str:
     """What moved the baseline since status last recorded it (said only when a trial's
     baseline hash differs): spec.memoryPolicy, a step-down (with the OOM behind it), or else
     the tuning layer."""
@@ -217,13 +207,13 @@ def baseline_change(server: LLMServer, effective: EffectivePolicy) -> str:
     if recorded_spec is not None and recorded_spec != memory_policy_hash(server.spec.memory_policy):
         return "spec.memoryPolicy changed"
     recorded = status.tuning.step_down if status.tuning is not None else None
-    if effective.step_down is not None and effective.step_down != recorded:
+    if composed.step_down is not None and composed.step_down != recorded:
         steps = [
             r for r in status.remediation_history
             if r.action == "step-down" and r.outcome == "applied"
         ]  # fmt: skip
         after = f" after pod {steps[-1].pod}'s {_oom_text(steps[-1].alert)}" if steps else ""
-        return f"a step-down{after} capped {caps_text(effective.step_down)}"
+        return f"a step-down{after} capped {caps_text(composed.step_down)}"
     return "the tuning layer changed (a change was accepted, or lapsed)"
 
 
@@ -253,8 +243,8 @@ def tune(
     layered = server.model_copy(
         update={"status": server.status.model_copy(update={"tuning": status})}
     )
-    effective = compose(layered)
-    policy = effective.policy
+    composed = effective.compose(layered)
+    policy = composed.policy
     proposals: list[Proposal] = []
     if observation.window is not None and spec.mode != "Off":
         held = held_fields(status, now)
@@ -304,7 +294,7 @@ def tune(
     spec_values = {name: read_field(server.spec.memory_policy, name) for name in TUNABLE}
     if status.trial is not None:
         unfit = _unfit(layered, [status.trial], does_not_fit)
-    baseline = Baseline(memory_policy_hash(policy), baseline_change(server, effective))
+    baseline = Baseline(memory_policy_hash(policy), baseline_change(server, composed))
     decision = decide(
         spec, status, candidates, observation.trial, spec_values, now, unfit, baseline
     )
