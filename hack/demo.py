@@ -56,7 +56,7 @@ from harness.loop import (
 )
 from harness.processes import Service, prometheus_alerts, start_alertmanager
 from harness.tools import REPO
-from pagekeeper_operator.alerts import ALERT_KV_CACHE_SATURATED
+from pagekeeper_operator.alerts.render import ALERT_KV_CACHE_SATURATED
 
 CLUSTER_NAME = "pagekeeper-demo"
 NAMESPACE = "pagekeeper-demo"

@@ -29,7 +29,7 @@ from harness.cluster import Cluster, wait_for
 from harness.operator_process import CRD_PATH
 from harness.processes import Service, free_port, stop_process, wait_http_ok
 from harness.tools import REPO, tool
-from pagekeeper_operator.alerts import render_rules_file
+from pagekeeper_operator.alerts.render import render_rules_file
 from pagekeeper_operator.api.llmserver import GROUP, PLURAL, VERSION, LLMServer
 from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from pagekeeper_operator import effective
+from pagekeeper_operator.alerts.triggers import trigger_status
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
@@ -31,7 +32,6 @@ from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.timestamps import format_time, parse_time
-from pagekeeper_operator.triggers import trigger_status
 from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
 
 MEMORY_HEALTHY = "MemoryHealthy"

@@ -8,7 +8,7 @@ from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
 from harness.operator_process import OperatorProcess
-from pagekeeper_operator.alerts import ALERT_NAMES
+from pagekeeper_operator.alerts.render import ALERT_NAMES
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_deployment
 from pagekeeper_operator.render.network import render_service_monitor

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagekeeper_operator.alerts import (
+from pagekeeper_operator.alerts.render import (
     ALERT_NAMES,
     ENGINE_CONTAINER,
     ENGINE_METRICS_USED,

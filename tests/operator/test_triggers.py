@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagekeeper_operator.alerts.triggers import trigger_status
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import TRIGGERS, missing_series
-from pagekeeper_operator.triggers import trigger_status
 
 
 def _status(runtime: Any, spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:

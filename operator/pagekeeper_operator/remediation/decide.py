@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
+from pagekeeper_operator.alerts.triggers import is_active
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import TRIGGER_BY_ALERT, Runtime
 from pagekeeper_operator.remediation.payload import WebhookAlert
-from pagekeeper_operator.triggers import is_active
 
 ServerKey = tuple[str, str]
 """(namespace, LLMServer name)."""

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagekeeper_operator.alerts import render_prometheus_rule
+from pagekeeper_operator.alerts.render import render_prometheus_rule
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.render.autoscaler import (

@@ -4,7 +4,7 @@ docs/memory-policy.md, The host KV tier, explains them.
 
 - kv-offload-down: the tier on, the engine container's memory limit set by the spec, and its
   working set at or above the host-memory alert's threshold of that limit at some point of the
-  window (the alert's own figures, `host_alerts`; spec.remediation.triggers.hostMemory). The
+  window (the alert's own figures, `alerts.host`; spec.remediation.triggers.hostMemory). The
   tier shrinks by the bytes that bring that peak to HOST_MARGIN under the threshold, in whole
   GiB, not below the bound's min (1Gi unset). Under a limit the memory plan sets, the limit is
   the plan's total with the tier in it: a smaller tier lowers the limit by as much and frees no

@@ -15,8 +15,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pagekeeper_operator.adaptive import StuckClassification
+from pagekeeper_operator.alerts.host import memory_limit, working_set_ratio
 from pagekeeper_operator.api.remediation import RemediationRecord
-from pagekeeper_operator.host_alerts import memory_limit, working_set_ratio
 from pagekeeper_operator.prometheus import query_by, query_samples
 from pagekeeper_operator.tuning.window import MetricWindow
 
@@ -62,7 +62,7 @@ def window_queries(scope: Scope, seconds: int, max_num_seqs: int) -> dict[str, s
         return f'max {by} (pagekeeper_memory_budget_bytes{{{sel[1:-1]},term="{name}"}})'
 
     running = f"vllm:num_requests_running{sel}"
-    # The host-memory alert's own figures (`host_alerts`), peaked over the window.
+    # The host-memory alert's own figures (`alerts.host`), peaked over the window.
     ratio = working_set_ratio(scope.namespace, sel)
     pods = "pod" if scope.by == "pod" else "llmserver, pod"
     return {

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from harness.tools import tool
-from pagekeeper_operator.alerts import render_rules_file
+from pagekeeper_operator.alerts.render import render_rules_file
 from pagekeeper_operator.api.remediation import RemediationSpec
 
 NS = "llm-prod"

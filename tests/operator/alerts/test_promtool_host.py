@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from pagekeeper_operator.alerts import render_rules_file
+from pagekeeper_operator.alerts.render import render_rules_file
 from pagekeeper_operator.api.remediation import RemediationSpec
 from tests.operator.alerts.test_promtool import (
     GIB,

@@ -7,9 +7,9 @@ import re
 from datetime import UTC, datetime
 
 from pagekeeper_engine.frontend.metric_names import METRICS
+from pagekeeper_operator.alerts.host import memory_limit, working_set_ratio
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.runtime import CLUSTER_SERIES
-from pagekeeper_operator.host_alerts import memory_limit, working_set_ratio
 from pagekeeper_operator.tuning.observe import (
     Scope,
     build_window,

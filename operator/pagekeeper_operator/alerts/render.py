@@ -6,7 +6,7 @@ VLLM_PLUGINS leaving out pagekeeper's plugin, which exports the allocator and OO
 vLLM's processes, the fragmentation and OOM alerts are left out rather than rendered to never
 fire. Scrapes must carry `namespace`, `pod` and `llmserver` (the ServiceMonitor relabels the
 pod label `pagekeeper.dev/llmserver` to `llmserver`); one rule's shape and the aggregation
-every expression shares are `alert_rule`'s, the host-memory alerts `host_alerts`'.
+every expression shares are `rule`'s, the host-memory alerts `host`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from typing import Any
 
 import yaml
 
-from pagekeeper_operator.alert_rule import (
+from pagekeeper_operator.alerts.host import (
+    ALERT_HOST_MEMORY,
+    ALERT_KV_OFFLOAD_OVER_CAPACITY,
+    ENGINE_CONTAINER,
+    host_alert_rules,
+)
+from pagekeeper_operator.alerts.rule import (
     BY,
     ON,
     REMEDIATE_LABEL,
@@ -26,16 +32,10 @@ from pagekeeper_operator.alert_rule import (
     runbook_url,
     server_selector,
 )
+from pagekeeper_operator.alerts.triggers import is_active
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import CLUSTER_SERIES, TRIGGER_BY_KEY, TRIGGERS, Runtime
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.host_alerts import (
-    ALERT_HOST_MEMORY,
-    ALERT_KV_OFFLOAD_OVER_CAPACITY,
-    ENGINE_CONTAINER,
-    host_alert_rules,
-)
-from pagekeeper_operator.triggers import is_active
 
 __all__ = [
     "ALERT_HOST_MEMORY", "ALERT_KV_OFFLOAD_OVER_CAPACITY", "ENGINE_CONTAINER", "REMEDIATE_LABEL",

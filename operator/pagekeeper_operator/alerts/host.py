@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagekeeper_operator.alert_rule import BY, ON, alert_rule
+from pagekeeper_operator.alerts.rule import BY, ON, alert_rule
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
 
