@@ -14,16 +14,6 @@ from kubernetes import client
 from harness.cluster import Cluster, wait_for
 from harness.loop import llmserver
 from harness.operator_process import RESYNC_SECONDS, OperatorProcess
-from pagekeeper_operator.api.llmserver import (
-    ADAPTIVE_FLOOR_RULE,
-    BLOCK_SIZE_RULE,
-    CANARY_CAPACITY_RULE,
-    DRAIN_RULE,
-    GPU_RULE,
-    OFFLOAD_MEMORY_RULE,
-    PYTHONPATH_RULE,
-    SWAP_RULE,
-)
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import (
     BATCHED_TOKENS_RULE,
@@ -36,6 +26,16 @@ from pagekeeper_operator.api.policy import (
     SPLIT_SIZE_RULE,
 )
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
+from pagekeeper_operator.api.spec_rules import (
+    ADAPTIVE_FLOOR_RULE,
+    BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
+    DRAIN_RULE,
+    GPU_RULE,
+    OFFLOAD_MEMORY_RULE,
+    PYTHONPATH_RULE,
+    SWAP_RULE,
+)
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import RESYNC_DONE

@@ -10,19 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from pagekeeper_operator.api.autoscaling import MIN_MAX_RULE, TARGET_RULE
-from pagekeeper_operator.api.llmserver import (
-    ADAPTIVE_FLOOR_RULE,
-    AUTOSCALING_CANARY_RULE,
-    BLOCK_SIZE_RULE,
-    CANARY_CAPACITY_RULE,
-    CANARY_RULE,
-    DRAIN_RULE,
-    GPU_RULE,
-    PYTHONPATH_RULE,
-    SWAP_RULE,
-    TRIGGER_RULES,
-    LLMServer,
-)
+from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.pod import ENV_RULE
 from pagekeeper_operator.api.policy import (
     BATCHED_TOKENS_RULE,
@@ -34,6 +22,18 @@ from pagekeeper_operator.api.policy import (
     KVOffloadPolicy,
 )
 from pagekeeper_operator.api.rollout import ROLLOUT_RULE
+from pagekeeper_operator.api.spec_rules import (
+    ADAPTIVE_FLOOR_RULE,
+    AUTOSCALING_CANARY_RULE,
+    BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
+    CANARY_RULE,
+    DRAIN_RULE,
+    GPU_RULE,
+    PYTHONPATH_RULE,
+    SWAP_RULE,
+    TRIGGER_RULES,
+)
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
 from pagekeeper_operator.api.tuning_bounds import TIER_MIN_RULE, TIER_ORDER_RULE, TIER_RANGE_RULE
 from tests.operator.servers import make_server, server_body

@@ -19,7 +19,18 @@ from pagekeeper_operator.api.gateway import (
 )
 from pagekeeper_operator.api.lifecycle import BOUNDS_RULE as AGE_BOUNDS_RULE
 from pagekeeper_operator.api.lifecycle import FORMAT_RULE as AGE_FORMAT_RULE
-from pagekeeper_operator.api.llmserver import (
+from pagekeeper_operator.api.pod import VOLUME_NAME_SCHEMA
+from pagekeeper_operator.api.policy import (
+    BATCHED_TOKENS_RULE,
+    BUDGETS_RULE,
+    KV_CACHE_MEMORY_RULE,
+    KV_OFFLOAD_BACKEND_RULE,
+    KV_OFFLOAD_PREFIX_RULE,
+    KV_OFFLOAD_SIZE_RULE,
+    NUM_SEQS_RULE,
+    SPLIT_SIZE_RULE,
+)
+from pagekeeper_operator.api.spec_rules import (
     ADAPTIVE_FLOOR_RULE,
     AUTOSCALING_CANARY_RULE,
     BLOCK_SIZE_RULE,
@@ -31,17 +42,6 @@ from pagekeeper_operator.api.llmserver import (
     PYTHONPATH_RULE,
     SWAP_RULE,
     TRIGGER_RULES,
-)
-from pagekeeper_operator.api.pod import VOLUME_NAME_SCHEMA
-from pagekeeper_operator.api.policy import (
-    BATCHED_TOKENS_RULE,
-    BUDGETS_RULE,
-    KV_CACHE_MEMORY_RULE,
-    KV_OFFLOAD_BACKEND_RULE,
-    KV_OFFLOAD_PREFIX_RULE,
-    KV_OFFLOAD_SIZE_RULE,
-    NUM_SEQS_RULE,
-    SPLIT_SIZE_RULE,
 )
 from pagekeeper_operator.api.tuning import (
     APPLY_RULE,

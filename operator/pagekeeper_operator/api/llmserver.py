@@ -1,7 +1,8 @@
 """`LLMServer` (pagekeeper.dev/v1alpha1): one model served by GPU pods under a memory policy.
 
 These pydantic models are the single source of the CRD (`python -m pagekeeper_operator.crdgen`):
-field descriptions become `kubectl explain` text, bounds become schema, cross-field rules CEL.
+field descriptions become `kubectl explain` text, bounds become schema, cross-field rules CEL
+(those across the spec's sections: `spec_rules`).
 """
 
 from __future__ import annotations
@@ -10,31 +11,18 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
-from pagekeeper_memplan.defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
-from pagekeeper_operator.api.gateway import PREFIX_CACHE_RULE, GatewaySpec
+from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
-from pagekeeper_operator.api.policy import KV_OFFLOAD_BACKEND_RULE, MemoryPolicy
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.rollout import RolloutSpec
-from pagekeeper_operator.api.runtime import (
-    RUNTIMES,
-    TRIGGERS,
-    VLLM_PLUGINS_ENV,
-    Runtime,
-    missing_series,
-    unfed_message,
-    vllm_loads_plugin,
-)
+from pagekeeper_operator.api.runtime import VLLM_PLUGINS_ENV, Runtime, vllm_loads_plugin
+from pagekeeper_operator.api.spec_rules import SPEC_RULES, spec_violation
 from pagekeeper_operator.api.status import LLMServerStatus
-from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, TuningSpec, bounds_violation
-from pagekeeper_operator.api.types import (
-    ApiModel,
-    cel,
-    quantity_value,
-    validations,
-)
+from pagekeeper_operator.api.tuning import TuningSpec
+from pagekeeper_operator.api.types import ApiModel, validations
 from pagekeeper_operator.api.workload import (
     ApiKeySpec,
     DisruptionBudgetSpec,
@@ -55,121 +43,11 @@ CATEGORIES = ["pagekeeper"]
 # Validation context of an object read back from the API server (see `LLMServer.from_body`).
 STORED_CONTEXT = "stored"
 
-SWAP_RULE = cel(
-    "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
-    "spec.memoryPolicy.swapSpaceGiB must be 0 when spec.runtime is vllm "
-    "(only the pagekeeper runtime swaps KV blocks to CPU memory)",
-    ".memoryPolicy.swapSpaceGiB",
-)
-BLOCK_SIZE_RULE = cel(
-    "self.runtime == 'pagekeeper' || self.memoryPolicy.blockSize != 8",
-    "spec.memoryPolicy.blockSize must be 16 or 32 when spec.runtime is vllm "
-    "(vLLM's CUDA attention backends need a multiple of 16)",
-    ".memoryPolicy.blockSize",
-)
-ADAPTIVE_FLOOR_RULE = cel(
-    "!self.remediation.adaptive.enabled || has(self.memoryPolicy.kvCacheMemory)"
-    " || self.remediation.adaptive.minGpuMemoryUtilization"
-    " <= (has(self.memoryPolicy.gpuMemoryUtilization)"
-    f" ? self.memoryPolicy.gpuMemoryUtilization : {DEFAULT_GPU_MEMORY_UTILIZATION})",
-    "spec.remediation.adaptive.minGpuMemoryUtilization must be <= "
-    f"spec.memoryPolicy.gpuMemoryUtilization ({DEFAULT_GPU_MEMORY_UTILIZATION} when unset; the "
-    "floor of a step-down cannot be above the utilization it steps down from)",
-    ".remediation.adaptive.minGpuMemoryUtilization",
-)
-OFFLOAD_MEMORY_RULE = cel(
-    "!has(self.memoryPolicy.weights) || !has(self.resources.requests.memory)"
-    " || quantity(string(self.resources.requests.memory)).asApproximateFloat()"
-    " >= self.memoryPolicy.weights.cpuOffloadGiB * 1073741824.0 * double(self.parallelism.tensor)",
-    "spec.resources.requests.memory must cover spec.memoryPolicy.weights.cpuOffloadGiB times "
-    "spec.parallelism.tensor (the offloaded weights live in the pod's pinned host memory, per "
-    "GPU); raise the request or offload less",
-    ".memoryPolicy.weights.cpuOffloadGiB",
-)
-DRAIN_RULE = cel(
-    "self.shutdownGracePeriodSeconds >= self.remediation.drainTimeoutSeconds",
-    "spec.shutdownGracePeriodSeconds must be >= spec.remediation.drainTimeoutSeconds (a "
-    "shorter grace period lets the kubelet kill a pod in the middle of its drain)",
-    ".shutdownGracePeriodSeconds",
-)
-
-
-def _trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
-    enabled = f"self.remediation.triggers.{key}.enabled"
-    return cel(
-        f"self.runtime != '{runtime}' || !has({enabled}) || !{enabled}",
-        f"spec.remediation.triggers.{key}.enabled must not be true when spec.runtime is "
-        f"{runtime} ({reason}, so its alert could never fire; leave it unset)",
-        f".remediation.triggers.{key}.enabled",
-    )
-
-
-# A trigger switched on explicitly for a runtime that does not export what its alert reads.
-TRIGGER_RULES: tuple[dict[str, str], ...] = tuple(
-    _trigger_rule(runtime, trigger.key, unfed_message(runtime, trigger))
-    for runtime in RUNTIMES
-    for trigger in TRIGGERS
-    if missing_series(runtime, trigger)
-)
-GPU_RULE = cel(
-    "!has(self.resources.gpus) || self.resources.gpus == self.parallelism.tensor"
-    " || (self.resources.gpus == 0 && self.parallelism.tensor == 1)",
-    "spec.resources.gpus must equal spec.parallelism.tensor (one GPU per tensor-parallel rank), "
-    "or be 0 (the CPU) with tensor 1; leave it unset to derive it from spec.parallelism.tensor",
-    ".resources.gpus",
-)
-PYTHONPATH_RULE = cel(
-    "self.runtime != 'vllm' || !has(self.podTemplate) || !has(self.podTemplate.env)"
-    " || self.podTemplate.env.all(e, e.name != 'PYTHONPATH' || !has(e.valueFrom))",
-    "spec.podTemplate.env must give PYTHONPATH as a value, not valueFrom, when spec.runtime is "
-    "vllm (the operator puts pagekeeper's vLLM plugin in front of it)",
-    ".podTemplate.env",
-)
-CANARY_RULE = cel(
-    "!self.rollout.canary.enabled || has(self.autoscaling)"
-    " || self.rollout.canary.replicas < self.replicas",
-    "spec.rollout.canary.replicas must be below spec.replicas (the canary tests a change on "
-    "some of the pods, not all)",
-    ".rollout.canary.replicas",
-)
-CANARY_CAPACITY_RULE = cel(
-    "!self.rollout.canary.enabled || has(self.autoscaling) || self.rollout.maxSurge > 0"
-    " || self.rollout.canary.replicas <= self.rollout.maxUnavailable",
-    "spec.rollout.canary.replicas must be at most spec.rollout.maxUnavailable when "
-    "spec.rollout.maxSurge is 0 (the canary's start takes that many current pods out at once)",
-    ".rollout.canary.replicas",
-)
-AUTOSCALING_CANARY_RULE = cel(
-    "!self.rollout.canary.enabled || !has(self.autoscaling)"
-    " || self.rollout.canary.replicas < self.autoscaling.minReplicas",
-    "spec.rollout.canary.replicas must be below spec.autoscaling.minReplicas (the canary tests a "
-    "change on some of the pods, not all, however few the autoscaler keeps)",
-    ".rollout.canary.replicas",
-)
-
 
 class LLMServerSpec(ApiModel):
     """Desired state of an LLMServer."""
 
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            SWAP_RULE,
-            KV_OFFLOAD_BACKEND_RULE,
-            BLOCK_SIZE_RULE,
-            ADAPTIVE_FLOOR_RULE,
-            OFFLOAD_MEMORY_RULE,
-            DRAIN_RULE,
-            GPU_RULE,
-            CANARY_RULE,
-            CANARY_CAPACITY_RULE,
-            AUTOSCALING_CANARY_RULE,
-            PYTHONPATH_RULE,
-            PREFIX_CACHE_RULE,
-            *TRIGGER_RULES,
-            *BOUNDS_RULES,
-            APPLY_RULE,
-        )
-    )
+    model_config = ConfigDict(json_schema_extra=validations(*SPEC_RULES))
 
     model: ModelSource = Field(description="The model to serve.")
     runtime: Runtime = Field(
@@ -308,68 +186,8 @@ class LLMServerSpec(ApiModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self, info: ValidationInfo) -> LLMServerSpec:
-        policy, remediation = self.memory_policy, self.remediation
-        if self.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
-            raise ValueError(SWAP_RULE["message"])
-        violation = policy.runtime_violation(self.runtime)
-        if violation is not None:
-            raise ValueError(violation)
-        if (info.context or {}).get(STORED_CONTEXT):
-            # The API server enforces the rules below on every write. An object it stored under
-            # an earlier schema may break them; it is still reconciled as written (alerts follow
-            # the runtime whatever `enabled` says) until its next write meets the CRD.
-            return self
-        if self.runtime != "pagekeeper" and policy.block_size == 8:
-            raise ValueError(BLOCK_SIZE_RULE["message"])
-        adaptive = remediation.adaptive
-        utilization = policy.effective_utilization
-        if (
-            adaptive.enabled
-            and utilization is not None
-            and adaptive.min_gpu_memory_utilization > utilization
-        ):
-            raise ValueError(ADAPTIVE_FLOOR_RULE["message"])
-        memory = self.resources.requests.memory
-        offload = policy.weight_policy.cpu_offload_gib * 2**30 * self.parallelism.tensor
-        if memory is not None and quantity_value(memory) < offload:
-            raise ValueError(OFFLOAD_MEMORY_RULE["message"])
-        if self.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
-            raise ValueError(DRAIN_RULE["message"])
-        canary, autoscaling = self.rollout.canary, self.autoscaling
-        if canary.enabled and autoscaling is None and canary.replicas >= self.replicas:
-            raise ValueError(CANARY_RULE["message"])
-        rollout = self.rollout
-        if (
-            canary.enabled
-            and autoscaling is None
-            and rollout.max_surge == 0
-            and canary.replicas > rollout.max_unavailable
-        ):
-            raise ValueError(CANARY_CAPACITY_RULE["message"])
-        if (
-            canary.enabled
-            and autoscaling is not None
-            and canary.replicas >= autoscaling.min_replicas
-        ):
-            raise ValueError(AUTOSCALING_CANARY_RULE["message"])
-        if self.runtime == "vllm" and any(
-            e.name == "PYTHONPATH" and e.value_from is not None for e in self.pod_template.env
-        ):
-            raise ValueError(PYTHONPATH_RULE["message"])
-        if self.gateway.kv_events.enabled and not policy.enable_prefix_caching:
-            raise ValueError(PREFIX_CACHE_RULE["message"])
-        gpus, tensor = self.resources.gpus, self.parallelism.tensor
-        if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
-            raise ValueError(GPU_RULE["message"])
-        for trigger in TRIGGERS:
-            if missing_series(self.runtime, trigger) and (
-                remediation.triggers.by_key(trigger.key).enabled
-            ):
-                reason = unfed_message(self.runtime, trigger)
-                raise ValueError(_trigger_rule(self.runtime, trigger.key, reason)["message"])
-        if self.tuning.mode == "Apply" and not canary.enabled:
-            raise ValueError(APPLY_RULE["message"])
-        violation = bounds_violation(self.tuning.bounds, policy)
+        is_stored = bool((info.context or {}).get(STORED_CONTEXT))
+        violation = spec_violation(self, is_stored=is_stored)
         if violation is not None:
             raise ValueError(violation)
         return self
