@@ -39,7 +39,7 @@ from benchmarks import tune_workload as tw
 from benchmarks.shapes import SHAPES
 from benchmarks.tune_serve import Serve, serving
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.tuning.fields import with_change
+from pagekeeper_operator.policy.fields import with_change
 from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend
 

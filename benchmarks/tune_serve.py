@@ -20,7 +20,7 @@ from benchmarks import serving_workload as wl
 from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from pagekeeper_operator.api.policy import MemoryPolicy
-from pagekeeper_operator.effective import allocator_conf
+from pagekeeper_operator.policy.effective import allocator_conf
 from pagekeeper_operator.render.engine import ALLOC_CONF_ENV, policy_flags
 from pagekeeper_operator.tuning.window import MetricWindow
 

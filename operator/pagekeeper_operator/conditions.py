@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from pagekeeper_operator import effective
 from pagekeeper_operator.alerts.triggers import trigger_status
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -27,12 +26,13 @@ from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.api.tuning import TuningStatus
 from pagekeeper_operator.api_key import API_KEY_AVAILABLE, ApiKeyCheck
-from pagekeeper_operator.effective import EffectivePolicy, memory_policy_hash
-from pagekeeper_operator.fit import POLICY_FITS, FitOutcome
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.effective import EffectivePolicy, memory_policy_hash
+from pagekeeper_operator.policy.fit import POLICY_FITS, FitOutcome
+from pagekeeper_operator.policy.vllm_compat import plugin_verdict, policy_verdict
 from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
 from pagekeeper_operator.timestamps import format_time, parse_time
-from pagekeeper_operator.vllm_compat import plugin_verdict, policy_verdict
 
 MEMORY_HEALTHY = "MemoryHealthy"
 NO_EVENTS_MESSAGE = "no out-of-memory events recorded"

@@ -28,11 +28,11 @@ from pydantic import ValidationError
 from pagekeeper_memplan.gpus import GpuModel, parse_product
 from pagekeeper_memplan.host import ESTIMATED_HOST_TERMS
 from pagekeeper_memplan.plan import ESTIMATED_TERMS
-from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import KIND, LLMServer
 from pagekeeper_operator.api.memory_plan import MemoryPlanStatus
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.fit import FitOutcome, decide_fit
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.fit import FitOutcome, decide_fit
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_UNKNOWN = 0, 1, 2
 GiB = 1 << 30

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator import effective
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api_key import (
@@ -41,10 +40,17 @@ from pagekeeper_operator.canary_data import observe_canary_data
 from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
-from pagekeeper_operator.fit import POLICY_FITS, FitOutcome, decide_fit, hold_rollout, node_selector
 from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_tuning
 from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.fit import (
+    POLICY_FITS,
+    FitOutcome,
+    decide_fit,
+    hold_rollout,
+    node_selector,
+)
 from pagekeeper_operator.refusal import write_failure
 from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects

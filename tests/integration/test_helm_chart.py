@@ -390,6 +390,12 @@ def test_values_schema_rejects_bad_values(cluster: Cluster, namespace: str) -> N
         "networkPolicy.alertmanagerPodLabels.app=1": (
             "at '/networkPolicy/alertmanagerPodLabels/app': got number, want string"
         ),
+        "networkPolicy.engine.kvEventsRouter.namespaces={Gateway}": (
+            "at '/networkPolicy/engine/kvEventsRouter/namespaces/0': 'Gateway' does not match"
+        ),
+        "networkPolicy.engine.kvEventsRouter.podLabels.app=1": (
+            "at '/networkPolicy/engine/kvEventsRouter/podLabels/app': got number, want string"
+        ),
     }
     release = f"bad-{uuid.uuid4().hex[:6]}"
     for value, message in cases.items():

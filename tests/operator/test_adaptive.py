@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from pagekeeper_engine.stuck import StuckReport
-from pagekeeper_operator.adaptive import (
+from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.remediation import AdaptiveSpec
+from pagekeeper_operator.policy.adaptive import (
     TERMINATION_MESSAGE_FORMAT,
     OOMClassification,
     StuckClassification,
@@ -19,9 +21,7 @@ from pagekeeper_operator.adaptive import (
     step_down,
     step_down_host,
 )
-from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.api.remediation import AdaptiveSpec
-from pagekeeper_operator.effective import compose
+from pagekeeper_operator.policy.effective import compose
 from pagekeeper_operator.remediation.oom import (
     NO_HOST_TIER,
     oom_terminations,

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import pagekeeper_operator
-from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.effective import EffectivePolicy
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.effective import EffectivePolicy
 from pagekeeper_operator.reconcile import reconcile
 from tests.operator.servers import DEFAULT_IMAGES, server_body
 from tests.operator.test_reconcile_fit import MemoryKube

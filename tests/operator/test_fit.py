@@ -10,8 +10,8 @@ from typing import Any
 from pagekeeper_memplan.budget import kv_offload_staging_blocks
 from pagekeeper_memplan.gpus import GpuModel, MiB
 from pagekeeper_operator.conditions import compute_status
-from pagekeeper_operator.effective import effective_memory_policy, memory_policy_hash
-from pagekeeper_operator.fit import (
+from pagekeeper_operator.policy.effective import effective_memory_policy, memory_policy_hash
+from pagekeeper_operator.policy.fit import (
     candidate_gpu,
     decide_fit,
     hold_rollout,

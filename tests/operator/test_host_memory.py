@@ -9,9 +9,9 @@ import pytest
 
 from pagekeeper_memplan.budget import GiB, MiB
 from pagekeeper_memplan.host import HostInputs, plan_host
-from pagekeeper_operator.effective import effective_memory_policy
-from pagekeeper_operator.fit import decide_fit, host_candidates
-from pagekeeper_operator.host_memory import (
+from pagekeeper_operator.policy.effective import effective_memory_policy
+from pagekeeper_operator.policy.fit import decide_fit, host_candidates
+from pagekeeper_operator.policy.host_memory import (
     host_inputs,
     memory_quantities,
     most_allocatable,

@@ -10,9 +10,9 @@ import yaml
 
 from pagekeeper_memplan.gpus import parse_product
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.effective import effective_memory_policy
-from pagekeeper_operator.fit import decide_fit
 from pagekeeper_operator.plan_cli import main
+from pagekeeper_operator.policy.effective import effective_memory_policy
+from pagekeeper_operator.policy.fit import decide_fit
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 EXIT = {"Fits": 0, "DoesNotFit": 1, "Unknown": 2}

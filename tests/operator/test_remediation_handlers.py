@@ -14,7 +14,7 @@ import aiohttp
 import kopf
 import pytest
 
-from pagekeeper_operator.adaptive import OOMClassification
+from pagekeeper_operator.policy.adaptive import OOMClassification
 from pagekeeper_operator.remediation import handlers
 from pagekeeper_operator.remediation.remediator import Remediator
 from tests.operator.remediation_fakes import alert_json, message_json

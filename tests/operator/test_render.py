@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagekeeper_operator.effective import allocator_conf, memory_policy_hash
+from pagekeeper_operator.policy.effective import allocator_conf, memory_policy_hash
 from pagekeeper_operator.render import (
     ClusterFeatures,
     render_all,

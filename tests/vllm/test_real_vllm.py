@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from pagekeeper_operator.api.runtime import vllm_loads_plugin
+from pagekeeper_operator.policy.vllm_compat import has_kv_offload_flags
 from pagekeeper_operator.render import render_deployment
-from pagekeeper_operator.vllm_compat import has_kv_offload_flags
 from pagekeeper_vllm.plugin import PLUGIN_NAME
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 from tests.support.pod_env import container_argv, container_env

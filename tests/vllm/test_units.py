@@ -15,11 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagekeeper_engine.frontend.metric_names import OOM_KINDS
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import termination_message
-from pagekeeper_operator.adaptive import classify_termination
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
 from pagekeeper_operator.canary import canary_pod
-from pagekeeper_operator.vllm_compat import has_kv_offload_flags, image_version, policy_verdict
+from pagekeeper_operator.policy.adaptive import classify_termination
+from pagekeeper_operator.policy.vllm_compat import (
+    has_kv_offload_flags,
+    image_version,
+    policy_verdict,
+)
 from pagekeeper_vllm import pipes, plugin
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line

@@ -1,5 +1,5 @@
 """`LLMServer.status.memoryPlan`: the memory plan the operator proved (or could not) before a
-rollout (`pagekeeper_operator.fit`)."""
+rollout (`pagekeeper_operator.policy.fit`)."""
 
 from __future__ import annotations
 

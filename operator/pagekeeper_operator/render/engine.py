@@ -11,7 +11,8 @@ from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
-from pagekeeper_operator.effective import allocator_conf
+from pagekeeper_operator.policy.effective import allocator_conf
+from pagekeeper_operator.policy.vllm_compat import has_kv_offload_flags
 from pagekeeper_operator.render.kv_events import (
     kv_events_flags,
     pod_field_env,
@@ -19,7 +20,6 @@ from pagekeeper_operator.render.kv_events import (
 )
 from pagekeeper_operator.render.meta import HTTP_PORT
 from pagekeeper_operator.render.vllm import PYTHONPATH, python_path
-from pagekeeper_operator.vllm_compat import has_kv_offload_flags
 
 ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 API_KEY_ENV = "PAGEKEEPER_API_KEY"  # from spec.apiKey's Secret; --api-key reads it

@@ -16,7 +16,7 @@ from typing import Any
 from pagekeeper_operator.api.gateway import KVEventsSpec
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
-from pagekeeper_operator.vllm_compat import has_kv_events_flag
+from pagekeeper_operator.policy.vllm_compat import has_kv_events_flag
 
 # Container port names are IANA service names, at most 15 characters: the API server refuses
 # a pod with a longer one.

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
-from pagekeeper_operator.effective import memory_policy_hash
-from pagekeeper_operator.host_memory import memory_quantities, shm_size
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.effective import memory_policy_hash
+from pagekeeper_operator.policy.host_memory import memory_quantities, shm_size
 from pagekeeper_operator.render.engine import (
     CACHE_DIR,
     TMP_DIR,

@@ -50,8 +50,8 @@ from pagekeeper_operator.api.tuning import (
     TuningStatus,
     TuningTrial,
 )
+from pagekeeper_operator.policy.fields import change_text
 from pagekeeper_operator.tuning.compare import Comparison
-from pagekeeper_operator.tuning.fields import change_text
 
 EventType = Literal["Normal", "Warning"]
 INCONCLUSIVE_HOLD_OFF_FRACTION = 0.25

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from pagekeeper_operator.tuning.fields import DEFAULT_MAX_UTILIZATION
+from pagekeeper_operator.policy.fields import DEFAULT_MAX_UTILIZATION
 from pagekeeper_operator.tuning.proposal import (
     MIN_REQUESTS,
     Context,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.tuning.fields import read_field, value_text
+from pagekeeper_operator.policy.fields import read_field, value_text
 from pagekeeper_operator.tuning.window import MetricWindow
 
 # Requests a window must have finished before a rule that reads per-request signals proposes.

@@ -47,7 +47,7 @@ from collections.abc import Collection
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.tuning.fields import is_tunable, with_change
+from pagekeeper_operator.policy.fields import is_tunable, with_change
 from pagekeeper_operator.tuning.host_rules import kv_offload
 from pagekeeper_operator.tuning.memory_rules import (
     allocator,

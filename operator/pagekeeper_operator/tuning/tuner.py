@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from pagekeeper_operator import effective
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.tuning import (
     DroppedRecommendation,
@@ -40,7 +39,9 @@ from pagekeeper_operator.api.tuning import (
     TuningTrial,
 )
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.effective import EffectivePolicy, memory_policy_hash
+from pagekeeper_operator.policy import effective
+from pagekeeper_operator.policy.effective import EffectivePolicy, memory_policy_hash
+from pagekeeper_operator.policy.fields import TUNABLE, change_text, read_field, within_bounds
 from pagekeeper_operator.tuning.decide import (
     Baseline,
     TrialEvidence,
@@ -48,7 +49,6 @@ from pagekeeper_operator.tuning.decide import (
     decide,
     held_fields,
 )
-from pagekeeper_operator.tuning.fields import TUNABLE, change_text, read_field, within_bounds
 from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagekeeper_engine.memory.oom import termination_message, write_termination_log
-from pagekeeper_operator.adaptive import classify_termination
+from pagekeeper_operator.policy.adaptive import classify_termination
 
 
 def test_runtime_gpu_oom_round_trips_to_a_step_down_classification() -> None:

@@ -12,9 +12,9 @@ import pytest
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.effective import effective_memory_policy
-from pagekeeper_operator.fit import decide_fit
-from pagekeeper_operator.tuning.fields import with_change, within_bounds
+from pagekeeper_operator.policy.effective import effective_memory_policy
+from pagekeeper_operator.policy.fields import with_change, within_bounds
+from pagekeeper_operator.policy.fit import decide_fit
 from pagekeeper_operator.tuning.host_rules import size_text
 from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend

@@ -11,7 +11,7 @@ import pytest
 
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.tuning.fields import with_change, within_bounds
+from pagekeeper_operator.policy.fields import with_change, within_bounds
 from pagekeeper_operator.tuning.proposal import MIN_REQUESTS, Proposal, sample_confidence
 from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow

@@ -36,7 +36,7 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
 from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange, TuningTrial
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.tuning.fields import read_field, with_change, within_bounds
+from pagekeeper_operator.policy.fields import read_field, with_change, within_bounds
 
 HASH_LENGTH = 16
 

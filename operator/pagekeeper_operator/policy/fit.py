@@ -43,7 +43,7 @@ from pagekeeper_operator.api.memory_plan import (
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.status import ConditionStatus
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.host_memory import judge_pod
+from pagekeeper_operator.policy.host_memory import judge_pod
 
 POLICY_FITS = "PolicyFits"
 GiB = 1 << 30
