@@ -19,12 +19,6 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.api_key import (
-    API_KEY_AVAILABLE,
-    ApiKeyCheck,
-    api_key_event,
-    check_api_key,
-)
 from pagekeeper_operator.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
 from pagekeeper_operator.canary import (
     CANARY_LABEL,
@@ -37,7 +31,6 @@ from pagekeeper_operator.canary import (
     template_identity,
 )
 from pagekeeper_operator.canary_data import observe_canary_data
-from pagekeeper_operator.conditions import compute_status, status_patch
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.kube import Kube
@@ -51,11 +44,18 @@ from pagekeeper_operator.policy.fit import (
     hold_rollout,
     node_selector,
 )
-from pagekeeper_operator.refusal import write_failure
 from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
 from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.status.api_key import (
+    API_KEY_AVAILABLE,
+    ApiKeyCheck,
+    api_key_event,
+    check_api_key,
+)
+from pagekeeper_operator.status.conditions import compute_status, status_patch
+from pagekeeper_operator.status.refusal import write_failure
 from pagekeeper_operator.timestamps import format_time, parse_time, utc_now
 from pagekeeper_operator.tuning.decide import TuningEvent
 from pagekeeper_operator.tuning.step import observe, promote_canary, trial_canary_spec

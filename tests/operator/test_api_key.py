@@ -11,9 +11,9 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition
-from pagekeeper_operator.api_key import ApiKeyCheck, api_key_event, check_api_key
-from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.status.api_key import ApiKeyCheck, api_key_event, check_api_key
+from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import DEFAULT_IMAGES, make_server, server_body
 from tests.operator.test_reconcile_fit import MemoryKube
 

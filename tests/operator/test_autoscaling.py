@@ -22,11 +22,11 @@ from pagekeeper_operator.autoscaling import (
     scale_reason,
 )
 from pagekeeper_operator.canary import CanaryPlan, shape_deployments
-from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.plan import key_of, plan, stamp
 from pagekeeper_operator.remediation.actions import server_info
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import SIGNALS, metric_keys, quantity
+from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
-from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.policy.effective import compose, memory_policy_hash
+from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import make_server
 
 NOW = "2026-11-29T01:00:00Z"

@@ -9,7 +9,6 @@ from typing import Any
 
 from pagekeeper_memplan.budget import kv_offload_staging_blocks
 from pagekeeper_memplan.gpus import GpuModel, MiB
-from pagekeeper_operator.conditions import compute_status
 from pagekeeper_operator.policy.effective import effective_memory_policy, memory_policy_hash
 from pagekeeper_operator.policy.fit import (
     candidate_gpu,
@@ -18,6 +17,7 @@ from pagekeeper_operator.policy.fit import (
     model_shape,
     node_selector,
 )
+from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import make_server
 
 NOW = "2026-11-29T01:00:00Z"

@@ -15,9 +15,9 @@ from pagekeeper_operator.api.gateway import (
     PREFIX_CACHE_RULE,
     REPLAY_PORT_RULE,
 )
-from pagekeeper_operator.conditions import runtime_conditions
 from pagekeeper_operator.policy.effective import compose
 from pagekeeper_operator.policy.vllm_compat import policy_verdict
+from pagekeeper_operator.status.conditions import runtime_conditions
 from tests.operator.servers import make_server
 from tests.operator.test_effective import promoted, with_status
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pagekeeper_operator.conditions import compute_status, merge_patch, status_patch
 from pagekeeper_operator.plan import (
     APPLIED_HASH_ANNOTATION,
     Delete,
@@ -17,6 +16,7 @@ from pagekeeper_operator.plan import (
 )
 from pagekeeper_operator.refresh import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
+from pagekeeper_operator.status.conditions import compute_status, merge_patch, status_patch
 from pagekeeper_operator.timestamps import parse_time
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 

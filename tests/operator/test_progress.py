@@ -10,11 +10,11 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.conditions import compute_status
-from pagekeeper_operator.progress import unreadable_status
 from pagekeeper_operator.reconcile import reconcile
-from pagekeeper_operator.refusal import is_refusal, is_refused, write_failure
 from pagekeeper_operator.render import ClusterFeatures
+from pagekeeper_operator.status.conditions import compute_status
+from pagekeeper_operator.status.progress import unreadable_status
+from pagekeeper_operator.status.refusal import is_refusal, is_refused, write_failure
 from tests.operator.servers import DEFAULT_IMAGES, make_server, server_body
 
 NOW = "2025-01-02T03:04:05Z"

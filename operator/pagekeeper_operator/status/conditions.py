@@ -25,13 +25,13 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.status import Condition, ConditionStatus, LLMServerStatus
 from pagekeeper_operator.api.tuning import TuningStatus
-from pagekeeper_operator.api_key import API_KEY_AVAILABLE, ApiKeyCheck
 from pagekeeper_operator.policy import effective
 from pagekeeper_operator.policy.effective import EffectivePolicy, memory_policy_hash
 from pagekeeper_operator.policy.fit import POLICY_FITS, FitOutcome
 from pagekeeper_operator.policy.vllm_compat import plugin_verdict, policy_verdict
-from pagekeeper_operator.progress import progress_conditions
 from pagekeeper_operator.render.meta import CONTAINER_NAME, selector_string
+from pagekeeper_operator.status.api_key import API_KEY_AVAILABLE, ApiKeyCheck
+from pagekeeper_operator.status.progress import progress_conditions
 from pagekeeper_operator.timestamps import format_time, parse_time
 
 MEMORY_HEALTHY = "MemoryHealthy"

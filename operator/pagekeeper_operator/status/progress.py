@@ -38,8 +38,8 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition
-from pagekeeper_operator.api_key import API_KEY_AVAILABLE, SECRET_MISSING
-from pagekeeper_operator.refusal import is_refused
+from pagekeeper_operator.status.api_key import API_KEY_AVAILABLE, SECRET_MISSING
+from pagekeeper_operator.status.refusal import is_refused
 from pagekeeper_operator.timestamps import parse_or
 
 RECONCILING = "Reconciling"

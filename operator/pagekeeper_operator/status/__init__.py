@@ -1,0 +1,3 @@
+"""LLMServer status from observation (pure): the conditions, replica counts and the effective
+policy (`conditions`), the kstatus conditions GitOps tools read (`progress`), a refused write in
+one sentence (`refusal`) and the API key's Secret (`api_key`)."""
