@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.loop.engine import LLMEngine
 
 
 def profile_decode(engine: LLMEngine, batch: int, path: str | None) -> None:

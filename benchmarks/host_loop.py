@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 
 from benchmarks.offline_engine import Workload, w_nano
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.heap import freeze_startup_heap
+from pagekeeper_engine.loop.engine import LLMEngine
 
 MAX_MODEL_LEN = 2048  # W-nano's
 TOKEN_ID = 7  # what every sampled row gets (W-nano ignores EOS)

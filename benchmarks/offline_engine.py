@@ -26,11 +26,11 @@ import torch
 
 from benchmarks.shapes import SHAPES, kv_bytes_per_token, prefill_flops, weight_bytes_per_step
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.heap import freeze_startup_heap, thaw_heap
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.runner.runner import ModelRunner
 
 ITL_TOKENS = 256  # tokens a batch-1 latency request generates

@@ -39,8 +39,8 @@ import torch
 
 from benchmarks.offline_engine import build_engine, run_engine, w_nano, write_checkpoint
 from benchmarks.shapes import SHAPES
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.loop.engine import LLMEngine
 
 FIRST_STEPS = 10  # W-nano's prefills: its 256 prompts fill the first ten steps' token budgets
 # Running-request bins, largest first: (label, fewest requests in the bin).

@@ -42,8 +42,8 @@ from benchmarks.offline_engine import (
     write_checkpoint,
 )
 from benchmarks.shapes import SHAPES
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.flags import parse_bytes
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.memory.budget import MemoryBudgetError
 from pagekeeper_engine.model.offload_plan import linear_params_per_layer, plan_offload
 from pagekeeper_engine.runner.runner import ModelRunner

@@ -1,4 +1,4 @@
-"""The engine core's process: load the model, size the KV cache, serve `core.engine_core`.
+"""The engine core's process: load the model, size the KV cache, serve `loop.engine_core`.
 
 Started by `cli` (multiprocessing, spawn) before the front ends take traffic. Torch is imported
 here, never in the front end's process. Out of memory, the process says why in
@@ -52,7 +52,7 @@ from pagekeeper_engine.progress_watch import ProgressWatchdog
 from pagekeeper_engine.stuck import StuckReport, write_stuck_message
 
 if TYPE_CHECKING:
-    from pagekeeper_engine.core.engine_core import EngineCore
+    from pagekeeper_engine.loop.engine_core import EngineCore
 
 logger = logging.getLogger("pagekeeper_engine.core")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -121,7 +121,7 @@ class RankFailureHandler:
             core.fail(failure)
         if self.finished.wait(self._grace_s):
             return
-        from pagekeeper_engine.core.engine_core import announce_fatal  # noqa: PLC0415
+        from pagekeeper_engine.loop.engine_core import announce_fatal  # noqa: PLC0415
 
         logger.critical("rank 0 is still in a collective %.0f s later; ending it", self._grace_s)
         announce_fatal(self._addresses, self._num_clients, str(failure))
@@ -153,7 +153,7 @@ class StuckLoopHandler:
         self._exit = exit
 
     def __call__(self, report: StuckReport) -> None:
-        from pagekeeper_engine.core.engine_core import announce_fatal  # noqa: PLC0415
+        from pagekeeper_engine.loop.engine_core import announce_fatal  # noqa: PLC0415
 
         logger.critical("the engine is stuck: %s", report.detail)
         frame = sys._current_frames().get(self._loop_thread_id)
@@ -228,9 +228,9 @@ def _load_and_serve(
 ) -> int:
     import torch  # noqa: PLC0415  (the front end's process never imports torch)
 
-    from pagekeeper_engine.core.engine import LLMEngine  # noqa: PLC0415
-    from pagekeeper_engine.core.engine_core import EngineCore  # noqa: PLC0415
     from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel  # noqa: PLC0415
+    from pagekeeper_engine.loop.engine import LLMEngine  # noqa: PLC0415
+    from pagekeeper_engine.loop.engine_core import EngineCore  # noqa: PLC0415
     from pagekeeper_engine.memory.budget import MemoryBudgetError  # noqa: PLC0415
     from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError  # noqa: PLC0415
     from pagekeeper_engine.runner.runner import ModelRunner  # noqa: PLC0415

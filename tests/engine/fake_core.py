@@ -17,12 +17,12 @@ from typing import Any
 
 import zmq
 
-from pagekeeper_engine.core.engine import LLMEngine
-from pagekeeper_engine.core.engine_core import EngineCore
 from pagekeeper_engine.core.limits import resolve_limits
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.frontend.client import RequestOutput
 from pagekeeper_engine.frontend.core_client import CoreClient
+from pagekeeper_engine.loop.engine import LLMEngine
+from pagekeeper_engine.loop.engine_core import EngineCore
 from pagekeeper_engine.messages import PROTOCOL_VERSION, CoreAddresses, Ready
 from tests.engine.fakes import CharTokenizer, PagedFakeRunner, make_engine
 

@@ -18,12 +18,12 @@ import msgspec
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.block_pool import NULL_BLOCK_ID
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.messages import EngineOutput
 

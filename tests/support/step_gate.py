@@ -53,7 +53,7 @@ class StepGate:
 
 def install(path: Path) -> None:
     """Put `LLMEngine.step` behind the gate at `path`, in this process."""
-    from pagekeeper_engine.core.engine import LLMEngine  # noqa: PLC0415
+    from pagekeeper_engine.loop.engine import LLMEngine  # noqa: PLC0415
 
     step = LLMEngine.step
     num_taken = 0

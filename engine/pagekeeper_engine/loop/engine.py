@@ -1,10 +1,11 @@
 """The step loop: schedule, run the model, apply tokens, stop on stop tokens and lengths.
 
 Single-threaded by design (the model runner is not thread-safe); the engine core's process
-(`core.engine_core`) drives it, and benchmarks drive it in-process. Imports no torch: the
-runner comes in through the structural protocols of `protocols`. Outputs are token ids
-(`messages.EngineOutput`); text, stop strings and their hold-back belong to the front end, which
-ends a request whose stop string matched with `abort(request_id, "stop")`.
+(`loop.engine_core`) drives it, and benchmarks drive it in-process. Imports no torch: the
+runner comes in through the structural protocols of `core.protocols`. Outputs are token ids
+(`messages.EngineOutput`, built with the stop checks by `request_outputs`); text, stop strings
+and their hold-back belong to the front end, which ends a request whose stop string matched
+with `abort(request_id, "stop")`.
 
 Out of device memory inside a step, the loop does not fail the step's requests: it shrinks the
 step and retries (`memory.oom_recovery`). What `stats()` and `defragment()` report is
@@ -31,8 +32,7 @@ from dataclasses import dataclass
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.kv_events import KVEventLog
 from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig
-from pagekeeper_engine.core.loop_stats import release_cached, snapshot
-from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.outputs import SchedulerOutput
 from pagekeeper_engine.core.protocols import (
     ModelRunnerProtocol,
     PendingStepProtocol,
@@ -40,9 +40,10 @@ from pagekeeper_engine.core.protocols import (
 )
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
-from pagekeeper_engine.core.sequence import Sequence, SequenceStatus, check_token_stop
-from pagekeeper_engine.core.stats import FINISH_REASONS
+from pagekeeper_engine.core.sequence import Sequence
 from pagekeeper_engine.faults import FatalEngineError
+from pagekeeper_engine.loop.loop_stats import release_cached, snapshot
+from pagekeeper_engine.loop.request_outputs import RequestOutputs, cut_request_ids
 from pagekeeper_engine.memory.allocator import PeriodicReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.oom_recovery import OomRecovery
@@ -102,7 +103,8 @@ class LLMEngine:
         self._allocator = (
             PeriodicReader(monitor.read, ALLOCATOR_READ_INTERVAL_S) if monitor is not None else None
         )
-        self._eos_token_ids = frozenset(eos_token_ids)
+        # stop checks, finished requests and their outputs; token and finish counts
+        self.request_outputs = RequestOutputs(self.scheduler, eos_token_ids)
         self._check_sampling = check_sampling
         self._launch = resolve_launch(config, runner)
         self._in_flight: _InFlight | None = None
@@ -111,9 +113,6 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_requests_success = dict.fromkeys(FINISH_REASONS, 0)
         self._clock = clock
         self.device_wait_seconds = 0.0  # collecting launched steps' tokens (`LoopStats`)
 
@@ -134,14 +133,10 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request and free its blocks; False when it is not in flight. `reason` "stop":
         the front end found a stop string (the request counts as stopped, not aborted)."""
-        seq = self.scheduler.requests.get(request_id)
-        if seq is None:
+        output = self.request_outputs.abort(request_id, reason)
+        if output is None:
             return False
-        status = (
-            SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_ABORTED
-        )
-        self._finish(seq, status)
-        self._pending.append(engine_output(seq, [], []))
+        self._pending.append(output)
         return True
 
     @property
@@ -187,7 +182,7 @@ class LLMEngine:
         self.num_steps += 1
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total += out.num_batched_tokens
-        outputs += self._process_tokens(
+        outputs += self.request_outputs.apply(
             self.scheduler.update(out, runner_out), cut_request_ids(out, runner_out)
         )
         if self._allocator is not None:
@@ -255,7 +250,7 @@ class LLMEngine:
             if later is not None:
                 outputs += self._fail_step(later.out, exc)
             return outputs
-        return self._process_tokens(
+        return self.request_outputs.apply(
             self.scheduler.fill(step.out, step.seqs, runner_out),
             cut_request_ids(step.out, runner_out),
         )
@@ -295,6 +290,7 @@ class LLMEngine:
         return self._allocator is not None
 
     def stats(self) -> LoopStats:
+        requests = self.request_outputs
         return snapshot(
             self.scheduler,
             self._oom,
@@ -302,9 +298,9 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_failed_steps=self.num_failed_steps,
             num_batched_tokens_total=self.num_batched_tokens_total,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            num_requests_success=self.num_requests_success,
+            num_prompt_tokens=requests.num_prompt_tokens,
+            num_generation_tokens=requests.num_generation_tokens,
+            num_requests_success=requests.num_requests_success,
             num_consecutive_failed_steps=self.num_consecutive_failed_steps,
             device_wait_seconds=self.device_wait_seconds,
             host_block_bytes=self.runner.host_block_bytes,
@@ -323,81 +319,4 @@ class LLMEngine:
         logger.exception("step failed; failing requests %s", sorted(set(affected)))
         self.count_failed_step()
         error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
-        outputs = []
-        for request_id in dict.fromkeys(affected):
-            seq = self.scheduler.requests.get(request_id)
-            if seq is not None:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                outputs.append(engine_output(seq, [], [], error=error))
-        return outputs
-
-    def _process_tokens(
-        self, seqs: list[Sequence], cut_ids: frozenset[str] = frozenset()
-    ) -> list[EngineOutput]:
-        """Stop checks, finishing or keeping each sequence, and outputs, in batch order. A
-        sequence in `cut_ids` that stops was held to end-of-sequence by its schema, which this
-        vocabulary could not continue: it ends as cut ("length"), not as a complete reply."""
-        self.num_generation_tokens += len(seqs)
-        max_seq_len = self.scheduler.max_seq_len
-        outputs = []
-        for seq in seqs:
-            num_known_outputs = seq.num_known_output_tokens
-            if num_known_outputs == 1:
-                self.num_prompt_tokens += seq.num_prompt_tokens
-            status = check_token_stop(seq, self._eos_token_ids, max_seq_len)
-            if status is SequenceStatus.FINISHED_STOPPED and seq.request_id in cut_ids:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None:
-                self._finish(seq, status)
-            else:
-                self.scheduler.cache_known_blocks(seq)
-            logprobs = [seq.output_logprobs[num_known_outputs - 1]] if seq.sampling.logprobs else []
-            top = None
-            if seq.sampling.top_logprobs:  # a plain request's step does no dict work here
-                top = seq.top_logprobs.pop(num_known_outputs - 1, None)
-            outputs.append(
-                engine_output(
-                    seq,
-                    [seq.last_known_token_id],
-                    logprobs,
-                    top_logprobs=[top] if top is not None else None,
-                )
-            )
-        return outputs
-
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        self.scheduler.discard_pending(seq)
-        self.scheduler.finish(seq, status)
-        reason = status.finish_reason
-        assert reason is not None
-        self.num_requests_success[reason] += 1
-
-
-def cut_request_ids(out: SchedulerOutput, runner_out: RunnerOutput) -> frozenset[str]:
-    """The requests of a step whose replies the runner cut (`RunnerOutput.cut_seqs`)."""
-    if not runner_out.cut_seqs:
-        return frozenset()
-    return frozenset(out.seqs[i].request_id for i in runner_out.cut_seqs)
-
-
-def engine_output(
-    seq: Sequence,
-    new_token_ids: list[int],
-    logprobs: list[float | None],
-    error: str | None = None,
-    top_logprobs: list[list[tuple[int, float]]] | None = None,
-) -> EngineOutput:
-    """`seq`'s output for one step: what it gained (`new_*`) and where it stands now."""
-    finish_reason = seq.finish_reason
-    return EngineOutput(
-        request_id=seq.request_id,
-        new_token_ids=new_token_ids,
-        finished=finish_reason is not None,
-        finish_reason=finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_known_output_tokens,
-        num_cached_tokens=seq.num_cached_tokens,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs or [],
-        error=error,
-    )
+        return self.request_outputs.fail(affected, error)

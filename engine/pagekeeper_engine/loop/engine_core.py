@@ -28,10 +28,10 @@ from dataclasses import replace
 
 import zmq
 
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.kv_events import KVEventSink
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.faults import FatalEngineError
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import (
     HEARTBEAT_INTERVAL_S,
     STATS_INTERVAL_S,

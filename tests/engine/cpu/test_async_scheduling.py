@@ -14,11 +14,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.kv_manager import num_blocks_for
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import SequenceStatus
 from pagekeeper_engine.frontend.detokenizer import TextState, detokenize_next
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import EngineOutput
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
 from tests.engine.fakes import (

@@ -138,7 +138,7 @@ def test_core_and_front_end_never_import_torch() -> None:
     code = (
         "import sys\n"
         "import pagekeeper_engine.core.scheduler, pagekeeper_engine.core.stats\n"
-        "import pagekeeper_engine.core.engine, pagekeeper_engine.core.engine_core\n"
+        "import pagekeeper_engine.loop.engine, pagekeeper_engine.loop.engine_core\n"
         "import pagekeeper_engine.frontend.lifecycle, pagekeeper_engine.cli\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -15,9 +15,9 @@ import torch
 import xgrammar
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
 from pagekeeper_engine.core.sampling import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import EngineOutput
 from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
 from pagekeeper_engine.runner.step_results import DeferredStep

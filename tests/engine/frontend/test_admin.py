@@ -126,7 +126,7 @@ def test_defragment_releases_when_idle_and_refuses_when_busy(
             # (an admin call, at last the abort): it runs through every call below.
             fake.hold_steps_until_messages(first_call=1)
             task = asyncio.create_task(consume(front, "busy"))
-            while fake.engine.num_generation_tokens == 0:
+            while fake.engine.request_outputs.num_generation_tokens == 0:
                 await asyncio.sleep(0.01)
             response = await client.post("/admin/defragment", headers=auth())
             assert response.status == 409

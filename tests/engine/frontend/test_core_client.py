@@ -132,7 +132,8 @@ def test_a_cancelled_consumer_aborts_and_frees_blocks() -> None:
             fake.hold_step_until_a_message(call=2)  # its third step waits for the abort
             params = SamplingParams(max_tokens=100, temperature=0.0)
             task = asyncio.create_task(collect(fake.client, "r", list(range(10)), params))
-            while fake.client.num_in_flight == 0 or fake.engine.num_generation_tokens < 2:
+            requests = fake.engine.request_outputs
+            while fake.client.num_in_flight == 0 or requests.num_generation_tokens < 2:
                 await asyncio.sleep(0.01)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -243,7 +244,7 @@ def test_shutdown_fails_requests_in_flight_and_ends_the_core() -> None:
             fake.hold_step_until_a_message(call=1)  # its second step waits for the shutdown
             params = SamplingParams(max_tokens=100, temperature=0.0)
             task = asyncio.create_task(collect(fake.client, "r", [1, 2, 3], params))
-            while fake.engine.num_generation_tokens < 1:
+            while fake.engine.request_outputs.num_generation_tokens < 1:
                 await asyncio.sleep(0.01)
             fake.client.shutdown_core()
             with pytest.raises(RequestFailedError, match="shutting down"):

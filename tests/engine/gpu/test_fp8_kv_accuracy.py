@@ -18,7 +18,7 @@ import torch
 from benchmarks.engine_probes import compare_greedy, greedy_logprobs
 from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.kernels.paged_cases import needs_fp8_gpu
 

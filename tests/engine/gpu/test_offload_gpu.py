@@ -15,7 +15,7 @@ import torch
 from benchmarks.engine_probes import greedy_logprobs
 from benchmarks.shapes import SHAPES
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.engine import LLMEngine
+from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.model.offload_plan import GiB
 from pagekeeper_engine.runner.runner import ModelRunner
