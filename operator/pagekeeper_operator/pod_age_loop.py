@@ -22,9 +22,13 @@ from pydantic import ValidationError
 from pagekeeper_operator.api.lifecycle import LifecycleStatus
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
-from pagekeeper_operator.canary import CANARY_LABEL
 from pagekeeper_operator.metrics import count_remediation
-from pagekeeper_operator.pod_age import (
+from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod, pod_state
+from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, Remediator
+from pagekeeper_operator.remediation.state import EVICT_INTENT
+from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.rollout.canary import CANARY_LABEL
+from pagekeeper_operator.rollout.pod_age import (
     AGE_ALERT,
     AgeDecision,
     AgedPod,
@@ -33,10 +37,6 @@ from pagekeeper_operator.pod_age import (
     decide_age,
     is_rollout_complete,
 )
-from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod, pod_state
-from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, Remediator
-from pagekeeper_operator.remediation.state import EVICT_INTENT
-from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.timestamps import parse_time, utc_now
 
 logger = logging.getLogger(__name__)

@@ -19,18 +19,6 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
-from pagekeeper_operator.canary import (
-    CANARY_LABEL,
-    DEFAULT_NO_DATA_SECONDS,
-    CanaryEvent,
-    canary_name,
-    canary_pod,
-    decide_canary,
-    shape_deployments,
-    template_identity,
-)
-from pagekeeper_operator.canary_data import observe_canary_data
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.kube import Kube
@@ -48,6 +36,18 @@ from pagekeeper_operator.remediation.actions import event
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
 from pagekeeper_operator.render.meta import SERVER_LABEL
+from pagekeeper_operator.rollout.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
+from pagekeeper_operator.rollout.canary import (
+    CANARY_LABEL,
+    DEFAULT_NO_DATA_SECONDS,
+    CanaryEvent,
+    canary_name,
+    canary_pod,
+    decide_canary,
+    shape_deployments,
+    template_identity,
+)
+from pagekeeper_operator.rollout.canary_data import observe_canary_data
 from pagekeeper_operator.status.api_key import (
     API_KEY_AVAILABLE,
     ApiKeyCheck,

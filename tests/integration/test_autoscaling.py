@@ -28,8 +28,8 @@ from harness.loop import restrict_namespace, wait_history
 from harness.operator_process import OperatorProcess
 from harness.tools import CACHE, missing
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.autoscaling import HANDOVER_MANAGER
 from pagekeeper_operator.render import ClusterFeatures, render_autoscaler
+from pagekeeper_operator.rollout.autoscaling import HANDOVER_MANAGER
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     apply_server,

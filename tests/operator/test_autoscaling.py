@@ -13,7 +13,11 @@ import pytest
 import yaml
 
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
-from pagekeeper_operator.autoscaling import (
+from pagekeeper_operator.plan import key_of, plan, stamp
+from pagekeeper_operator.remediation.actions import server_info
+from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
+from pagekeeper_operator.render.autoscaler import SIGNALS, metric_keys, quantity
+from pagekeeper_operator.rollout.autoscaling import (
     HANDOVER_MANAGER,
     autoscaling_status,
     handover,
@@ -21,11 +25,7 @@ from pagekeeper_operator.autoscaling import (
     owns_replicas,
     scale_reason,
 )
-from pagekeeper_operator.canary import CanaryPlan, shape_deployments
-from pagekeeper_operator.plan import key_of, plan, stamp
-from pagekeeper_operator.remediation.actions import server_info
-from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
-from pagekeeper_operator.render.autoscaler import SIGNALS, metric_keys, quantity
+from pagekeeper_operator.rollout.canary import CanaryPlan, shape_deployments
 from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
-from pagekeeper_operator.canary import (
+from pagekeeper_operator.rollout.canary import (
     CANARY_LABEL,
     CanaryEvent,
     CanaryPlan,

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
-from pagekeeper_operator.canary import CanaryEvent, CanaryPlan, CanaryPod, decide_canary
-from pagekeeper_operator.canary_data import (
+from pagekeeper_operator.rollout.canary import CanaryEvent, CanaryPlan, CanaryPod, decide_canary
+from pagekeeper_operator.rollout.canary_data import (
     CanaryData,
     canary_up_query,
     observe_canary_data,

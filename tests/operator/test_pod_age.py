@@ -18,7 +18,8 @@ from pagekeeper_operator.api.lifecycle import (
     format_age,
     parse_duration,
 )
-from pagekeeper_operator.pod_age import (
+from pagekeeper_operator.pod_age_loop import lifecycle_status, server_ages
+from pagekeeper_operator.rollout.pod_age import (
     AgedPod,
     AgeVerdict,
     HoldReason,
@@ -28,7 +29,6 @@ from pagekeeper_operator.pod_age import (
     is_rollout_complete,
     spread_of,
 )
-from pagekeeper_operator.pod_age_loop import lifecycle_status, server_ages
 from tests.operator.servers import make_server
 
 CREATED = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)

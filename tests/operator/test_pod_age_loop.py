@@ -11,10 +11,10 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator.pod_age import AgeVerdict, HoldReason
 from pagekeeper_operator.pod_age_loop import PodAgeLoop
 from pagekeeper_operator.remediation.actions import KubeClusterPort
 from pagekeeper_operator.remediation.remediator import Remediator
+from pagekeeper_operator.rollout.pod_age import AgeVerdict, HoldReason
 from tests.operator.servers import server_body
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)

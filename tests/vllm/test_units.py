@@ -17,13 +17,13 @@ from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import termination_message
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import VLLM_PLUGIN_NAME, VLLM_PLUGIN_SERIES
-from pagekeeper_operator.canary import canary_pod
 from pagekeeper_operator.policy.adaptive import classify_termination
 from pagekeeper_operator.policy.vllm_compat import (
     has_kv_offload_flags,
     image_version,
     policy_verdict,
 )
+from pagekeeper_operator.rollout.canary import canary_pod
 from pagekeeper_vllm import pipes, plugin
 from pagekeeper_vllm.launch import exit_code, served_model_name
 from pagekeeper_vllm.output import LineSplitter, OutputWatcher, classify_line

@@ -26,7 +26,6 @@ from pydantic import ValidationError
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
-from pagekeeper_operator.canary import CANARY_SUFFIX
 from pagekeeper_operator.policy import effective
 from pagekeeper_operator.policy.adaptive import (
     OOMClassification,
@@ -38,6 +37,7 @@ from pagekeeper_operator.policy.adaptive import (
 from pagekeeper_operator.policy.effective import memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
 from pagekeeper_operator.remediation.remediator import EventType
+from pagekeeper_operator.rollout.canary import CANARY_SUFFIX
 from pagekeeper_operator.timestamps import format_time, parse_or
 
 CONDITION_TYPE = "MemoryHealthy"

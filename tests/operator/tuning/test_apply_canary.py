@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.canary import CanaryPlan, decide_canary, template_identity
 from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.policy.effective import compose
 from pagekeeper_operator.reconcile import reconcile as reconcile_server
 from pagekeeper_operator.render import ClusterFeatures, render_all
+from pagekeeper_operator.rollout.canary import CanaryPlan, decide_canary, template_identity
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
 from pagekeeper_operator.tuning.step import candidate, promote_canary, trial_canary_spec

@@ -12,10 +12,10 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.api.tuning import StepDownCaps
-from pagekeeper_operator.canary import decide_canary
 from pagekeeper_operator.policy.adaptive import OOMClassification
 from pagekeeper_operator.policy.effective import compose, memory_policy_hash
 from pagekeeper_operator.remediation.oom import respond_to_oom
+from pagekeeper_operator.rollout.canary import decide_canary
 from pagekeeper_operator.status.conditions import compute_status
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare

@@ -35,9 +35,9 @@ from typing import Any, Literal
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.api.runtime import TRIGGER_BY_KEY
-from pagekeeper_operator.canary_data import NO_DATA_SIGNAL, CanaryData, track_data
 from pagekeeper_operator.policy.adaptive import classify_failure
 from pagekeeper_operator.render.meta import POLICY_HASH_ANNOTATION
+from pagekeeper_operator.rollout.canary_data import NO_DATA_SIGNAL, CanaryData, track_data
 from pagekeeper_operator.timestamps import format_time
 
 CANARY_LABEL = "pagekeeper.dev/canary"
