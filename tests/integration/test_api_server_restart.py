@@ -27,8 +27,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from harness.cluster import Cluster, start_cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import CRD_PATH, OperatorProcess
-from tests.integration.operator_fixture import apply_server, get_server, llmserver, wait_ready
+from tests.integration.operator_fixture import apply_server, get_server, wait_ready
 from tests.support.control_plane import ControlPlane
 
 SPEC: dict[str, Any] = {

@@ -14,14 +14,13 @@ from typing import Any
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
-from harness.loop import wait_beside_canary
+from harness.loop import llmserver, wait_beside_canary
 from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
     get_server,
-    llmserver,
     wait_ready,
 )
 

@@ -15,10 +15,11 @@ import yaml
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import CRD_PATH, OperatorProcess
 from harness.tools import REPO, tool
 from tests.integration import operator_fixture
-from tests.integration.operator_fixture import get_server, llmserver, wait_ready
+from tests.integration.operator_fixture import get_server, wait_ready
 
 llmserver_crd = operator_fixture.llmserver_crd
 operator = operator_fixture.operator

@@ -24,6 +24,7 @@ import yaml
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
@@ -33,7 +34,6 @@ from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
     get_server,
-    llmserver,
     wait_ready,
 )
 from tests.support.gitops import CASES, STATES, kstatus, lua_health

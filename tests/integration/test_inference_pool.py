@@ -9,6 +9,7 @@ from typing import Any
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import OperatorProcess
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import render_inference_pool
@@ -16,7 +17,6 @@ from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
-    llmserver,
     wait_quiet,
     wait_ready,
 )

@@ -7,6 +7,7 @@ from typing import Any
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import OperatorProcess
 from pagekeeper_operator.alerts.render import ALERT_NAMES
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -17,7 +18,6 @@ from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
     get_server,
-    llmserver,
     wait_ready,
 )
 

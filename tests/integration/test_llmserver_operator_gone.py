@@ -5,13 +5,13 @@ from __future__ import annotations
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
+from harness.loop import llmserver
 from harness.operator_process import OperatorProcess
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
     get_server,
-    llmserver,
     wait_ready,
 )
 
