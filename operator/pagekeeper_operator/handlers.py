@@ -20,8 +20,8 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from pagekeeper_operator.adapters.kube import Kube, shared_kube
 from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
-from pagekeeper_operator.kube import Kube, shared_kube
 from pagekeeper_operator.metrics import serve_metrics
 from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.refresh import refresh_status

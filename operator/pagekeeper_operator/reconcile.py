@@ -17,13 +17,13 @@ from typing import Any, Literal
 
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.adapters.kube import Kube
+from pagekeeper_operator.adapters.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
-from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.metrics import count_tuning
-from pagekeeper_operator.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.policy import effective
 from pagekeeper_operator.policy.fit import (
     POLICY_FITS,

@@ -8,9 +8,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND
 from pagekeeper_operator.rollout.autoscaling import autoscaling_status
 from pagekeeper_operator.status.conditions import compute_status, status_patch

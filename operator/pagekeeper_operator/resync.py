@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
+from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
-from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.reconcile import reconcile
 from pagekeeper_operator.settings import OperatorSettings
 

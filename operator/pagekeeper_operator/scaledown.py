@@ -23,9 +23,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagekeeper_operator.adapters.kube import Kube
+from pagekeeper_operator.adapters.prometheus import PrometheusError, query_by
 from pagekeeper_operator.faultpoints import FaultPoint, reached
-from pagekeeper_operator.kube import Kube
-from pagekeeper_operator.prometheus import PrometheusError, query_by
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.resync import ServerRegistry
 

@@ -59,7 +59,7 @@ from harness.loop import (
     wait_ready_pods,
 )
 from harness.processes import Service
-from pagekeeper_operator.prometheus import query_by
+from pagekeeper_operator.adapters.prometheus import query_by
 from pagekeeper_operator.resync import RESYNC_DONE
 from tests.support.standin import ClosedLoop, flag_value, rendered_command, start_standin
 from tests.support.synthetic_pod import FigureModel, Figures, start_synthetic_pod

@@ -16,8 +16,8 @@ from kubernetes import client
 
 from harness.cluster import Cluster
 from harness.loop import llmserver
+from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.llmserver import KIND
-from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.resync import STATUS_WRITE_ATTEMPTS, server_reconciler
 from pagekeeper_operator.settings import load_settings
 from tests.integration import operator_fixture

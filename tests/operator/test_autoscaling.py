@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pagekeeper_operator.adapters.plan import key_of, plan, stamp
 from pagekeeper_operator.api.autoscaling import AutoscalingStatus
-from pagekeeper_operator.plan import key_of, plan, stamp
 from pagekeeper_operator.remediation.actions import server_info
 from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
 from pagekeeper_operator.render.autoscaler import SIGNALS, metric_keys, quantity

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pagekeeper_operator.plan import (
+from pagekeeper_operator.adapters.plan import (
     APPLIED_HASH_ANNOTATION,
     Delete,
     is_subset,

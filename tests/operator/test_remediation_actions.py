@@ -9,8 +9,8 @@ import pytest
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.remediation import RemediationRecord
-from pagekeeper_operator.kube import Kube
 from pagekeeper_operator.remediation.actions import (
     KubeClusterPort,
     bounded_history,

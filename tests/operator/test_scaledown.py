@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from pagekeeper_operator.prometheus import PrometheusError, parse_vector, query_by
+from pagekeeper_operator.adapters.prometheus import PrometheusError, parse_vector, query_by
 from pagekeeper_operator.scaledown import (
     DELETION_COST_ANNOTATION,
     in_flight_query,

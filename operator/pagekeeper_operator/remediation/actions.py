@@ -17,10 +17,10 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from pagekeeper_operator.adapters.kube import Kube, StatusChange
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.failures import UnreadableDataError
-from pagekeeper_operator.kube import Kube, StatusChange
 from pagekeeper_operator.remediation.decide import PodState, ServerState
 from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.remediation.state import EVICT_INTENT

@@ -21,8 +21,8 @@ import kopf
 from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.adapters.kube import shared_kube
 from pagekeeper_operator.faultpoints import FaultPoint, reached
-from pagekeeper_operator.kube import shared_kube
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.pod_age_loop import AGE_INTERVAL_SECONDS, PodAgeLoop
 from pagekeeper_operator.policy.adaptive import Termination

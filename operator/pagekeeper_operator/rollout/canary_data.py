@@ -26,8 +26,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
+from pagekeeper_operator.adapters.prometheus import PrometheusError, query_by
 from pagekeeper_operator.api.rollout import CanaryStatus
-from pagekeeper_operator.prometheus import PrometheusError, query_by
 
 NO_DATA_SIGNAL = "noData"
 MAX_ERROR_CHARS = 300

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from pagekeeper_operator.adapters.prometheus import query_by, query_samples
 from pagekeeper_operator.alerts.host import memory_limit, working_set_ratio
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.policy.adaptive import StuckClassification
-from pagekeeper_operator.prometheus import query_by, query_samples
 from pagekeeper_operator.tuning.window import MetricWindow
 
 FRAGMENTATION_ALERT = "PagekeeperFragmentationHigh"

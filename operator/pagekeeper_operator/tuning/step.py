@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
+from pagekeeper_operator.adapters.prometheus import PrometheusError, query_samples
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.rollout import CanarySpec, CanaryStatus
 from pagekeeper_operator.policy import effective
-from pagekeeper_operator.prometheus import PrometheusError, query_samples
 from pagekeeper_operator.rollout.canary import CANARY_SUFFIX
 from pagekeeper_operator.timestamps import format_time
 from pagekeeper_operator.tuning.compare import compare

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from pagekeeper_operator.adapters.plan import ObjectKey, key_of
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.policy.effective import compose
 from pagekeeper_operator.reconcile import reconcile as reconcile_server
 from pagekeeper_operator.render import ClusterFeatures, render_all

@@ -23,8 +23,8 @@ import kubernetes
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from pagekeeper_operator.adapters.plan import ObjectKey, key_of
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, PLURAL
-from pagekeeper_operator.plan import ObjectKey, key_of
 from pagekeeper_operator.render import ClusterFeatures
 from pagekeeper_operator.render.autoscaler import (
     HPA_API_VERSION,
