@@ -8,7 +8,7 @@ and their hold-back belong to the front end, which ends a request whose stop str
 with `abort(request_id, "stop")`.
 
 Out of device memory inside a step, the loop does not fail the step's requests: it shrinks the
-step and retries (`memory.oom_recovery`). What `stats()` and `defragment()` report is
+step and retries (`oom_recovery`). What `stats()` and `defragment()` report is
 `loop_stats`.
 
 Asynchronous scheduling (`--async-scheduling`, on by default where the runner prefers it, i.e.
@@ -43,10 +43,10 @@ from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.core.sequence import Sequence
 from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.loop.loop_stats import release_cached, snapshot
+from pagekeeper_engine.loop.oom_recovery import OomRecovery
 from pagekeeper_engine.loop.request_outputs import RequestOutputs, cut_request_ids
 from pagekeeper_engine.memory.allocator import PeriodicReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
-from pagekeeper_engine.memory.oom_recovery import OomRecovery
 from pagekeeper_engine.memory.step_budget import StepTokenBudget
 from pagekeeper_engine.messages import DefragmentResult, EngineOutput, LoopStats
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.scheduler import Scheduler
+from pagekeeper_engine.loop.oom_recovery import OomRecovery
 from pagekeeper_engine.memory.allocator import AllocatorStats, PeriodicReader
-from pagekeeper_engine.memory.oom_recovery import OomRecovery
 from pagekeeper_engine.messages import DefragmentResult, LoopStats
 
 
