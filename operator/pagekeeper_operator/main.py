@@ -14,11 +14,11 @@ import logging
 
 import kopf
 
-from pagekeeper_operator import handlers
+from pagekeeper_operator.controllers import handlers
 from pagekeeper_operator.settings import load_settings
 
 logger = logging.getLogger(__name__)
-REMEDIATION_HANDLERS = "pagekeeper_operator.remediation.handlers"
+REMEDIATION_HANDLERS = "pagekeeper_operator.controllers.remediation_handlers"
 
 
 def _load_optional(module: str) -> bool:

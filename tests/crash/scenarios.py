@@ -27,9 +27,9 @@ from harness.loop import (
     server_pods,
 )
 from harness.processes import exporter
+from pagekeeper_operator.controllers.scaledown import DELETION_COST_ANNOTATION
 from pagekeeper_operator.faultpoints import FaultPoint
 from pagekeeper_operator.rollout.canary import template_identity
-from pagekeeper_operator.scaledown import DELETION_COST_ANNOTATION
 from tests.crash.harness import (
     AlertSender,
     Operator,

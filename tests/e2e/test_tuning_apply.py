@@ -60,7 +60,7 @@ from harness.loop import (
 )
 from harness.processes import Service
 from pagekeeper_operator.adapters.prometheus import query_by
-from pagekeeper_operator.resync import RESYNC_DONE
+from pagekeeper_operator.controllers.resync import RESYNC_DONE
 from tests.support.standin import ClosedLoop, flag_value, rendered_command, start_standin
 from tests.support.synthetic_pod import FigureModel, Figures, start_synthetic_pod
 

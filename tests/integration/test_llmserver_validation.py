@@ -37,8 +37,8 @@ from pagekeeper_operator.api.spec_rules import (
     SWAP_RULE,
 )
 from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, ITL_RULE, TTFT_RULE
+from pagekeeper_operator.controllers.resync import RESYNC_DONE
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.resync import RESYNC_DONE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import apply_server, get_server, wait_ready
 from tests.operator.servers import merge

@@ -13,8 +13,8 @@ from harness.loop import llmserver
 from harness.operator_process import RESYNC_SECONDS, OperatorProcess
 from pagekeeper_operator.adapters.plan import stamp
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.controllers.resync import RESYNC_DONE
 from pagekeeper_operator.render import ClusterFeatures, render_all
-from pagekeeper_operator.resync import RESYNC_DONE
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import (
     apply_server,

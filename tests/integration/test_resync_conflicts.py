@@ -18,7 +18,7 @@ from harness.cluster import Cluster
 from harness.loop import llmserver
 from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.llmserver import KIND
-from pagekeeper_operator.resync import STATUS_WRITE_ATTEMPTS, server_reconciler
+from pagekeeper_operator.controllers.resync import STATUS_WRITE_ATTEMPTS, server_reconciler
 from pagekeeper_operator.settings import load_settings
 from tests.integration import operator_fixture
 from tests.integration.operator_fixture import apply_server, get_server

@@ -11,7 +11,7 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.status import Condition
-from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.controllers.reconcile import reconcile
 from pagekeeper_operator.status.api_key import ApiKeyCheck, api_key_event, check_api_key
 from pagekeeper_operator.status.conditions import compute_status
 from tests.operator.servers import DEFAULT_IMAGES, make_server, server_body

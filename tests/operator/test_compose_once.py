@@ -14,16 +14,18 @@ import pytest
 
 import pagekeeper_operator
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.controllers.reconcile import reconcile
 from pagekeeper_operator.policy import effective
 from pagekeeper_operator.policy.effective import EffectivePolicy
-from pagekeeper_operator.reconcile import reconcile
 from tests.operator.servers import DEFAULT_IMAGES, server_body
 from tests.operator.test_reconcile_fit import MemoryKube
 
 NOW = "2026-11-29T01:00:00Z"
-RECONCILE = "pagekeeper_operator.reconcile.reconcile"
+RECONCILE = "pagekeeper_operator.controllers.reconcile.reconcile"
 TUNE = "pagekeeper_operator.tuning.tuner.tune"
-FIT_CHECK = "pagekeeper_operator.reconcile.does_not_fit"  # the tuner's gate on its candidates
+FIT_CHECK = (
+    "pagekeeper_operator.controllers.reconcile.does_not_fit"  # the tuner's gate on its candidates
+)
 SPEC: dict[str, Any] = {"memoryPolicy": {"gpuMemoryUtilization": 0.85}}
 
 

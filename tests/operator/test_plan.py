@@ -14,7 +14,7 @@ from pagekeeper_operator.adapters.plan import (
     prune,
     stamp,
 )
-from pagekeeper_operator.refresh import refresh_status
+from pagekeeper_operator.controllers.refresh import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.status.conditions import compute_status, merge_patch, status_patch
 from pagekeeper_operator.timestamps import parse_time

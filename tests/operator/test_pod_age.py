@@ -18,7 +18,7 @@ from pagekeeper_operator.api.lifecycle import (
     format_age,
     parse_duration,
 )
-from pagekeeper_operator.pod_age_loop import lifecycle_status, server_ages
+from pagekeeper_operator.controllers.pod_age_loop import lifecycle_status, server_ages
 from pagekeeper_operator.rollout.pod_age import (
     AgedPod,
     AgeVerdict,

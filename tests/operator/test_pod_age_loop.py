@@ -11,7 +11,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from pagekeeper_operator.pod_age_loop import PodAgeLoop
+from pagekeeper_operator.controllers.pod_age_loop import PodAgeLoop
 from pagekeeper_operator.remediation.actions import KubeClusterPort
 from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.rollout.pod_age import AgeVerdict, HoldReason

@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.controllers.reconcile import reconcile
 from pagekeeper_operator.render import ClusterFeatures
 from pagekeeper_operator.status.conditions import compute_status
 from pagekeeper_operator.status.progress import unreadable_status

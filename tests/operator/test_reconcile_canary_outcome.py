@@ -9,7 +9,7 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adapters.plan import ObjectKey
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.reconcile import ReconcileResult, _post_event, reconcile
+from pagekeeper_operator.controllers.reconcile import ReconcileResult, _post_event, reconcile
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from tests.operator.servers import DEFAULT_IMAGES, merge, server_body
 from tests.operator.test_reconcile_fit import MemoryKube

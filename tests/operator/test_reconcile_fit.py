@@ -9,7 +9,7 @@ from typing import Any
 
 from pagekeeper_operator.adapters.plan import ObjectKey, key_of
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.controllers.reconcile import reconcile
 from pagekeeper_operator.render import ClusterFeatures
 from tests.operator.servers import DEFAULT_IMAGES, server_body
 

@@ -14,8 +14,8 @@ import aiohttp
 import kopf
 import pytest
 
+from pagekeeper_operator.controllers import remediation_handlers as handlers
 from pagekeeper_operator.policy.adaptive import OOMClassification
-from pagekeeper_operator.remediation import handlers
 from pagekeeper_operator.remediation.remediator import Remediator
 from tests.operator.remediation_fakes import alert_json, message_json
 from tests.operator.servers import server_body

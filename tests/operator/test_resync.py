@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagekeeper_operator.resync import ServerRegistry, resync_forever
+from pagekeeper_operator.controllers.resync import ServerRegistry, resync_forever
 
 
 def test_registry_follows_the_event_stream() -> None:

@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from pagekeeper_operator.adapters.prometheus import PrometheusError, parse_vector, query_by
-from pagekeeper_operator.scaledown import (
+from pagekeeper_operator.controllers.scaledown import (
     DELETION_COST_ANNOTATION,
     in_flight_query,
     plan_deletion_costs,

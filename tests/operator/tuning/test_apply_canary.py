@@ -13,8 +13,8 @@ import pytest
 
 from pagekeeper_operator.adapters.plan import ObjectKey, key_of
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.controllers.reconcile import reconcile as reconcile_server
 from pagekeeper_operator.policy.effective import compose
-from pagekeeper_operator.reconcile import reconcile as reconcile_server
 from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.rollout.canary import CanaryPlan, decide_canary, template_identity
 from pagekeeper_operator.tuning.compare import compare
@@ -200,7 +200,7 @@ def test_an_autoscaled_servers_trial_runs_its_canary_beside_the_autoscalers_pods
     # The trial wins: the stable Deployment takes the candidate at the autoscaler's count.
     won = TrialEvidence(compare([v * 1.1 for v in BASELINE], BASELINE))
     monkeypatch.setattr(
-        "pagekeeper_operator.reconcile.observe",
+        "pagekeeper_operator.controllers.reconcile.observe",
         lambda *_: Observation(window("chat_steady"), won),
     )
     status = reconcile_at(kube, status, "2026-11-29T01:10:00Z")

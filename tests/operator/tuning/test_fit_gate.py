@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagekeeper_operator.api.llmserver import LLMServer
-from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.controllers.reconcile import reconcile
 from tests.operator.servers import DEFAULT_IMAGES, merge, server_body
 from tests.operator.test_reconcile_fit import H100, MemoryKube
 

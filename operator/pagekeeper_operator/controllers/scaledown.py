@@ -25,9 +25,9 @@ from typing import Any
 
 from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.adapters.prometheus import PrometheusError, query_by
+from pagekeeper_operator.controllers.resync import ServerRegistry
 from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.resync import ServerRegistry
 
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 # A pod's load is the most it held over this window, so a pod between two requests at the moment

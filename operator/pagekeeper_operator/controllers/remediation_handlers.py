@@ -22,9 +22,14 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adapters.kube import shared_kube
+from pagekeeper_operator.controllers.pod_age_loop import AGE_INTERVAL_SECONDS, PodAgeLoop
+from pagekeeper_operator.controllers.resync import (
+    ServerReconciler,
+    ServerRegistry,
+    server_reconciler,
+)
 from pagekeeper_operator.faultpoints import FaultPoint, reached
 from pagekeeper_operator.metrics import count_remediation
-from pagekeeper_operator.pod_age_loop import AGE_INTERVAL_SECONDS, PodAgeLoop
 from pagekeeper_operator.policy.adaptive import Termination
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod
 from pagekeeper_operator.remediation.oom import (
@@ -37,7 +42,6 @@ from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.tls import ReloadingServerContext
 from pagekeeper_operator.remediation.webhook import make_app
 from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.resync import ServerReconciler, ServerRegistry, server_reconciler
 from pagekeeper_operator.settings import SettingsError, load_settings
 from pagekeeper_operator.timestamps import utc_now
 

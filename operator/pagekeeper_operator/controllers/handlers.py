@@ -22,12 +22,12 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.adapters.kube import Kube, shared_kube
 from pagekeeper_operator.api.llmserver import API_VERSION, GROUP, KIND, PLURAL, VERSION, LLMServer
+from pagekeeper_operator.controllers.reconcile import reconcile
+from pagekeeper_operator.controllers.refresh import refresh_status
+from pagekeeper_operator.controllers.resync import ServerRegistry, resync_forever, server_reconciler
+from pagekeeper_operator.controllers.scaledown import keep_deletion_costs
 from pagekeeper_operator.metrics import serve_metrics
-from pagekeeper_operator.reconcile import reconcile
-from pagekeeper_operator.refresh import refresh_status
 from pagekeeper_operator.render.meta import MANAGED_BY, SERVER_LABEL
-from pagekeeper_operator.resync import ServerRegistry, resync_forever, server_reconciler
-from pagekeeper_operator.scaledown import keep_deletion_costs
 from pagekeeper_operator.settings import load_settings
 from pagekeeper_operator.status.progress import unreadable_status
 from pagekeeper_operator.timestamps import format_time, parse_or, utc_now

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
-from pagekeeper_operator.reconcile import reconcile
+from pagekeeper_operator.controllers.reconcile import reconcile
 from pagekeeper_operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
