@@ -10,10 +10,12 @@ llmserver, reason}` counts the tuner's Events.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from pagekeeper_operator.api.remediation import RemediationRecord
-from pagekeeper_operator.tuning.tuner import TuneResult
+from pagekeeper_operator.api.tuning import Recommendation
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -46,16 +48,22 @@ TUNING_DECISIONS = Counter(
 _EXPORTED: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 
 
-def count_tuning(namespace: str, llmserver: str, result: TuneResult) -> None:
-    """Export a tuning step: the current recommendations and the decisions it made."""
-    current = {(r.field, r.proposed, r.rule): r.confidence for r in result.recommendations}
+def count_tuning(
+    namespace: str,
+    llmserver: str,
+    recommendations: Sequence[Recommendation],
+    decisions: Sequence[str],
+) -> None:
+    """Export a tuning step: the current recommendations and the decisions it made (the
+    reasons of its Events)."""
+    current = {(r.field, r.proposed, r.rule): r.confidence for r in recommendations}
     for gone in _EXPORTED.get((namespace, llmserver), set()) - current.keys():
         TUNING_RECOMMENDATIONS.remove(namespace, llmserver, *gone)
     for labels, confidence in current.items():
         TUNING_RECOMMENDATIONS.labels(namespace, llmserver, *labels).set(confidence)
     _EXPORTED[(namespace, llmserver)] = set(current)
-    for event in result.events:
-        TUNING_DECISIONS.labels(namespace, llmserver, event.reason).inc()
+    for reason in decisions:
+        TUNING_DECISIONS.labels(namespace, llmserver, reason).inc()
 
 
 def count_remediation(namespace: str, llmserver: str, record: RemediationRecord) -> None:

@@ -16,7 +16,6 @@ from pagekeeper_operator.metrics import REGISTRY, count_tuning, serve_metrics
 from pagekeeper_operator.remediation.payload import WebhookMessage
 from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.tuning.decide import TuningEvent
-from pagekeeper_operator.tuning.tuner import TuneResult
 from tests.operator.remediation_fakes import Clock, FakeCluster, alert_json, message_json
 
 KV = "PagekeeperKVCacheSaturated"
@@ -68,10 +67,10 @@ def test_tuning_series_follow_the_recommendations_and_count_decisions() -> None:
     started = TuningEvent("Normal", "TuningTrialStarted", "m")
     reason = {**server, "reason": "TuningTrialStarted"}
     before = REGISTRY.get_sample_value("pagekeeper_tuning_decisions_total", reason) or 0.0
-    count_tuning("prod", "tuned", TuneResult([rec], None, [started]))
+    count_tuning("prod", "tuned", [rec], [started.reason])
     assert REGISTRY.get_sample_value("pagekeeper_tuning_recommendation", labels) == 0.75
     assert REGISTRY.get_sample_value("pagekeeper_tuning_decisions_total", reason) == before + 1
-    count_tuning("prod", "tuned", TuneResult([], None))  # the recommendation went away
+    count_tuning("prod", "tuned", [], [])  # the recommendation went away
     assert REGISTRY.get_sample_value("pagekeeper_tuning_recommendation", labels) is None
 
 

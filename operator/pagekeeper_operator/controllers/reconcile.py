@@ -343,7 +343,8 @@ def _with_tuning(
 
     when = parse_time(now)
     result = tune(server, observe(server, prometheus_url, when), when, does_not_fit)
-    count_tuning(server.metadata.namespace, server.metadata.name, result)
+    reasons = [e.reason for e in result.events]
+    count_tuning(server.metadata.namespace, server.metadata.name, result.recommendations, reasons)
     canary = server.status.canary
     if result.promoted is not None:
         canary = promote_canary(canary, when)
