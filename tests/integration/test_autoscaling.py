@@ -24,7 +24,7 @@ from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
 from harness.loop import OperatorProcess as WebhookOperator
-from harness.loop import restrict_namespace, wait_history
+from harness.loop import llmserver, restrict_namespace, wait_history
 from harness.operator_process import OperatorProcess
 from harness.tools import CACHE, missing
 from pagekeeper_operator.api.llmserver import LLMServer
@@ -35,7 +35,6 @@ from tests.integration.operator_fixture import (
     apply_server,
     get_or_none,
     get_server,
-    llmserver,
     wait_quiet,
     wait_ready,
 )
