@@ -19,8 +19,13 @@ from kubernetes.client.exceptions import ApiException
 
 from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.adapters.plan import Apply, ObjectKey, key_of, plan, prune
-from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.controllers.rollout_steps import (
+    hand_over,
+    observed_autoscaling,
+    record_canary_outcome,
+    with_canary,
+)
 from pagekeeper_operator.failures import is_permanent
 from pagekeeper_operator.faultpoints import FaultPoint, reached, reached_canary
 from pagekeeper_operator.metrics import count_tuning
@@ -33,21 +38,13 @@ from pagekeeper_operator.policy.fit import (
     node_selector,
 )
 from pagekeeper_operator.remediation.actions import event
-from pagekeeper_operator.render import ClusterFeatures, render_all, unwanted_objects
-from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND, autoscaler_hpa_name
-from pagekeeper_operator.render.meta import SERVER_LABEL
-from pagekeeper_operator.rollout.autoscaling import HANDOVER_MANAGER, autoscaling_status, handover
+from pagekeeper_operator.render import render_all, unwanted_objects
+from pagekeeper_operator.render.autoscaler import HPA_KIND
 from pagekeeper_operator.rollout.canary import (
-    CANARY_LABEL,
     DEFAULT_NO_DATA_SECONDS,
     CanaryEvent,
     canary_name,
-    canary_pod,
-    decide_canary,
-    shape_deployments,
-    template_identity,
 )
-from pagekeeper_operator.rollout.canary_data import observe_canary_data
 from pagekeeper_operator.status.api_key import (
     API_KEY_AVAILABLE,
     ApiKeyCheck,
@@ -58,11 +55,12 @@ from pagekeeper_operator.status.conditions import compute_status, status_patch
 from pagekeeper_operator.status.refusal import write_failure
 from pagekeeper_operator.timestamps import format_time, parse_time, utc_now
 from pagekeeper_operator.tuning.decide import TuningEvent
-from pagekeeper_operator.tuning.step import observe, promote_canary, trial_canary_spec
+from pagekeeper_operator.tuning.step import observe, promote_canary
 from pagekeeper_operator.tuning.tuner import tune
 
 logger = logging.getLogger(__name__)
-# The canary's outcomes, written to status before any object moves (`_record_canary_outcome`).
+# The canary's outcomes, written to status before any object moves
+# (`rollout_steps.record_canary_outcome`).
 CANARY_OUTCOMES = frozenset({"CanaryPromoted", "CanaryFailed"})
 
 
@@ -118,15 +116,15 @@ def reconcile(
     canary_event = None
     if any(m["kind"] == "Deployment" for m in desired):
         watch = (prometheus_url, canary_no_data_seconds)
-        desired, server, canary_event = _with_canary(kube, server, desired, now, watch)
+        desired, server, canary_event = with_canary(kube, server, desired, parse_time(now), watch)
         reached_canary(canary_event, "decided")
     result = ReconcileResult()
     if canary_event is not None and canary_event.reason in CANARY_OUTCOMES:
-        _record_canary_outcome(kube, stored, server, result)
+        result.error = record_canary_outcome(kube, stored, server)
         if result.error is not None:
             return result
     observed = kube.observe(namespace, [key_of(m) for m in desired])
-    error_text = _hand_over(kube, server, observed, result)
+    result.error, error_text = hand_over(kube, server, observed)
     actions = plan(desired, observed) if result.error is None else []
     for action in actions:
         key = key_of(action.manifest)
@@ -175,31 +173,12 @@ def reconcile(
         for tuning_event in tuning_events:
             _post_event(kube, server, tuning_event.type, tuning_event.reason, tuning_event.message)
     deployment = observed.get(("apps/v1", "Deployment", server.metadata.name))
-    autoscaling = _autoscaling(kube, server, features, observed)
+    autoscaling = observed_autoscaling(kube, server, features, observed)
     status = compute_status(
         server, deployment, now, error_text, autoscaling, fit, api_key, composed
     )
     result.status_patch = status_patch(stored, status)
     return result
-
-
-def _record_canary_outcome(
-    kube: Kube, stored: LLMServer, server: LLMServer, result: ReconcileResult
-) -> None:
-    """Write status.canary's outcome before the Deployments move. Once the canary pods are
-    deleted their failure can no longer be read from them, and a Deployment that already runs
-    the new template looks like one with no canary to judge: an operator killed between the
-    two would analyze a failed canary again (and could promote it) or leave it Analyzing for
-    good. Written first, a restarted operator reads the outcome back and finishes the step."""
-    meta = server.metadata
-    update = stored.status.model_copy(update={"canary": server.status.canary})
-    patch = status_patch(stored, update)
-    try:
-        kube.patch_status(meta.namespace, meta.name, patch)
-    except ApiException as exc:
-        result.error = exc
-        logger.warning("%s/%s: recording the canary's outcome failed: %s %s", meta.namespace,
-                       meta.name, exc.status, exc.reason)  # fmt: skip
 
 
 def _candidate_nodes(kube: Kube, server: LLMServer) -> list[dict[str, Any]]:
@@ -235,99 +214,6 @@ def _check_api_key(kube: Kube, server: LLMServer) -> ApiKeyCheck | None:
         logger.warning("reading Secret %s failed (%s %s)", ref.secret_name, exc.status, exc.reason)
         return check_api_key(server, None, unreadable=f"{exc.status} {exc.reason}")
     return check_api_key(server, secret)
-
-
-def _hand_over(
-    kube: Kube, server: LLMServer, observed: dict[ObjectKey, Any], result: ReconcileResult
-) -> str | None:
-    """Keep the Deployment's count while our apply stops owning it (`autoscaling`); the error
-    text of a failure. A conflict means the autoscaler changed the count meanwhile: the next
-    reconcile looks again."""
-    key = ("apps/v1", "Deployment", server.metadata.name)
-    manifest = handover(server, observed.get(key), kube.field_manager)
-    if manifest is None:
-        return None
-    try:
-        observed[key] = kube.apply(manifest, field_manager=HANDOVER_MANAGER, force=False)
-        reached(FaultPoint.AUTOSCALING_HANDED_OVER)
-    except ApiException as exc:
-        result.error = exc
-        text = f"handing Deployment/{key[2]} replicas to the autoscaler failed ({exc.status})"
-        logger.warning("%s/%s: %s", server.metadata.namespace, server.metadata.name, text)
-        return text
-    logger.info(
-        "%s/%s: handed Deployment/%s replicas (%d) to the autoscaler",
-        server.metadata.namespace,
-        server.metadata.name,
-        key[2],
-        manifest["spec"]["replicas"],
-    )
-    return None
-
-
-def _autoscaling(
-    kube: Kube, server: LLMServer, features: ClusterFeatures, observed: Mapping[ObjectKey, Any]
-) -> AutoscalingStatus | None:
-    """status.autoscaling from the HorizontalPodAutoscaler that scales the Deployment."""
-    if not server.spec.is_autoscaled:
-        return None
-    name = server.metadata.name
-    hpa = observed.get((HPA_API_VERSION, HPA_KIND, name))
-    if features.uses_keda:
-        hpa_name = autoscaler_hpa_name(server, uses_keda=True)
-        hpa = kube.get(HPA_API_VERSION, HPA_KIND, server.metadata.namespace, hpa_name)
-    status = server.status
-    return autoscaling_status(
-        server, hpa, features.uses_keda, status.autoscaling, status.desired_replicas
-    )
-
-
-def _with_canary(
-    kube: Kube,
-    server: LLMServer,
-    desired: list[dict[str, Any]],
-    now: str,
-    watch: tuple[str | None, int],
-) -> tuple[list[dict[str, Any]], LLMServer, CanaryEvent | None]:
-    """The objects to apply under spec.rollout.canary, the server with its new canary status,
-    and the Event to post (see `canary`); `watch` is the Prometheus URL that has the canary
-    pods' data and how long the canary may go without it."""
-    namespace, name = server.metadata.namespace, server.metadata.name
-    rendered = next(m for m in desired if m["kind"] == "Deployment")
-    running = kube.get("apps/v1", "Deployment", namespace, name)
-    stable_template = None if running is None else running["spec"]["template"]
-    spec = server.spec
-    # Under spec.autoscaling the count is the autoscaler's: the canary comes beside it.
-    replicas = spec.replicas
-    if spec.is_autoscaled and running is not None:
-        replicas = int(running["spec"].get("replicas") or 0)
-    pods = []
-    if spec.rollout.canary.enabled or server.status.canary is not None:
-        selector = f"{SERVER_LABEL}={name},{CANARY_LABEL}=true"
-        pods = [canary_pod(p) for p in kube.list("v1", "Pod", namespace, selector)]
-    url, no_data_seconds = watch
-    data = None
-    analysis = server.status.canary
-    if url is not None and analysis is not None and analysis.phase == "Analyzing":
-        data = observe_canary_data(url, namespace, name, f"{canary_name(name)}-")
-    plan = decide_canary(
-        trial_canary_spec(server),
-        replicas=replicas,
-        max_surge=spec.rollout.max_surge,
-        candidate=template_identity(rendered["spec"]["template"]),
-        stable=None if stable_template is None else template_identity(stable_template),
-        previous=server.status.canary,
-        pods=pods,
-        history=server.status.remediation_history,
-        server_name=name,
-        now=parse_time(now),
-        data=data,
-        no_data_seconds=no_data_seconds,
-    )
-    status = server.status.model_copy(update={"canary": plan.status})
-    server = server.model_copy(update={"status": status})
-    shaped = shape_deployments(desired, plan, stable_template, owns_replicas=not spec.is_autoscaled)
-    return shaped, server, plan.event
 
 
 def _with_tuning(
