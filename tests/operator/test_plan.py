@@ -16,7 +16,8 @@ from pagekeeper_operator.adapters.plan import (
 )
 from pagekeeper_operator.controllers.refresh import refresh_status
 from pagekeeper_operator.render import ClusterFeatures, render_all
-from pagekeeper_operator.status.conditions import compute_status, merge_patch, status_patch
+from pagekeeper_operator.status.conditions import compute_status
+from pagekeeper_operator.status.patch import merge_patch, status_patch
 from pagekeeper_operator.timestamps import parse_time
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 

@@ -51,7 +51,8 @@ from pagekeeper_operator.status.api_key import (
     api_key_event,
     check_api_key,
 )
-from pagekeeper_operator.status.conditions import compute_status, status_patch
+from pagekeeper_operator.status.conditions import compute_status
+from pagekeeper_operator.status.patch import status_patch
 from pagekeeper_operator.status.refusal import write_failure
 from pagekeeper_operator.timestamps import format_time, parse_time, utc_now
 from pagekeeper_operator.tuning.decide import TuningEvent

@@ -13,7 +13,8 @@ from pagekeeper_operator.api.autoscaling import AutoscalingStatus
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render.autoscaler import HPA_API_VERSION, HPA_KIND
 from pagekeeper_operator.rollout.autoscaling import autoscaling_status
-from pagekeeper_operator.status.conditions import compute_status, status_patch
+from pagekeeper_operator.status.conditions import compute_status
+from pagekeeper_operator.status.patch import status_patch
 from pagekeeper_operator.timestamps import format_time, utc_now
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from pagekeeper_operator.rollout.canary import (
     template_identity,
 )
 from pagekeeper_operator.rollout.canary_data import observe_canary_data
-from pagekeeper_operator.status.conditions import status_patch
+from pagekeeper_operator.status.patch import status_patch
 from pagekeeper_operator.tuning.step import trial_canary_spec
 
 logger = logging.getLogger(__name__)
