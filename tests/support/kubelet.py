@@ -68,7 +68,7 @@ class HttpProbe:
         url = f"http://127.0.0.1:{port}{self.path}"
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                return 200 <= response.status < 400
+                return bool(200 <= response.status < 400)
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
@@ -117,6 +117,7 @@ class PodKubelet:
         self.core = client.CoreV1Api(cluster.api)
         self.namespace, self.pod, self.container = namespace, pod, container
         spec = self.core.read_namespaced_pod(pod, namespace).spec
+        assert spec is not None, f"pod {namespace}/{pod} has no spec"
         [self.spec] = [c for c in spec.containers if c.name == container]
         self.startup = HttpProbe.from_spec(self.spec.startup_probe)
         self.liveness = HttpProbe.from_spec(self.spec.liveness_probe)
@@ -202,10 +203,9 @@ class PodKubelet:
         pod = self.core.read_namespaced_pod(self.pod, self.namespace)
         api = client.ApiClient()
         statuses = []
-        for status in pod.status.container_statuses or []:
-            entry = {
-                k: v for k, v in api.sanitize_for_serialization(status).items() if v is not None
-            }
+        for status in (pod.status.container_statuses if pod.status else None) or []:
+            serialized = api.sanitize_for_serialization(status)  # type: ignore[no-untyped-call]
+            entry = {k: v for k, v in serialized.items() if v is not None}
             if status.name == self.container:
                 entry |= {
                     "restartCount": self.restart_count,

@@ -70,7 +70,9 @@ class PodFleet:
     def __init__(
         self, kubeconfig: str, namespace: str, name: str, checkpoint: Path, workdir: Path
     ) -> None:
-        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.api = config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig
+        )
         self.namespace, self.name = namespace, name
         self.checkpoint, self.workdir = checkpoint, workdir
         self.model = ""
@@ -80,7 +82,7 @@ class PodFleet:
         self.error: Exception | None = None
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._watch = watch.Watch()
+        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
         self._is_stopping = False
 
     def start(self) -> PodFleet:
@@ -102,9 +104,10 @@ class PodFleet:
         core = client.CoreV1Api(self.api)
         selector = f"{SERVER_LABEL}={self.name}"
         try:
-            for event in self._watch.stream(
+            events = self._watch.stream(  # type: ignore[no-untyped-call]
                 core.list_namespaced_pod, self.namespace, label_selector=selector
-            ):
+            )
+            for event in events:
                 pod = event["object"]
                 name = str(pod.metadata.name)
                 is_ending = event["type"] == "DELETED" or pod.metadata.deletion_timestamp
@@ -214,7 +217,7 @@ class PodFleet:
 
     def stop(self) -> None:
         self._is_stopping = True
-        self._watch.stop()
+        self._watch.stop()  # type: ignore[no-untyped-call]
         with self._lock:
             engines = list(self.engines.values())
         for engine in engines:

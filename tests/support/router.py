@@ -39,7 +39,9 @@ class EndpointRouter:
     def __init__(
         self, kubeconfig: str, namespace: str, service: str, fleet: PodFleet, num_workers: int
     ) -> None:
-        self.api = config.new_client_from_config(config_file=kubeconfig)
+        self.api = config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig
+        )
         self.namespace, self.service, self.fleet = namespace, service, fleet
         self.log = RouterLog()
         self.error: Exception | None = None
@@ -48,7 +50,7 @@ class EndpointRouter:
         self._lock = threading.Lock()
         self._turn = itertools.count()
         self._stop = threading.Event()
-        self._watch = watch.Watch()
+        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
         self._threads = [threading.Thread(target=self._follow, daemon=True)] + [
             threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(num_workers)
         ]
@@ -60,7 +62,7 @@ class EndpointRouter:
 
     def stop(self) -> None:
         self._stop.set()
-        self._watch.stop()
+        self._watch.stop()  # type: ignore[no-untyped-call]
         for thread in self._threads[1:]:
             thread.join(timeout=90)
         self.api.close()
@@ -75,9 +77,10 @@ class EndpointRouter:
         discovery = client.DiscoveryV1Api(self.api)
         selector = f"kubernetes.io/service-name={self.service}"
         try:
-            for event in self._watch.stream(
+            events = self._watch.stream(  # type: ignore[no-untyped-call]
                 discovery.list_namespaced_endpoint_slice, self.namespace, label_selector=selector
-            ):
+            )
+            for event in events:
                 slice_ = event["object"]
                 ready = {
                     e.target_ref.name

@@ -31,6 +31,7 @@ ENGINE_COMMAND = ("pagekeeper-engine", "serve")
 def rendered_command(apps: client.AppsV1Api, namespace: str, deployment: str) -> list[str]:
     """The engine container's command and arguments in a Deployment's pod template."""
     template = apps.read_namespaced_deployment(deployment, namespace).spec.template
+    assert template.spec is not None, f"Deployment {namespace}/{deployment} has no pod spec"
     container = template.spec.containers[0]
     return [*(container.command or []), *(container.args or [])]
 

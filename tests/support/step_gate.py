@@ -20,7 +20,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagekeeper_engine.messages import EngineOutput
 
 STEP_GATE_ENV = "PAGEKEEPER_TEST_STEP_GATE"
 OPEN = "open"
@@ -59,7 +62,7 @@ def install(path: Path) -> None:
     num_taken = 0
     is_open = False
 
-    def gated_step(engine: LLMEngine) -> list[Any]:
+    def gated_step(engine: LLMEngine) -> list[EngineOutput]:
         nonlocal num_taken, is_open
         if not is_open:
             text = path.read_text().strip()
@@ -70,7 +73,7 @@ def install(path: Path) -> None:
         num_taken += 1
         return step(engine)
 
-    LLMEngine.step = gated_step  # type: ignore[method-assign]
+    LLMEngine.step = gated_step  # type: ignore[method-assign,assignment]
 
 
 def run_gated_engine_core(*args: Any) -> None:
@@ -88,5 +91,5 @@ if __name__ == "__main__":
 
     # `serve` starts the core with the target it finds here when it runs (a spawned process
     # finds this function in this module, which multiprocessing imports there as __mp_main__).
-    cli.run_engine_core = run_gated_engine_core
+    cli.run_engine_core = run_gated_engine_core  # type: ignore[attr-defined,assignment]
     sys.exit(cli.main())
