@@ -24,7 +24,7 @@ from benchmarks.offline_engine import Workload, w_nano
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.heap import freeze_startup_heap
 from pagekeeper_engine.loop.engine import LLMEngine
 

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.shapes import SHAPES, kv_bytes_per_token, prefill_flops, weight_bytes_per_step
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.executor.workers import WorkerRanks, start_tensor_parallel
 from pagekeeper_engine.faults import RankFailedError
 from pagekeeper_engine.heap import freeze_startup_heap, thaw_heap

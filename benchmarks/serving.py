@@ -100,7 +100,7 @@ def server_num_gpus(engine_args: list[str]) -> int:
 
 def run_closed(engine: Any, work: wl.ChatWorkload, concurrency: int, tag: str) -> dict[str, Any]:
     """Keep `concurrency` requests in the engine, adding the next whenever one finishes."""
-    from pagekeeper_engine.core.sampling import SamplingParams  # noqa: PLC0415
+    from pagekeeper_engine.core.sampling_params import SamplingParams  # noqa: PLC0415
 
     pending = iter(range(len(work.prompts)))
 

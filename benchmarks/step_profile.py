@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.offline_engine import build_engine, run_engine, w_nano, write_checkpoint
 from benchmarks.shapes import SHAPES
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.loop.engine import LLMEngine
 
 FIRST_STEPS = 10  # W-nano's prefills: its 256 prompts fill the first ten steps' token budgets

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 from pagekeeper_engine.core.limits import EngineLimits
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS

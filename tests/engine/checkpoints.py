@@ -24,7 +24,7 @@ from transformers import (
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner.runner import ModelRunner
 from pagekeeper_engine.runner.step_layout import longest_decodes_first
 

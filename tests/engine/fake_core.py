@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from pagekeeper_engine.core.limits import resolve_limits
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.client import RequestOutput
 from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.loop.engine import LLMEngine

@@ -14,7 +14,7 @@ import zmq
 from pagekeeper_engine.core.block_hash import DEFAULT_HASH_SEED, external_block_hash
 from pagekeeper_engine.core.kv_events import KVEvent, KVEventLog
 from pagekeeper_engine.core.kv_manager import KVCacheManager
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence
 from pagekeeper_engine.kv_events_config import KVEventsConfig
 from pagekeeper_engine.kv_events_wire import Encoding

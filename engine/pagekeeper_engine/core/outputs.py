@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagekeeper_engine.core.kv_copies import CopyFence
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True):

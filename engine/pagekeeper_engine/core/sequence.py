@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 
 # Stands for a token the device has sampled but the host has not read back yet (asynchronous
 # scheduling): the runner fills the row from the previous step's sampled ids on the device.

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend import admin, token_routes
 from pagekeeper_engine.frontend import responses as r
 from pagekeeper_engine.frontend.auth import api_key_middleware

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from pagekeeper_engine.core.sampling import MAX_TOP_LOGPROBS
+from pagekeeper_engine.core.sampling_params import MAX_TOP_LOGPROBS
 from pagekeeper_engine.frontend.protocol import SamplingRequest, StrictModel, max_model_len_of
 
 

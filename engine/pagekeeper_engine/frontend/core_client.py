@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.client import (
     EngineDeadError,
     EngineDrainingError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 
 DecodeBatch = Callable[[list[list[int]]], list[str]]
 # Prompt tokens decoded before the first output token, so that token decodes with its leading

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pagekeeper_engine.core.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from pagekeeper_engine.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt; each one is a running sequence
 MAX_STOP = 4  # OpenAI's limit on stop sequences

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.client import EngineClient, RequestOutput
 from pagekeeper_engine.frontend.errors import bad_request
 

@@ -38,7 +38,7 @@ from pagekeeper_engine.core.protocols import (
     PendingStepProtocol,
     resolve_launch,
 )
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.core.sequence import Sequence
 from pagekeeper_engine.faults import FatalEngineError

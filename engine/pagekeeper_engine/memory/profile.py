@@ -33,7 +33,7 @@ from typing import Protocol
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.memory.budget import (
     KVLayout,
     MemoryBudget,

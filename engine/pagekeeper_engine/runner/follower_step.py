@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pagekeeper_engine.core.kv_copies import CopyFence
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner.step_inputs import PackedInputs, StepInputs
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.model.gemv_choice import (

@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch

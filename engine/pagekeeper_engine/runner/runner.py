@@ -30,7 +30,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.kv_copies import StepCopies
 from pagekeeper_engine.core.limits import EngineLimits, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup, choose_all_reduce
 from pagekeeper_engine.faults import (
     INJECT_STEP_HANG_ENV,

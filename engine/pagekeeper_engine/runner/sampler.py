@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
 from pagekeeper_engine.runner.logits_processing import (

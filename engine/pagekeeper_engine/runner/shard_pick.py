@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PLANES, PickScratch

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from pagekeeper_engine.core.outputs import ScheduledSeq
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagekeeper_engine.core.outputs import RunnerOutput
-from pagekeeper_engine.core.sampling import MAX_TOP_LOGPROBS
+from pagekeeper_engine.core.sampling_params import MAX_TOP_LOGPROBS
 
 
 @dataclass

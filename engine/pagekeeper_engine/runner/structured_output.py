@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 
 # Logits the top-k / top-p cut sorts at once (whole rows, at least one): its scratch and the
 # sort's own temporaries (about 75 MiB for 16 rows of a 152k vocabulary) scale with this, never

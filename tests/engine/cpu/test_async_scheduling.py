@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.kv_manager import num_blocks_for
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import SequenceStatus
 from pagekeeper_engine.frontend.detokenizer import TextState, detokenize_next
 from pagekeeper_engine.loop.engine import LLMEngine

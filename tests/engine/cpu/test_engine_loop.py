@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import EngineOutput
 from tests.engine.fakes import EOS, make_engine, rollout, run_all, tokens_of

@@ -19,7 +19,7 @@ from pagekeeper_engine import engine_process
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.engine_process import RankFailureHandler, report_fatal
 from pagekeeper_engine.faults import FatalEngineError, RankFailedError, TensorParallelStepError
 from pagekeeper_engine.frontend.client import EngineDeadError

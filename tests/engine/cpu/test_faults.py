@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.distributed.group import TensorParallelGroup
 from pagekeeper_engine.faults import (
     INJECT_STEP_FAULT_ENV,

@@ -9,7 +9,7 @@ import pytest
 from pagekeeper_engine.core.host_tier import EvictedRecord, HostTier
 from pagekeeper_engine.core.kv_copies import CopyFence, CopyPlan, StepCopies
 from pagekeeper_engine.core.kv_manager import KVCacheManager
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence
 from tests.engine.fakes import make_engine, rollout, run_all, tokens_of
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagekeeper_engine.config import EngineConfig, parse_args
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import LoopStats
 from pagekeeper_engine.runner.kv_offload import host_tier_blocks

@@ -11,7 +11,7 @@ from pagekeeper_engine.core.kv_events import (
     KVEventLog,
 )
 from pagekeeper_engine.core.kv_manager import KVCacheManager
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence
 
 BS = 4

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner import sampler as sampler_module
 from pagekeeper_engine.runner.logits_processing import (

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from pagekeeper_engine.core.limits import EngineLimits
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.client import EngineDeadError
 from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.memory.allocator import AllocatorStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.memory.oom import EngineOutOfMemoryError
 from pagekeeper_engine.memory.step_budget import StepTokenBudget
 from tests.engine.fakes import make_engine, rollout, run_all, tokens_of

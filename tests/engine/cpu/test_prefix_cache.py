@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagekeeper_engine.core.kv_manager import KVCacheManager, PrefixHit, hash_block
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import Sequence
 
 BS = 4

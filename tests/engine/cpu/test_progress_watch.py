@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.engine_process import StuckLoopHandler
 from pagekeeper_engine.frontend.app import STATE, create_app
 from pagekeeper_engine.frontend.client import EngineDeadError

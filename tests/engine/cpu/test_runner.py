@@ -8,7 +8,7 @@ import torch
 from pagekeeper_engine.config import EngineConfig, parse_args
 from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.model.hf_config import load_model_config
 from pagekeeper_engine.runner.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype

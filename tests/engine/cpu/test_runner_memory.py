@@ -16,7 +16,7 @@ import torch
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import SchedulerConfig
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.memory import swap
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner.sampler import Sampler, pick_tokens
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, apply_top_k_top_p
 

@@ -7,7 +7,7 @@ import pytest
 from pagekeeper_engine.core.limits import RequestRejectedError, SchedulerConfig
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.preemption import PreemptionMode, choose_preemption_mode
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.scheduler import Scheduler
 from pagekeeper_engine.core.sequence import Sequence, SequenceStatus
 

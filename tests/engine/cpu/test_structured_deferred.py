@@ -15,7 +15,7 @@ import torch
 import xgrammar
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import EngineOutput

@@ -14,7 +14,7 @@ import xgrammar.testing
 from transformers import PreTrainedTokenizerFast
 
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.logits_processing import StepHistory
 from pagekeeper_engine.runner.sampler import Sampler

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.runner import ModelRunner
 from tests.engine.checkpoints import hf_logits, make_runner, seq, step_logits, tokens

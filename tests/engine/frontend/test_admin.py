@@ -12,7 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.app import STATE, create_app
 from pagekeeper_engine.frontend.core_client import CoreClient
 from pagekeeper_engine.memory.allocator import AllocatorStats

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pagekeeper_engine.core.limits import RequestRejectedError
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend.client import (
     EngineDeadError,
     EngineDrainingError,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.config import EngineConfig
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.loop.engine import LLMEngine
 from tests.engine.checkpoints import make_runner, tokens, write_checkpoint
 from tests.engine.fakes import IdTokenizer, run_all

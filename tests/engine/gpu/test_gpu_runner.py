@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.outputs import SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.kernels import supports_pdl
 from pagekeeper_engine.model.layers import Linear
 from pagekeeper_engine.model.row_fusion import RowFusion

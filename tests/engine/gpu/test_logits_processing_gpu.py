@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.runner.logits_processing import StepHistory, process_scores_ref
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers

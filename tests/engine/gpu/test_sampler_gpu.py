@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
 from pagekeeper_engine.runner.sampler import Sampler
 

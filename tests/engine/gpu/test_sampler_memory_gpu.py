@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.memory.budget import MIN_FRAGMENTATION_BUFFER
 from pagekeeper_engine.runner.sampler import Sampler, SamplerBuffers
 

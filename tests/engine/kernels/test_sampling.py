@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module

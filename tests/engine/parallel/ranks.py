@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.outputs import ScheduledSeq, SchedulerOutput
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.distributed.group import (
     TensorParallelGroup,

@@ -11,7 +11,7 @@ import torch
 from openai import BadRequestError, OpenAI
 from transformers import PreTrainedModel
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner.logits_processing import process_scores_ref
 from tests.engine.server.checkpoint import VOCAB, chat_prompt, decode, encode, greedy_reference
 from tests.engine.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Checkpoint, Server

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pagekeeper_engine.core.sampling import SamplingParams
+from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.frontend import responses as r
 from pagekeeper_engine.frontend.chat_protocol import ChatCompletionRequest
 from pagekeeper_engine.frontend.errors import APIError, from_validation_error
