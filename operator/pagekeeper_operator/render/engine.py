@@ -1,6 +1,6 @@
 """The engine's command line and environment: the operator's half of the flag contract.
 
-Flags are named as `pagekeeper_engine.config.build_parser()` names them (vLLM's names), so
+Flags are named as `pagekeeper_engine.flags.build_parser()` names them (vLLM's names), so
 `tests/operator/test_flag_contract.py` can parse what this renders with the engine's own parser.
 Every policy value is written out, defaults included, so a pod's command says what it runs.
 """
