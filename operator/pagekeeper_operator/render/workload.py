@@ -198,8 +198,8 @@ def render_deployment(
     server: LLMServer, default_images: Mapping[str, str], policy: MemoryPolicy | None = None
 ) -> dict[str, Any]:
     """The Deployment running the engine pods with `policy`, the effective memory policy the
-    reconcile composed (`EffectivePolicy.rendered`); tools and tests that pass none get
-    `effective.compose(server).policy`.
+    reconcile composed (`EffectivePolicy.rendered`: with a trial's change while one runs); tools
+    and tests that pass none get the same, `effective.compose(server).rendered`.
 
     The pod template carries `pagekeeper.dev/policy-hash` of the effective memory policy: a
     policy change alters the template and rolls the pods; a replicas change does not. Under
@@ -207,7 +207,7 @@ def render_deployment(
     """
     spec = server.spec
     if policy is None:
-        policy = effective.compose(server).policy
+        policy = effective.compose(server).rendered
     image = spec.image or default_images[spec.runtime]
     pod_labels = {**spec.pod_template.labels, **common_labels(server)}
     pod_annotations = {

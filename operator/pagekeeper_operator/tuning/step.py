@@ -1,7 +1,8 @@
-"""The tuner's step inside a reconcile: observe (Prometheus), tune (pure), and what the
-reconcile must then render: the canary's candidate policy during a trial.
+"""The tuner's step inside a reconcile: observe (Prometheus), tune (pure), and the canary's
+spec and outcome during a trial.
 
-The canary Deployment runs the effective policy plus the change under trial; the canary's own
+The canary Deployment runs the effective policy plus the change under trial (the composition's
+`rendered` policy, `policy.effective`); the canary's own
 analysis keeps failing it on its `failOn` signals, but it never promotes a trial by the clock:
 only `decide`'s measured win does (`trial_canary_spec`, `promote_canary`).
 """
@@ -32,7 +33,7 @@ from pagekeeper_operator.tuning.trial_queries import (
     secondary_samples,
     throughput_samples_query,
 )
-from pagekeeper_operator.tuning.tuner import Observation, with_trial
+from pagekeeper_operator.tuning.tuner import Observation
 from pagekeeper_operator.tuning.window import MetricWindow
 
 NO_PROMETHEUS = "PAGEKEEPER_PROMETHEUS_URL is not set: the tuner has no metric window"
@@ -180,15 +181,6 @@ def observe(
     except PrometheusError as exc:
         return Observation(None, error=f"no metric window: {exc}"[:1024])
     return Observation(window, trial)
-
-
-def candidate(server: LLMServer) -> LLMServer:
-    """The server whose rendering is the trial's candidate: the tuning layer plus the change
-    under trial (in memory only; status records the trial, not this layer)."""
-    tuning = server.status.tuning
-    if tuning is None or tuning.trial is None:
-        return server
-    return with_trial(server, tuning.trial)
 
 
 def trial_canary_spec(server: LLMServer) -> CanarySpec:

@@ -19,7 +19,7 @@ from pagekeeper_operator.render import ClusterFeatures, render_all
 from pagekeeper_operator.rollout.canary import CanaryPlan, decide_canary, template_identity
 from pagekeeper_operator.tuning.compare import compare
 from pagekeeper_operator.tuning.decide import TrialEvidence
-from pagekeeper_operator.tuning.step import candidate, promote_canary, trial_canary_spec
+from pagekeeper_operator.tuning.step import promote_canary, trial_canary_spec
 from pagekeeper_operator.tuning.tuner import Observation, tune
 from tests.operator.servers import DEFAULT_IMAGES, make_server, merge, server_body
 from tests.operator.test_reconcile_fit import MemoryKube
@@ -55,7 +55,7 @@ def reconcile(
     server = server.model_copy(update={"status": status})
     plan = decide_canary(
         trial_canary_spec(server), replicas=3, max_surge=0,
-        candidate=identity(candidate(server)), stable=stable, previous=server.status.canary,
+        candidate=identity(server), stable=stable, previous=server.status.canary,
         pods=[], history=[], server_name="qwen", now=now,
     )  # fmt: skip
     status = server.status.model_copy(update={"canary": plan.status})
@@ -99,7 +99,7 @@ def test_a_tie_takes_the_canary_back_and_holds_the_field() -> None:
     now = T0 + timedelta(seconds=600)
     server, plan = reconcile(server, Observation(window("no_prefix_reuse"), tie), now, stable)
     assert (plan.main_runs_candidate, plan.canary_replicas, plan.status) == (True, 0, None)
-    assert identity(candidate(server)) == stable  # the pods keep what they ran
+    assert identity(server) == stable  # the pods keep what they ran
     tuning = server.status.tuning
     assert tuning is not None and tuning.trial is None
     assert tuning.history[-1].outcome == "RolledBack"

@@ -25,7 +25,6 @@ from pagekeeper_operator.tuning.step import (
     TRIAL_ANALYSIS_SECONDS,
     WindowCache,
     canary_failure,
-    candidate,
     is_covered,
     promote_canary,
     trial_canary_spec,
@@ -174,7 +173,7 @@ def test_apply_mode_tries_the_top_recommendation_on_the_canary() -> None:
     assert trying.status.tuning is not None and trying.status.tuning.trial is not None
     # Pods run the effective policy; the canary's candidate is it plus the trial's change.
     assert compose(trying).policy.enable_prefix_caching is True
-    assert compose(candidate(trying)).policy.enable_prefix_caching is False
+    assert compose(trying).rendered.enable_prefix_caching is False
     assert trial_canary_spec(trying).analysis_seconds == TRIAL_ANALYSIS_SECONDS
     assert trial_canary_spec(server).analysis_seconds == 1800
 
@@ -290,7 +289,7 @@ def test_a_step_down_during_a_trial_rolls_it_back_and_holds_the_field(pod: str) 
     ]
     # The pods now render the stepped-down policy, without the trial's change.
     done = written(stepped, result, now)
-    assert candidate(done) == done
+    assert compose(done).trial_policy is None
     policy = compose(done).policy
     assert (policy.gpu_memory_utilization, policy.enable_prefix_caching) == (0.85, True)
     assert trial_canary_spec(done).analysis_seconds == 1800  # the step-down's own canary
