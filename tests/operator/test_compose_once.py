@@ -23,9 +23,7 @@ from tests.operator.test_reconcile_fit import MemoryKube
 NOW = "2026-11-29T01:00:00Z"
 RECONCILE = "pagekeeper_operator.controllers.reconcile.reconcile"
 TUNE = "pagekeeper_operator.tuning.tuner.tune"
-FIT_CHECK = (
-    "pagekeeper_operator.controllers.reconcile.does_not_fit"  # the tuner's gate on its candidates
-)
+FIT_CHECK = "pagekeeper_operator.tuning.tuner._unfit"  # the memory plan on the tuner's candidates
 SPEC: dict[str, Any] = {"memoryPolicy": {"gpuMemoryUtilization": 0.85}}
 
 
@@ -95,8 +93,7 @@ def test_a_trial_renders_its_candidate_from_the_same_composition(callers: list[s
     trying = LLMServer.from_body(server_body(spec, status=status))
     callers.clear()
     result = reconcile(kube, trying, DEFAULT_IMAGES, now="2026-11-29T01:01:00Z")  # type: ignore[arg-type]
-    assert sorted(set(callers)) == [FIT_CHECK, RECONCILE, TUNE]
-    assert callers.count(RECONCILE) == 1
+    assert callers == [TUNE, FIT_CHECK, RECONCILE]  # the trial's candidate planned once
     assert _utilizations(kube) == {"qwen": "0.85", "qwen-canary": "0.9"}
     assert "effectiveMemoryPolicy" not in result.status_patch  # still the spec's 0.85
 

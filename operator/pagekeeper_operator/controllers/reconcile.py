@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.adapters.kube import Kube
 from pagekeeper_operator.adapters.plan import Apply, ObjectKey, key_of, plan, prune
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.controllers.rollout_steps import (
     hand_over,
     observed_autoscaling,
@@ -224,8 +225,8 @@ def _with_tuning(
     Events to post; a won trial marks its canary Promoted so every replica takes it. A trial
     whose candidate the memory plan would hold never starts (or ends at once)."""
 
-    def does_not_fit(trying: LLMServer) -> str | None:
-        fit = decide_fit(trying, effective.compose(trying).policy, nodes)
+    def does_not_fit(trying: LLMServer, policy: MemoryPolicy) -> str | None:
+        fit = decide_fit(trying, policy, nodes)
         return fit.status.message if fit.holds_rollout else None
 
     when = parse_time(now)

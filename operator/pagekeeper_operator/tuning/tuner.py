@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import (
     DroppedRecommendation,
     Evidence,
@@ -56,8 +57,9 @@ from pagekeeper_operator.tuning.window import MetricWindow
 ACCEPT_ANNOTATION = "pagekeeper.dev/accept-recommendation"
 NO_CHANGE_MESSAGE = "the window supports no change"
 NO_FIT_MESSAGE = "no recommended change fits the GPUs (status.tuning.dropped says why)"
-# The candidate server -> why its policy does not fit its GPUs, or None (fits, or unknown).
-FitCheck = Callable[[LLMServer], str | None]
+# The candidate server and its effective policy -> why that policy does not fit its GPUs, or
+# None (fits, or unknown).
+FitCheck = Callable[[LLMServer, MemoryPolicy], str | None]
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,13 @@ def _unfit(
     """Field -> why the candidate with that trial's change does not fit its GPUs."""
     if does_not_fit is None:
         return {}
-    found = {t.field: does_not_fit(with_trial(layered, t)) for t in trials}
-    return {name: why for name, why in found.items() if why is not None}
+    unfit: dict[str, str] = {}
+    for trial in trials:
+        trying = with_trial(layered, trial)
+        why = does_not_fit(trying, effective.compose(trying).policy)
+        if why is not None:
+            unfit[trial.field] = why
+    return unfit
 
 
 def caps_text(caps: StepDownCaps) -> str:

@@ -12,7 +12,6 @@ import pytest
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.policy.effective import effective_memory_policy
 from pagekeeper_operator.policy.fields import with_change, within_bounds
 from pagekeeper_operator.policy.fit import decide_fit
 from pagekeeper_operator.tuning.host_rules import size_text
@@ -180,9 +179,9 @@ NODE = {
 }
 
 
-def _does_not_fit(server: LLMServer) -> str | None:
+def _does_not_fit(server: LLMServer, policy: MemoryPolicy) -> str | None:
     """The reconcile's gate (`reconcile._with_tuning`): the memory plan on the candidate."""
-    fit = decide_fit(server, effective_memory_policy(server), [NODE])
+    fit = decide_fit(server, policy, [NODE])
     return fit.status.message if fit.holds_rollout else None
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pagekeeper_operator.api.llmserver import LLMServer
+from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.api.rollout import CanaryStatus
 from pagekeeper_operator.api.tuning import StepDownCaps
@@ -88,8 +89,8 @@ def test_a_recommendation_that_does_not_fit_is_dropped_with_the_plans_reason() -
     server = make_server()
     checked: list[str | None] = []
 
-    def does_not_fit(trying: LLMServer) -> str | None:
-        value = compose(trying).policy.enable_prefix_caching
+    def does_not_fit(trying: LLMServer, policy: MemoryPolicy) -> str | None:
+        value = policy.enable_prefix_caching
         checked.append(str(value))
         return "the KV cache gets 0 blocks" if value is False else None
 
@@ -112,7 +113,7 @@ def test_a_recommendation_that_does_not_fit_is_dropped_with_the_plans_reason() -
     assert (again.events, again.tuning) == ([], result.tuning)
     blind = tune(after(server, result), Observation(None, error="no Prometheus"), T0)
     assert blind.tuning is not None and blind.tuning.dropped == result.tuning.dropped
-    fits = tune(server, NO_REUSE, T0, lambda _: None)
+    fits = tune(server, NO_REUSE, T0, lambda _server, _policy: None)
     assert [r.field for r in fits.recommendations] == ["enablePrefixCaching"]
     assert fits.tuning is not None and fits.tuning.dropped == []
     assert [e.reason for e in fits.events] == ["TuningRecommendation"]
