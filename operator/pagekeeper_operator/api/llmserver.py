@@ -12,17 +12,37 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, model_validator
 
 from pagekeeper_operator.api.autoscaling import AutoscalingSpec
-from pagekeeper_operator.api.gateway import GatewaySpec
+from pagekeeper_operator.api.gateway import PREFIX_CACHE_RULE, GatewaySpec
 from pagekeeper_operator.api.lifecycle import LifecycleSpec
 from pagekeeper_operator.api.pod import PodTemplateOverrides
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.remediation import RemediationSpec
 from pagekeeper_operator.api.rollout import RolloutSpec
-from pagekeeper_operator.api.runtime import VLLM_PLUGINS_ENV, Runtime, vllm_loads_plugin
-from pagekeeper_operator.api.spec_rules import SPEC_RULES, spec_violation
+from pagekeeper_operator.api.runtime import (
+    TRIGGERS,
+    VLLM_PLUGINS_ENV,
+    Runtime,
+    missing_series,
+    unfed_message,
+    vllm_loads_plugin,
+)
+from pagekeeper_operator.api.spec_rules import (
+    ADAPTIVE_FLOOR_RULE,
+    AUTOSCALING_CANARY_RULE,
+    BLOCK_SIZE_RULE,
+    CANARY_CAPACITY_RULE,
+    CANARY_RULE,
+    DRAIN_RULE,
+    GPU_RULE,
+    OFFLOAD_MEMORY_RULE,
+    PYTHONPATH_RULE,
+    SPEC_RULES,
+    SWAP_RULE,
+    trigger_rule,
+)
 from pagekeeper_operator.api.status import LLMServerStatus
-from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.api.types import ApiModel, validations
+from pagekeeper_operator.api.tuning import APPLY_RULE, TuningSpec, bounds_violation
+from pagekeeper_operator.api.types import ApiModel, quantity_value, validations
 from pagekeeper_operator.api.workload import (
     ApiKeySpec,
     DisruptionBudgetSpec,
@@ -221,3 +241,66 @@ class LLMServer(ApiModel):
     def from_body(cls, body: Any) -> LLMServer:
         """Parse an object as the API (or kopf's body) gives it: stored, so already admitted."""
         return cls.model_validate(dict(body), context={STORED_CONTEXT: True})
+
+
+def spec_violation(spec: LLMServerSpec, *, is_stored: bool = False) -> str | None:
+    """The message of the first rule `spec` breaks, or None.
+
+    A stored object (`is_stored`, read back from the API server) is held only to what the
+    runtime must have: the API server enforces the rest on every write, and an object it stored
+    under an earlier schema may break them; it is still reconciled as written (alerts follow
+    the runtime whatever `enabled` says) until its next write meets the CRD.
+    """
+    policy, remediation = spec.memory_policy, spec.remediation
+    if spec.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
+        return SWAP_RULE["message"]
+    violation = policy.runtime_violation(spec.runtime)
+    if violation is not None or is_stored:
+        return violation
+    if spec.runtime != "pagekeeper" and policy.block_size == 8:
+        return BLOCK_SIZE_RULE["message"]
+    adaptive = remediation.adaptive
+    utilization = policy.effective_utilization
+    if (
+        adaptive.enabled
+        and utilization is not None
+        and adaptive.min_gpu_memory_utilization > utilization
+    ):
+        return ADAPTIVE_FLOOR_RULE["message"]
+    memory = spec.resources.requests.memory
+    offload = policy.weight_policy.cpu_offload_gib * 2**30 * spec.parallelism.tensor
+    if memory is not None and quantity_value(memory) < offload:
+        return OFFLOAD_MEMORY_RULE["message"]
+    if spec.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
+        return DRAIN_RULE["message"]
+    rollout, autoscaling = spec.rollout, spec.autoscaling
+    canary = rollout.canary
+    if canary.enabled and autoscaling is None and canary.replicas >= spec.replicas:
+        return CANARY_RULE["message"]
+    if (
+        canary.enabled
+        and autoscaling is None
+        and rollout.max_surge == 0
+        and canary.replicas > rollout.max_unavailable
+    ):
+        return CANARY_CAPACITY_RULE["message"]
+    if canary.enabled and autoscaling is not None and canary.replicas >= autoscaling.min_replicas:
+        return AUTOSCALING_CANARY_RULE["message"]
+    if spec.runtime == "vllm" and any(
+        e.name == "PYTHONPATH" and e.value_from is not None for e in spec.pod_template.env
+    ):
+        return PYTHONPATH_RULE["message"]
+    if spec.gateway.kv_events.enabled and not policy.enable_prefix_caching:
+        return PREFIX_CACHE_RULE["message"]
+    gpus, tensor = spec.resources.gpus, spec.parallelism.tensor
+    if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
+        return GPU_RULE["message"]
+    for trigger in TRIGGERS:
+        if missing_series(spec.runtime, trigger) and (
+            remediation.triggers.by_key(trigger.key).enabled
+        ):
+            reason = unfed_message(spec.runtime, trigger)
+            return trigger_rule(spec.runtime, trigger.key, reason)["message"]
+    if spec.tuning.mode == "Apply" and not canary.enabled:
+        return APPLY_RULE["message"]
+    return bounds_violation(spec.tuning.bounds, policy)

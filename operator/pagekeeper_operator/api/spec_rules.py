@@ -1,5 +1,6 @@
 """The rules across sections of `LLMServer.spec`: CEL on the spec (`SPEC_RULES`, in the CRD's
-order) and the same checks in `spec_violation`, so the models refuse what the API server does.
+order); `llmserver.spec_violation` makes the same checks, so the models refuse what the API
+server does.
 
 A field one runtime cannot honour, a floor above the value it bounds, a grace period shorter
 than the drain, a canary as large as the fleet. Rules within one section live beside it
@@ -7,8 +8,6 @@ than the drain, a canary as large as the fleet. Rules within one section live be
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from pagekeeper_memplan.defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from pagekeeper_operator.api.gateway import PREFIX_CACHE_RULE
@@ -20,11 +19,8 @@ from pagekeeper_operator.api.runtime import (
     missing_series,
     unfed_message,
 )
-from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES, bounds_violation
-from pagekeeper_operator.api.types import cel, quantity_value
-
-if TYPE_CHECKING:
-    from pagekeeper_operator.api.llmserver import LLMServerSpec
+from pagekeeper_operator.api.tuning import APPLY_RULE, BOUNDS_RULES
+from pagekeeper_operator.api.types import cel
 
 SWAP_RULE = cel(
     "self.runtime == 'pagekeeper' || self.memoryPolicy.swapSpaceGiB == 0.0",
@@ -65,7 +61,7 @@ DRAIN_RULE = cel(
 )
 
 
-def _trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
+def trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
     enabled = f"self.remediation.triggers.{key}.enabled"
     return cel(
         f"self.runtime != '{runtime}' || !has({enabled}) || !{enabled}",
@@ -77,7 +73,7 @@ def _trigger_rule(runtime: Runtime, key: str, reason: str) -> dict[str, str]:
 
 # A trigger switched on explicitly for a runtime that does not export what its alert reads.
 TRIGGER_RULES: tuple[dict[str, str], ...] = tuple(
-    _trigger_rule(runtime, trigger.key, unfed_message(runtime, trigger))
+    trigger_rule(runtime, trigger.key, unfed_message(runtime, trigger))
     for runtime in RUNTIMES
     for trigger in TRIGGERS
     if missing_series(runtime, trigger)
@@ -134,66 +130,3 @@ SPEC_RULES: tuple[dict[str, str], ...] = (
     *BOUNDS_RULES,
     APPLY_RULE,
 )
-
-
-def spec_violation(spec: LLMServerSpec, *, is_stored: bool = False) -> str | None:
-    """The message of the first rule `spec` breaks, or None.
-
-    A stored object (`is_stored`, read back from the API server) is held only to what the
-    runtime must have: the API server enforces the rest on every write, and an object it stored
-    under an earlier schema may break them; it is still reconciled as written (alerts follow
-    the runtime whatever `enabled` says) until its next write meets the CRD.
-    """
-    policy, remediation = spec.memory_policy, spec.remediation
-    if spec.runtime != "pagekeeper" and policy.swap_space_gib != 0.0:
-        return SWAP_RULE["message"]
-    violation = policy.runtime_violation(spec.runtime)
-    if violation is not None or is_stored:
-        return violation
-    if spec.runtime != "pagekeeper" and policy.block_size == 8:
-        return BLOCK_SIZE_RULE["message"]
-    adaptive = remediation.adaptive
-    utilization = policy.effective_utilization
-    if (
-        adaptive.enabled
-        and utilization is not None
-        and adaptive.min_gpu_memory_utilization > utilization
-    ):
-        return ADAPTIVE_FLOOR_RULE["message"]
-    memory = spec.resources.requests.memory
-    offload = policy.weight_policy.cpu_offload_gib * 2**30 * spec.parallelism.tensor
-    if memory is not None and quantity_value(memory) < offload:
-        return OFFLOAD_MEMORY_RULE["message"]
-    if spec.shutdown_grace_period_seconds < remediation.drain_timeout_seconds:
-        return DRAIN_RULE["message"]
-    rollout, autoscaling = spec.rollout, spec.autoscaling
-    canary = rollout.canary
-    if canary.enabled and autoscaling is None and canary.replicas >= spec.replicas:
-        return CANARY_RULE["message"]
-    if (
-        canary.enabled
-        and autoscaling is None
-        and rollout.max_surge == 0
-        and canary.replicas > rollout.max_unavailable
-    ):
-        return CANARY_CAPACITY_RULE["message"]
-    if canary.enabled and autoscaling is not None and canary.replicas >= autoscaling.min_replicas:
-        return AUTOSCALING_CANARY_RULE["message"]
-    if spec.runtime == "vllm" and any(
-        e.name == "PYTHONPATH" and e.value_from is not None for e in spec.pod_template.env
-    ):
-        return PYTHONPATH_RULE["message"]
-    if spec.gateway.kv_events.enabled and not policy.enable_prefix_caching:
-        return PREFIX_CACHE_RULE["message"]
-    gpus, tensor = spec.resources.gpus, spec.parallelism.tensor
-    if gpus is not None and gpus != tensor and not (gpus == 0 and tensor == 1):
-        return GPU_RULE["message"]
-    for trigger in TRIGGERS:
-        if missing_series(spec.runtime, trigger) and (
-            remediation.triggers.by_key(trigger.key).enabled
-        ):
-            reason = unfed_message(spec.runtime, trigger)
-            return _trigger_rule(spec.runtime, trigger.key, reason)["message"]
-    if spec.tuning.mode == "Apply" and not canary.enabled:
-        return APPLY_RULE["message"]
-    return bounds_violation(spec.tuning.bounds, policy)
