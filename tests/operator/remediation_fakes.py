@@ -8,7 +8,7 @@ from typing import Any
 
 from pagekeeper_operator.api.remediation import RemediationRecord, RemediationSpec
 from pagekeeper_operator.remediation.decide import PodState, ServerState
-from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
+from pagekeeper_operator.remediation.port import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.remediation.state import is_intent
 
 NS = "prod"

@@ -19,7 +19,7 @@ from pagekeeper_operator.remediation.actions import (
     server_info,
 )
 from pagekeeper_operator.remediation.decide import PodState
-from pagekeeper_operator.remediation.remediator import EvictionOutcome
+from pagekeeper_operator.remediation.port import EvictionOutcome
 
 
 def pod_body(

@@ -10,7 +10,8 @@ from typing import Any
 
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.remediation.payload import WebhookMessage
-from pagekeeper_operator.remediation.remediator import EvictionOutcome, Remediator
+from pagekeeper_operator.remediation.port import EvictionOutcome
+from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.timestamps import format_time
 from tests.operator.remediation_fakes import NS, SERVER, T0, Clock, FakeCluster, alert_json
 from tests.operator.remediation_fakes import message_json as message

@@ -16,7 +16,8 @@ from kubernetes.client.exceptions import ApiException
 from pagekeeper_operator.failures import UnreadableDataError
 from pagekeeper_operator.remediation.actions import server_info
 from pagekeeper_operator.remediation.payload import WebhookMessage
-from pagekeeper_operator.remediation.remediator import Remediator, ServerInfo
+from pagekeeper_operator.remediation.port import ServerInfo
+from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.webhook import is_authorized, make_app
 from pagekeeper_operator.timestamps import TimestampError
 from tests.operator.remediation_fakes import Clock, FakeCluster, alert_json, message_json

@@ -24,7 +24,8 @@ from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.metrics import count_remediation
 from pagekeeper_operator.remediation.actions import KubeClusterPort, is_server_pod, pod_state
-from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, Remediator
+from pagekeeper_operator.remediation.port import EventType, EvictionOutcome
+from pagekeeper_operator.remediation.remediator import Remediator
 from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL
 from pagekeeper_operator.rollout.canary import CANARY_LABEL

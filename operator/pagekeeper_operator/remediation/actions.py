@@ -22,7 +22,7 @@ from pagekeeper_operator.api.llmserver import API_VERSION, KIND, LLMServer
 from pagekeeper_operator.api.remediation import RemediationRecord
 from pagekeeper_operator.failures import UnreadableDataError
 from pagekeeper_operator.remediation.decide import PodState, ServerState
-from pagekeeper_operator.remediation.remediator import EventType, EvictionOutcome, ServerInfo
+from pagekeeper_operator.remediation.port import EventType, EvictionOutcome, ServerInfo
 from pagekeeper_operator.remediation.state import EVICT_INTENT
 from pagekeeper_operator.render.meta import SERVER_LABEL, is_controlled_by
 from pagekeeper_operator.timestamps import format_time, parse_or, utc_now

@@ -36,7 +36,7 @@ from pagekeeper_operator.policy.adaptive import (
 )
 from pagekeeper_operator.policy.effective import memory_policy_hash
 from pagekeeper_operator.remediation.actions import bounded_history
-from pagekeeper_operator.remediation.remediator import EventType
+from pagekeeper_operator.remediation.port import EventType
 from pagekeeper_operator.rollout.canary import CANARY_SUFFIX
 from pagekeeper_operator.timestamps import format_time, parse_or
 

@@ -1,6 +1,6 @@
 """Alerts in, evictions out: reads the cluster, asks `decide`, acts, and remembers.
 
-Kubernetes is reached only through `ClusterPort` (implemented in `actions`), so this loop is
+Kubernetes is reached only through `port.ClusterPort` (implemented in `actions`), so this loop is
 tested against an in-memory cluster. Batches run one at a time: each decides on the state the
 previous one left.
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from pagekeeper_operator.api.remediation import RemediationAction, RemediationRecord
 from pagekeeper_operator.failures import describe, is_permanent
@@ -24,13 +22,18 @@ from pagekeeper_operator.remediation.decide import (
     PodKey,
     PodState,
     ServerKey,
-    ServerState,
     SkipReason,
     Snapshot,
     Verdict,
     decide,
 )
 from pagekeeper_operator.remediation.payload import WebhookAlert, WebhookMessage
+from pagekeeper_operator.remediation.port import (
+    ClusterPort,
+    EventType,
+    EvictionOutcome,
+    ServerInfo,
+)
 from pagekeeper_operator.remediation.state import (
     EVICT_INTENT,
     RemediationStore,
@@ -40,47 +43,9 @@ from pagekeeper_operator.remediation.state import (
 from pagekeeper_operator.timestamps import utc_now
 
 logger = logging.getLogger(__name__)
-EventType = Literal["Normal", "Warning"]
 MAX_MESSAGE_LENGTH = 1024
 # Deferred skips worth a line in status and an Event (once per alert firing).
 RECORDED_SKIPS = frozenset({SkipReason.COOLDOWN, SkipReason.MAX_UNAVAILABLE})
-
-
-class EvictionOutcome(StrEnum):
-    EVICTED = "evicted"
-    PDB_BLOCKED = "pdb-blocked"
-    POD_GONE = "pod-gone"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """An LLMServer with its pods and its recorded remediation history."""
-
-    state: ServerState
-    history: tuple[RemediationRecord, ...]
-
-
-class ClusterPort(Protocol):
-    """The Kubernetes operations remediation needs."""
-
-    async def read_pod(self, namespace: str, name: str) -> PodState | None: ...
-
-    async def read_server(self, namespace: str, name: str) -> ServerInfo | None: ...
-
-    async def evict(self, namespace: str, pod: str) -> tuple[EvictionOutcome, str]: ...
-
-    async def emit_event(
-        self, namespace: str, server: str, type_: EventType, reason: str, message: str
-    ) -> None: ...
-
-    async def append_history(
-        self, namespace: str, server: str, record: RemediationRecord, limit: int
-    ) -> None:
-        """Append `record`, or put it in place of the open eviction intent of its firing."""
-
-    async def drop_intent(self, namespace: str, server: str, record: RemediationRecord) -> None:
-        """Remove the open eviction intent of `record`'s firing."""
 
 
 class Remediator:
