@@ -44,8 +44,6 @@ from harness.cpu_engine import (
 from harness.loop import (
     OperatorProcess,
     PodWatch,
-    Prometheus,
-    engine_scrape,
     get_server,
     history,
     install_crd,
@@ -55,6 +53,7 @@ from harness.loop import (
     wait_ready_pods,
 )
 from harness.processes import Service, prometheus_alerts, start_alertmanager
+from harness.prometheus import Prometheus, engine_scrape
 from harness.tools import REPO
 from pagekeeper_operator.alerts.render import ALERT_KV_CACHE_SATURATED
 

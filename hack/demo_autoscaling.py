@@ -31,16 +31,9 @@ from harness.cpu_engine import (
     wait_engine_ready,
     write_tiny_checkpoint,
 )
-from harness.loop import (
-    OperatorProcess,
-    PodWatch,
-    Prometheus,
-    engine_scrape,
-    pod_scrape,
-    server_pods,
-    wait_ready_pods,
-)
+from harness.loop import OperatorProcess, PodWatch, server_pods, wait_ready_pods
 from harness.processes import exporter
+from harness.prometheus import Prometheus, engine_scrape, pod_scrape
 from harness.tools import REPO
 
 EXAMPLE = REPO / "examples" / "llmserver-small.yaml"

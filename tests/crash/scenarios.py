@@ -17,16 +17,9 @@ from typing import Any, ClassVar
 from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
-from harness.loop import (
-    PodWatch,
-    Prometheus,
-    get_server,
-    history,
-    is_pod_ready,
-    pod_scrape,
-    server_pods,
-)
+from harness.loop import PodWatch, get_server, history, is_pod_ready, server_pods
 from harness.processes import exporter
+from harness.prometheus import Prometheus, pod_scrape
 from pagekeeper_operator.controllers.scaledown import DELETION_COST_ANNOTATION
 from pagekeeper_operator.faultpoints import FaultPoint
 from pagekeeper_operator.rollout.canary import template_identity

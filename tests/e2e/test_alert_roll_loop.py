@@ -33,8 +33,6 @@ from harness.cpu_engine import (
 from harness.loop import (
     OperatorProcess,
     PodWatch,
-    Prometheus,
-    engine_scrape,
     get_server,
     history,
     install_crd,
@@ -47,6 +45,7 @@ from harness.loop import (
     wait_ready_pods,
 )
 from harness.processes import prometheus_alerts, start_alertmanager
+from harness.prometheus import Prometheus, engine_scrape
 
 SHAPE = EngineShape()
 ALERT = "PagekeeperKVCacheSaturated"

@@ -31,17 +31,15 @@ from harness.cpu_engine import (
 from harness.loop import (
     OperatorProcess,
     PodWatch,
-    Prometheus,
-    engine_scrape,
     get_server,
     install_crd,
     llmserver,
-    pod_scrape,
     restrict_namespace,
     server_pods,
     wait_ready_pods,
 )
 from harness.processes import exporter
+from harness.prometheus import Prometheus, engine_scrape, pod_scrape
 
 SHAPE = EngineShape()
 COST = "controller.kubernetes.io/pod-deletion-cost"

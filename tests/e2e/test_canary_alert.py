@@ -21,11 +21,9 @@ from kubernetes import client
 from harness.cluster import Cluster, wait_for
 from harness.loop import (
     OperatorProcess,
-    Prometheus,
     get_server,
     install_crd,
     llmserver,
-    pod_scrape,
     restrict_namespace,
     rules_file,
     server_events,
@@ -35,6 +33,7 @@ from harness.loop import (
 )
 from harness.processes import exporter as static_exporter
 from harness.processes import start_alertmanager
+from harness.prometheus import Prometheus, pod_scrape
 
 GiB = 1 << 30
 # What the engine exports on a GPU whose allocator holds 8 GiB, 1 GiB of it in use.

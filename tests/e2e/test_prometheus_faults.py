@@ -30,11 +30,9 @@ from harness.adapter import custom_metrics_api, pod_metric, start_adapter
 from harness.cluster import Cluster, wait_for
 from harness.loop import (
     OperatorProcess,
-    Prometheus,
     get_server,
     install_crd,
     llmserver,
-    pod_scrape,
     restrict_namespace,
     server_events,
     server_pods,
@@ -42,6 +40,7 @@ from harness.loop import (
     wait_ready_pods,
 )
 from harness.processes import exporter
+from harness.prometheus import Prometheus, pod_scrape
 
 NO_DATA_SECONDS = 30
 ANALYSIS_SECONDS = 20

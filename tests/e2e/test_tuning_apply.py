@@ -47,18 +47,17 @@ from harness.cluster import Cluster, wait_for
 from harness.cpu_engine import stop_engine, write_tiny_checkpoint
 from harness.loop import (
     OperatorProcess,
-    Prometheus,
     get_server,
     install_crd,
     is_pod_ready,
     llmserver,
-    pod_scrape,
     restrict_namespace,
     server_events,
     server_pods,
     wait_ready_pods,
 )
 from harness.processes import Service
+from harness.prometheus import Prometheus, pod_scrape
 from pagekeeper_operator.adapters.prometheus import query_by
 from pagekeeper_operator.controllers.resync import RESYNC_DONE
 from tests.support.standin import ClosedLoop, flag_value, rendered_command, start_standin

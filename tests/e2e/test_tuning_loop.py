@@ -33,8 +33,6 @@ from harness.cpu_engine import (
 )
 from harness.loop import (
     OperatorProcess,
-    Prometheus,
-    engine_scrape,
     get_server,
     install_crd,
     llmserver,
@@ -43,6 +41,7 @@ from harness.loop import (
     server_pods,
     wait_ready_pods,
 )
+from harness.prometheus import Prometheus, engine_scrape
 from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.render import ClusterFeatures, render_all
 

@@ -22,11 +22,9 @@ from kubernetes import client
 from harness.cluster import Cluster, wait_for
 from harness.loop import (
     OperatorProcess,
-    Prometheus,
     get_server,
     install_crd,
     llmserver,
-    pod_scrape,
     restrict_namespace,
     rules_file,
     server_pods,
@@ -34,6 +32,7 @@ from harness.loop import (
     wait_ready_pods,
 )
 from harness.processes import free_port, start_alertmanager
+from harness.prometheus import Prometheus, pod_scrape
 from tests.support.vllm_launcher import start_launcher, stop_launcher
 
 ALERT = "PagekeeperFragmentationHigh"
