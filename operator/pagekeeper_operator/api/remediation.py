@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagekeeper_memplan.defaults import MAX_GPU_MEMORY_UTILIZATION
 from pagekeeper_operator.api.triggers import QUANTITY_PATTERN, RemediationTriggers
-from pagekeeper_operator.api.types import Timestamp
+from pagekeeper_operator.api.types import AliasedModel, Timestamp
 
 RemediationAction = Literal["evict", "skip", "dry-run", "step-down"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-
-class AdaptiveSpec(_Model):
+class AdaptiveSpec(AliasedModel):
     """How the effective memory policy steps down after out-of-memory crashes, each on its own
     side: a run-time GPU OOM lowers the GPU terms, a host OOM (OOMKilled) shrinks the host KV
     tier.
@@ -89,7 +85,7 @@ class AdaptiveSpec(_Model):
     )
 
 
-class RemediationSpec(_Model):
+class RemediationSpec(AliasedModel):
     """What the operator may do when one of this server's memory alerts fires."""
 
     enabled: bool = Field(
@@ -164,7 +160,7 @@ class RemediationSpec(_Model):
     )
 
 
-class RemediationRecord(_Model):
+class RemediationRecord(AliasedModel):
     """One entry of status.remediationHistory: an action taken, or one deliberately not taken."""
 
     time: Timestamp = Field(description="When it happened (RFC 3339, UTC).")

@@ -8,7 +8,9 @@ can express.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from pagekeeper_operator.api.types import AliasedModel
 
 # A Prometheus duration (`30s`, `5m`, `1h30m`, `0m`); units in descending order, each at most once.
 DURATION_PATTERN = r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$"
@@ -16,11 +18,7 @@ DURATION_PATTERN = r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE])?$"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-
-class _Trigger(_Model):
+class _Trigger(AliasedModel):
     enabled: bool | None = Field(
         default=None,
         description=(
@@ -168,7 +166,7 @@ class KVOffloadOverCapacityTrigger(_Trigger):
     )
 
 
-class RemediationTriggers(_Model):
+class RemediationTriggers(AliasedModel):
     """The alerts rendered for this server, with their thresholds and durations."""
 
     fragmentation: FragmentationTrigger = Field(

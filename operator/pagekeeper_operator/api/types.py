@@ -122,6 +122,13 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str
     return entry
 
 
+class AliasedModel(BaseModel):
+    """Base of the models whose fields each name their wire alias (`Field(alias=...)`); Python
+    may use either name."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class ApiModel(BaseModel):
     """Base of every LLMServer model: camelCase on the wire, snake_case in Python."""
 
