@@ -36,7 +36,12 @@ from pagekeeper_operator.api.llmserver import LLMServer
 from pagekeeper_operator.api.policy import AllocatorPolicy, MemoryPolicy
 from pagekeeper_operator.api.tuning import StepDownCaps, TunedChange, TuningTrial
 from pagekeeper_operator.api.types import quantity_value
-from pagekeeper_operator.policy.fields import read_field, with_change, within_bounds
+from pagekeeper_operator.policy.fields import (
+    fields_fixed_by,
+    read_field,
+    with_change,
+    within_bounds,
+)
 
 HASH_LENGTH = 16
 
@@ -100,13 +105,14 @@ def _tuning_layer(
     spec = server.spec
     policy = spec.memory_policy.with_budget_resolved()
     kept: list[TunedChange] = []
+    fixed = fields_fixed_by(spec.gateway)
     for change in changes:
         if read_field(spec.memory_policy, change.field) != change.spec_value:
             continue  # spec moved on: the spec's new value wins
         if not within_bounds(change.field, change.value, spec.tuning.bounds, spec.runtime):
             continue
-        if change.field == "enablePrefixCaching" and spec.gateway.kv_events.enabled:
-            continue  # KV events report the prefix cache's blocks: the router needs the cache
+        if change.field in fixed:
+            continue
         try:
             policy = with_change(policy, change.field, change.value)
         except ValueError:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.runtime import Runtime
 from pagekeeper_operator.api.tuning import FloatRange, IntRange, TuningBounds
@@ -43,6 +44,13 @@ VLLM_TUNABLE: frozenset[str] = frozenset(TUNABLE) - {"fragmentationBuffer", "kvO
 
 def is_tunable(field: str, runtime: Runtime) -> bool:
     return field in (VLLM_TUNABLE if runtime == "vllm" else TUNABLE)
+
+
+def fields_fixed_by(gateway: GatewaySpec) -> frozenset[str]:
+    """Fields the tuning layer leaves at the spec's value on this server: enablePrefixCaching
+    while its pods publish KV events (spec.gateway.kvEvents), since a KV-aware router reads the
+    prefix cache's blocks from them (the API server refuses the cache off beside them)."""
+    return frozenset({"enablePrefixCaching"}) if gateway.kv_events.enabled else frozenset()
 
 
 def value_text(value: object) -> str:

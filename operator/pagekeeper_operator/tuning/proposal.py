@@ -36,9 +36,8 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Context:
-    """What a rule reads: the window, the effective policy, spec.tuning, the runtime, of the
-    pod's host memory the alert's threshold and whether the spec sets its limit, and whether
-    the pods publish KV events (spec.gateway.kvEvents.enabled)."""
+    """What a rule reads: the window, the effective policy, spec.tuning, the runtime, and of
+    the pod's host memory the alert's threshold and whether the spec sets its limit."""
 
     window: MetricWindow
     policy: MemoryPolicy
@@ -46,7 +45,6 @@ class Context:
     runtime: Runtime
     host_memory_threshold: float = DEFAULT_HOST_MEMORY_THRESHOLD
     is_memory_limit_fixed: bool = False  # spec.resources.limits.memory set, not the plan's
-    is_kv_events_enabled: bool = False
 
 
 Rule = Callable[[Context], Proposal | None]

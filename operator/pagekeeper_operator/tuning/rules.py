@@ -11,8 +11,8 @@ The rules (derived in docs/memory-policy.md, Tuning):
   prompt tokens skip prefill, while every full block of every prompt is hashed and looked up;
   freed blocks are evicted on demand, so the host's hashing is all that turning it off saves.
   Never while spec.gateway.kvEvents is enabled: the events report the prefix cache's blocks, so
-  with the cache off a KV-aware router sees none (the API server refuses that spec, and
-  `effective.compose` drops such a change).
+  with the cache off a KV-aware router sees none (`fields.fields_fixed_by`: the tuner holds the
+  field, `effective.compose` drops such a change, the API server refuses that spec).
 - prefix-caching-on: caching off, and >= 30% of prompt tokens repeated an earlier prompt's full
   blocks (the engine's shadow count): that share of prefill would be skipped.
 - block-size-down / block-size-up: internal waste w (allocated slots not holding tokens) is
@@ -119,8 +119,6 @@ def prefix_caching(ctx: Context) -> Proposal | None:
     if not ctx.tuning.bounds.allow_prefix_caching_change:
         return None
     if policy.enable_prefix_caching:
-        if ctx.is_kv_events_enabled:
-            return None  # the router reads the cache's blocks from the events: it stays on
         rate = w.prefix_hit_rate
         if w.prefix_queries < MIN_PREFIX_TOKENS or rate is None or rate >= PREFIX_HIT_THRESHOLD:
             return None
@@ -285,16 +283,12 @@ def recommend(
     *,
     host_memory_threshold: float = DEFAULT_HOST_MEMORY_THRESHOLD,
     is_memory_limit_fixed: bool = False,
-    is_kv_events_enabled: bool = False,
 ) -> list[Proposal]:
     """Proposals for `policy` (the effective one) from `window`, best first; fields in
-    `held_fields` (hold-offs, a trial under way) are never proposed. The host terms and
-    `is_kv_events_enabled`: `proposal.Context`."""
+    `held_fields` (hold-offs, a trial under way, fields the spec fixes) are never proposed. The
+    host terms: `proposal.Context`."""
     policy = policy.with_budget_resolved()
-    ctx = Context(
-        window, policy, tuning, runtime, host_memory_threshold, is_memory_limit_fixed,
-        is_kv_events_enabled,
-    )  # fmt: skip
+    ctx = Context(window, policy, tuning, runtime, host_memory_threshold, is_memory_limit_fixed)
     proposals: dict[str, Proposal] = {}
     for rule in RULES:
         proposal = rule(ctx)

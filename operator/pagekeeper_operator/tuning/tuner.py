@@ -42,7 +42,13 @@ from pagekeeper_operator.api.tuning import (
 from pagekeeper_operator.api.types import quantity_value
 from pagekeeper_operator.policy import effective
 from pagekeeper_operator.policy.effective import EffectivePolicy, memory_policy_hash
-from pagekeeper_operator.policy.fields import TUNABLE, change_text, read_field, within_bounds
+from pagekeeper_operator.policy.fields import (
+    TUNABLE,
+    change_text,
+    fields_fixed_by,
+    read_field,
+    within_bounds,
+)
 from pagekeeper_operator.tuning.decide import (
     Baseline,
     TrialEvidence,
@@ -252,20 +258,19 @@ def tune(
     )
     composed = effective.compose(layered)
     policy = composed.policy
+    # never proposed or kept: on hold, under trial, or fixed by the spec (KV events)
+    held = held_fields(status, now) | fields_fixed_by(server.spec.gateway)
     proposals: list[Proposal] = []
     if observation.window is not None and spec.mode != "Off":
-        held = held_fields(status, now)
         proposals = recommend(
             observation.window, policy, spec, server.spec.runtime, held,
             host_memory_threshold=server.spec.remediation.triggers.host_memory.threshold,
             is_memory_limit_fixed=server.spec.resources.limits.memory is not None,
-            is_kv_events_enabled=server.spec.gateway.kv_events.enabled,
         )  # fmt: skip
     recommendations = [_recommendation(p, previous, now) for p in proposals]
     if observation.window is None and spec.mode != "Off":
         # No window this time (Prometheus away): keep what the last one showed, so a blip
         # neither clears the recommendations nor posts their Events again when it is back.
-        held = held_fields(status, now)
         recommendations = [
             r for r in previous
             if r.field not in held and r.current == read_field(policy, r.field)
@@ -274,7 +279,7 @@ def tune(
     dropped = [_dropped(r, unfit[r.field]) for r in recommendations if r.field in unfit]
     if observation.window is None and spec.mode != "Off":
         # what the last window dropped stays, as its recommendations do
-        held, named = held_fields(status, now), {d.field for d in dropped}
+        named = {d.field for d in dropped}
         dropped += [
             d for d in status.dropped
             if d.field not in held | named and d.current == read_field(policy, d.field)

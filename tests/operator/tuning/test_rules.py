@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from pagekeeper_operator.api.gateway import GatewaySpec
 from pagekeeper_operator.api.policy import MemoryPolicy
 from pagekeeper_operator.api.tuning import TuningSpec
-from pagekeeper_operator.policy.fields import with_change, within_bounds
+from pagekeeper_operator.policy.fields import fields_fixed_by, with_change, within_bounds
 from pagekeeper_operator.tuning.proposal import MIN_REQUESTS, Proposal, sample_confidence
 from pagekeeper_operator.tuning.rules import recommend
 from pagekeeper_operator.tuning.window import MetricWindow
@@ -71,14 +72,12 @@ def test_prefix_caching_off_when_prompts_never_repeat() -> None:
 
 def test_prefix_caching_stays_on_while_kv_events_are_published() -> None:
     # KV events report the prefix cache's blocks: with it off a KV-aware router sees nothing.
-    proposals = recommend(
-        window("no_prefix_reuse"),
-        MemoryPolicy(),
-        TuningSpec(),
-        "pagekeeper",
-        is_kv_events_enabled=True,
-    )
-    assert proposals == []
+    publishing = GatewaySpec.model_validate({"kvEvents": {"enabled": True}})
+    assert fields_fixed_by(publishing) == {"enablePrefixCaching"}
+    assert fields_fixed_by(GatewaySpec()) == frozenset()
+    args = (window("no_prefix_reuse"), MemoryPolicy(), TuningSpec(), "pagekeeper")
+    assert [p.field for p in recommend(*args)] == ["enablePrefixCaching"]
+    assert recommend(*args, fields_fixed_by(publishing)) == []
 
 
 def test_prefix_caching_on_from_the_engines_shadow_count() -> None:
