@@ -46,11 +46,12 @@ def is_tunable(field: str, runtime: Runtime) -> bool:
     return field in (VLLM_TUNABLE if runtime == "vllm" else TUNABLE)
 
 
-def fields_fixed_by(gateway: GatewaySpec) -> frozenset[str]:
-    """Fields the tuning layer leaves at the spec's value on this server: enablePrefixCaching
-    while its pods publish KV events (spec.gateway.kvEvents), since a KV-aware router reads the
-    prefix cache's blocks from them (the API server refuses the cache off beside them)."""
-    return frozenset({"enablePrefixCaching"}) if gateway.kv_events.enabled else frozenset()
+def fields_fixed_by(gateway: GatewaySpec) -> dict[str, str]:
+    """Field -> the spec field that fixes it, for fields the tuning layer leaves at the spec's
+    value on this server: enablePrefixCaching while its pods publish KV events
+    (spec.gateway.kvEvents), since a KV-aware router reads the prefix cache's blocks from them
+    (the API server refuses the cache off beside them)."""
+    return {"enablePrefixCaching": "spec.gateway.kvEvents"} if gateway.kv_events.enabled else {}
 
 
 def value_text(value: object) -> str:

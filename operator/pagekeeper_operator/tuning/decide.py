@@ -18,6 +18,8 @@ policy plus the top recommendation, the other pods the effective policy. Each re
   since every look spends its share of the error rate. The last look that cannot decide ends
   it Inconclusive: rolled back, never counted a loss, and held off for a quarter as long;
 - with no trial, under the daily cap, the top recommendation starts one;
+- a trial whose field the spec now fixes (`fixed`: prefix caching once KV events are on) is
+  rolled back at once: compose drops its change, so its canary runs the other pods' policy;
 - a candidate that does not fit its GPUs (`unfit`: the memory plan's gate would hold its
   rollout, so no canary would ever run) is never waited on: a trial under way ends RolledBack,
   and a recommendation about to start one is Skipped (not counted against the daily cap) and
@@ -203,13 +205,15 @@ def decide(
     now: datetime,
     unfit: Mapping[str, str] | None = None,
     baseline: Baseline | None = None,
+    fixed: Mapping[str, str] | None = None,
 ) -> Decision:
     """The next tuning status (see the module docstring). `recommendations` are the current
     ones, best first, held fields already left out; `spec_value_of`: field -> spec's value;
     `unfit`: field -> why the candidate with its proposed value (the trial's, or a
     recommendation's) does not fit its GPUs; `baseline`: what the other pods run now (None:
-    unknown, so a trial is not checked against it)."""
-    unfit = unfit or {}
+    unknown, so a trial is not checked against it); `fixed`: field -> the spec field that now
+    fixes it at the spec's value (`fields.fields_fixed_by`)."""
+    unfit, fixed = unfit or {}, fixed or {}
     today = now.strftime("%Y-%m-%d")
     if status.day != today:
         status = status.model_copy(update={"day": today, "changes_today": 0})
@@ -227,6 +231,14 @@ def decide(
         message = (
             f"{change} rolled back: {baseline.change} while it ran, so the window would "
             "measure more than its change"
+        )
+        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
+        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
+    if trial is not None and trial.field in fixed:
+        change = change_text(trial.field, trial.current, trial.proposed)
+        message = (
+            f"{change} rolled back: {fixed[trial.field]} now fixes {trial.field} at the spec's "
+            "value, so the canary would run the same policy as the other pods"
         )
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])

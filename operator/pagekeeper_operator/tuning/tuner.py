@@ -259,7 +259,8 @@ def tune(
     composed = effective.compose(layered)
     policy = composed.policy
     # never proposed or kept: on hold, under trial, or fixed by the spec (KV events)
-    held = held_fields(status, now) | fields_fixed_by(server.spec.gateway)
+    fixed = fields_fixed_by(server.spec.gateway)
+    held = held_fields(status, now) | fixed.keys()
     proposals: list[Proposal] = []
     if observation.window is not None and spec.mode != "Off":
         proposals = recommend(
@@ -308,7 +309,7 @@ def tune(
         unfit = _unfit(layered, [status.trial], does_not_fit)
     baseline = Baseline(memory_policy_hash(policy), baseline_change(server, composed))
     decision = decide(
-        spec, status, candidates, observation.trial, spec_values, now, unfit, baseline
+        spec, status, candidates, observation.trial, spec_values, now, unfit, baseline, fixed
     )
     status = decision.status
     if decision.promoted is not None:
@@ -316,5 +317,7 @@ def tune(
     message = observation.error or (
         "" if recommendations else NO_FIT_MESSAGE if dropped else NO_CHANGE_MESSAGE
     )
+    if message == NO_CHANGE_MESSAGE and fixed:  # what the rules were not free to change
+        message += "; " + ", ".join(f"{by} fixes {name}" for name, by in sorted(fixed.items()))
     status = status.model_copy(update={"message": message[:1024]})
     return TuneResult(recommendations, status, events + decision.events, decision.promoted)

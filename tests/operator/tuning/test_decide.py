@@ -232,6 +232,28 @@ def test_a_trial_whose_candidate_stops_fitting_is_rolled_back_at_once() -> None:
     assert [(e.type, e.reason) for e in decision.events] == [("Warning", "TuningRolledBack")]
 
 
+def test_a_trial_whose_field_the_spec_now_fixes_is_rolled_back_at_once_even_on_a_win() -> None:
+    # KV events switched on while prefix caching off was under trial: compose drops the change,
+    # so the canary runs the other pods' policy and its window would only measure noise.
+    fixed = {"enablePrefixCaching": "spec.gateway.kvEvents"}
+    now = T0 + timedelta(seconds=600)
+    decision = decide(SPEC, started(), [], win(), SPEC_VALUES, now, None, None, fixed)
+    status = decision.status
+    assert status.trial is None and status.changes == []
+    assert status.history[0].outcome == "RolledBack"
+    assert status.history[0].message == (
+        "enablePrefixCaching true -> false rolled back: spec.gateway.kvEvents now fixes "
+        "enablePrefixCaching at the spec's value, so the canary would run the same policy as the "
+        "other pods"
+    )
+    assert [h.field for h in status.hold_offs] == ["enablePrefixCaching"]
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "TuningRolledBack")]
+    # a field the spec does not fix is judged as before
+    other = {"maxNumSeqs": "spec.gateway.kvEvents"}
+    judged = decide(SPEC, started(), [], win(), SPEC_VALUES, now, None, None, other)
+    assert judged.status.history[0].outcome == "Promoted"
+
+
 STEPPED = Baseline(
     "h2", "a step-down after pod qwen-1's run-time GPU OOM capped gpuMemoryUtilization at 0.85"
 )

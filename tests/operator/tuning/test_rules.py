@@ -73,11 +73,11 @@ def test_prefix_caching_off_when_prompts_never_repeat() -> None:
 def test_prefix_caching_stays_on_while_kv_events_are_published() -> None:
     # KV events report the prefix cache's blocks: with it off a KV-aware router sees nothing.
     publishing = GatewaySpec.model_validate({"kvEvents": {"enabled": True}})
-    assert fields_fixed_by(publishing) == {"enablePrefixCaching"}
-    assert fields_fixed_by(GatewaySpec()) == frozenset()
+    assert fields_fixed_by(publishing) == {"enablePrefixCaching": "spec.gateway.kvEvents"}
+    assert fields_fixed_by(GatewaySpec()) == {}
     args = (window("no_prefix_reuse"), MemoryPolicy(), TuningSpec(), "pagekeeper")
     assert [p.field for p in recommend(*args)] == ["enablePrefixCaching"]
-    assert recommend(*args, fields_fixed_by(publishing)) == []
+    assert recommend(*args, fields_fixed_by(publishing).keys()) == []
 
 
 def test_prefix_caching_on_from_the_engines_shadow_count() -> None:

@@ -82,7 +82,10 @@ def test_no_prefix_caching_off_is_recommended_while_kv_events_are_on() -> None:
     result = tune(server, NO_REUSE, T0)
     assert result.recommendations == []
     assert result.events == []
-    assert result.tuning is not None and result.tuning.message == NO_CHANGE_MESSAGE
+    assert result.tuning is not None
+    assert result.tuning.message == (
+        f"{NO_CHANGE_MESSAGE}; spec.gateway.kvEvents fixes enablePrefixCaching"
+    )
 
 
 def test_a_recommendation_that_does_not_fit_is_dropped_with_the_plans_reason() -> None:
@@ -311,6 +314,28 @@ def test_a_spec_change_during_a_trial_rolls_it_back() -> None:
         "enablePrefixCaching true -> false rolled back: spec.memoryPolicy changed while it ran, "
         "so the window would measure more than its change"
     )
+
+
+def test_kv_events_switched_on_during_a_caching_off_trial_roll_it_back_at_once() -> None:
+    """The effective policy is unchanged (the baseline did not move), but compose now drops the
+    trial's change, so the canary would run the other pods' policy."""
+    server = trying()
+    body = server.to_api()
+    body["spec"] = merge(body["spec"], {"gateway": {"kvEvents": {"enabled": True}}})
+    publishing = LLMServer.from_body(body)
+    composed = compose(publishing)
+    assert composed.trial_policy == composed.policy  # the change is dropped
+    now = T0 + timedelta(seconds=30)
+    result = tune(publishing, Observation(window("chat_steady"), TrialEvidence(None)), now)
+    tuning = result.tuning
+    assert tuning is not None and tuning.trial is None and result.promoted is None
+    assert tuning.history[0].outcome == "RolledBack"
+    assert tuning.history[0].message == (
+        "enablePrefixCaching true -> false rolled back: spec.gateway.kvEvents now fixes "
+        "enablePrefixCaching at the spec's value, so the canary would run the same policy as the "
+        "other pods"
+    )
+    assert [(e.type, e.reason) for e in result.events] == [("Warning", "TuningRolledBack")]
 
 
 def test_a_trial_over_a_steady_baseline_runs_its_window() -> None:
