@@ -7,9 +7,9 @@ describe the prefix cache), on two loads that each server start serves in turn:
 
 Servers start off, on, off, on, so a drift of the card shows as a spread between the repeats;
 the ratio of each load is the median of its "on" passes over the median of its "off" ones.
-Writes the report (each pass's output tok/s, TTFT and ITL, the ratios) to `--json`, each server's
-log to `--log-dir`; exits non-zero if a pass failed a request or a server with events on never
-started its publisher. `benchmarks/kv_events_gpu.sh` runs it on one GPU.
+Writes the report (each pass's output tok/s, TTFT and ITL, the ratios) to `--json` after each
+server, each server's log to `--log-dir`; exits non-zero if a pass failed a request or a server
+with events on never started its publisher. `benchmarks/kv_events_gpu.sh` runs it on one GPU.
 
     PYTHONPATH=engine:memplan:. python benchmarks/kv_events.py --json kv_events.json
     PYTHONPATH=engine:memplan:. python benchmarks/kv_events.py --smoke --device cpu \\
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, figure in figures.items():
                 report["passes"][f"{name}-{tag}"] = figure
                 print(f"{name}-{tag}: {figure['output_tok_s']:,.0f} output tok/s", flush=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))  # a cut run keeps its passes
     report["ratios"] = ratios(report["passes"], loads) if not failed else {}
     report["failed"] = failed
     Path(args.json).write_text(json.dumps(report, indent=1))
