@@ -196,6 +196,30 @@ def _judge(
     return Decision(done, [TuningEvent("Normal", "TuningPromoted", message)], promoted)
 
 
+def _ends_at_once(
+    trial: TuningTrial,
+    spec: TuningSpec,
+    baseline: Baseline | None,
+    fixed: Mapping[str, str],
+    unfit: Mapping[str, str],
+) -> str | None:
+    """Why a trial under way is rolled back without waiting for its window, or None: Apply mode
+    left, its baseline moved, the spec now fixes its field, or its candidate stopped fitting."""
+    if spec.mode != "Apply":
+        return f"spec.tuning.mode is {spec.mode}"
+    if _has_moved(trial, baseline):
+        assert baseline is not None, "a baseline that moved is known"
+        return f"{baseline.change} while it ran, so the window would measure more than its change"
+    if trial.field in fixed:
+        return (
+            f"{fixed[trial.field]} now fixes {trial.field} at the spec's value, so the canary "
+            "would run the same policy as the other pods"
+        )
+    if trial.field in unfit:
+        return f"the candidate does not fit ({unfit[trial.field]})"
+    return None
+
+
 def decide(
     spec: TuningSpec,
     status: TuningStatus,
@@ -220,31 +244,10 @@ def decide(
     live = [h for h in status.hold_offs if h.until > now]
     status = status.model_copy(update={"hold_offs": live})
     trial = status.trial
-    if trial is not None and spec.mode != "Apply":
+    why = None if trial is None else _ends_at_once(trial, spec, baseline, fixed, unfit)
+    if trial is not None and why is not None:
         change = change_text(trial.field, trial.current, trial.proposed)
-        message = f"{change} rolled back: spec.tuning.mode is {spec.mode}"
-        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
-        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    if trial is not None and _has_moved(trial, baseline):
-        assert baseline is not None, "a baseline that moved is known"
-        change = change_text(trial.field, trial.current, trial.proposed)
-        message = (
-            f"{change} rolled back: {baseline.change} while it ran, so the window would "
-            "measure more than its change"
-        )
-        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
-        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    if trial is not None and trial.field in fixed:
-        change = change_text(trial.field, trial.current, trial.proposed)
-        message = (
-            f"{change} rolled back: {fixed[trial.field]} now fixes {trial.field} at the spec's "
-            "value, so the canary would run the same policy as the other pods"
-        )
-        rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
-        return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
-    if trial is not None and trial.field in unfit:
-        change = change_text(trial.field, trial.current, trial.proposed)
-        message = f"{change} rolled back: the candidate does not fit ({unfit[trial.field]})"
+        message = f"{change} rolled back: {why}"
         rolled = _finish(status, spec, trial, "RolledBack", message, {}, now)
         return Decision(rolled, [TuningEvent("Warning", "TuningRolledBack", message)])
     if trial is not None:
