@@ -89,10 +89,19 @@ def ratios(passes: dict[str, dict[str, Any]], loads: tuple[Load, ...]) -> dict[s
     return out
 
 
+@dataclasses.dataclass
+class Pass:
+    """One server start: each load's figures, the server's start and exit, and what failed."""
+
+    figures: dict[str, dict[str, Any]]
+    server: dict[str, float | int | None]
+    failed: list[str]
+
+
 def serve_pass(
     args: argparse.Namespace, model_dir: Path, settings: wl.EngineSettings, events: str, log: Path
-) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """One server start serving every load in turn: each load's figures and what failed."""
+) -> Pass:
+    """One server start serving every load in turn."""
     loads = SMOKE_LOADS if args.smoke else LOADS
     extra = [events_flag(args.events_port)] if events == "on" else []
     server_args = argparse.Namespace(**{**vars(args), "engine_arg": [*args.engine_arg, *extra]})
@@ -100,6 +109,7 @@ def serve_pass(
     vocab = model_config(args)["vocab_size"]
     figures: dict[str, dict[str, Any]] = {}
     failed: list[str] = []
+    exit_code = None
     try:
         for load in loads:
             level = wl.Level(concurrency=load.concurrency)
@@ -117,10 +127,10 @@ def serve_pass(
             if online["num_ok"] != online["num_requests"]:
                 failed.append(f"{load.name}: {online['num_ok']}/{online['num_requests']} ok")
     finally:
-        figures["server"] = {"start_s": server.start_s, "exit_code": server.stop()}
+        exit_code = server.stop()
     if events == "on" and PUBLISHER_STARTED not in log.read_text():
         failed.append("the server never started its KV event publisher")
-    return figures, failed
+    return Pass(figures, {"start_s": server.start_s, "exit_code": exit_code}, failed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = prepare_model_dir(args, Path(tmp))
         for repeat, events in pass_names(args.repeats):
             tag = f"{events}-{repeat}"
-            figures, lost = serve_pass(args, model_dir, settings, events, log_dir / f"{tag}.log")
-            failed += [f"{tag}: {line}" for line in lost]
-            report.setdefault("servers", {})[tag] = figures.pop("server")
-            for name, figure in figures.items():
+            served = serve_pass(args, model_dir, settings, events, log_dir / f"{tag}.log")
+            failed += [f"{tag}: {line}" for line in served.failed]
+            report.setdefault("servers", {})[tag] = served.server
+            for name, figure in served.figures.items():
                 report["passes"][f"{name}-{tag}"] = figure
                 print(f"{name}-{tag}: {figure['output_tok_s']:,.0f} output tok/s", flush=True)
             Path(args.json).write_text(json.dumps(report, indent=1))  # a cut run keeps its passes
