@@ -8,6 +8,8 @@ can express.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from pagekeeper_operator.api.types import AliasedModel
@@ -16,6 +18,20 @@ from pagekeeper_operator.api.types import AliasedModel
 DURATION_PATTERN = r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$"
 # A non-negative Kubernetes quantity (`1Gi`, `512Mi`, `1073741824`, `1.5G`).
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[kMGTPE])?$"
+
+
+HOLD_DESCRIPTION = "Prometheus duration the condition must hold before the alert fires."
+
+
+def _hold_for(default: str, description: str = HOLD_DESCRIPTION) -> Any:
+    """A trigger's `for`: the Prometheus duration its condition must hold."""
+    return Field(
+        default=default,
+        alias="for",
+        pattern=DURATION_PATTERN,
+        min_length=1,
+        description=description,
+    )
 
 
 class _Trigger(AliasedModel):
@@ -54,13 +70,7 @@ class FragmentationTrigger(_Trigger):
             "does not fire."
         ),
     )
-    for_: str = Field(
-        default="10m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description="Prometheus duration the condition must hold before the alert fires.",
-    )
+    for_: str = _hold_for("10m")
 
 
 class KVCacheSaturationTrigger(_Trigger):
@@ -72,13 +82,7 @@ class KVCacheSaturationTrigger(_Trigger):
         le=1.0,
         description="Fire when vllm:kv_cache_usage_perc (a fraction, 0-1) exceeds this value.",
     )
-    for_: str = Field(
-        default="2m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description="Prometheus duration the condition must hold before the alert fires.",
-    )
+    for_: str = _hold_for("2m")
 
 
 class QueueBacklogTrigger(_Trigger):
@@ -90,24 +94,15 @@ class QueueBacklogTrigger(_Trigger):
         le=1000.0,
         description="Fire when requests waiting exceed this multiple of requests running.",
     )
-    for_: str = Field(
-        default="5m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description="Prometheus duration the condition must hold before the alert fires.",
-    )
+    for_: str = _hold_for("5m")
 
 
 class EngineStalledTrigger(_Trigger):
     """Requests wait but none completes: the engine is stuck, not merely idle."""
 
-    for_: str = Field(
-        default="5m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description=(
+    for_: str = _hold_for(
+        "5m",
+        (
             "How long requests must be waiting with no request succeeding before the alert "
             "fires (Prometheus duration); also the window over which successes are counted."
         ),
@@ -117,12 +112,9 @@ class EngineStalledTrigger(_Trigger):
 class OOMEventsTrigger(_Trigger):
     """The engine recovered from (or died of) an out-of-memory error."""
 
-    for_: str = Field(
-        default="0m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description="How long OOM events must keep increasing before the alert fires; 0m: at once.",
+    for_: str = _hold_for(
+        "0m",
+        "How long OOM events must keep increasing before the alert fires; 0m: at once.",
     )
 
 
@@ -141,12 +133,9 @@ class HostMemoryTrigger(_Trigger):
             "memory limit never fires."
         ),
     )
-    for_: str = Field(
-        default="2m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description=(
+    for_: str = _hold_for(
+        "2m",
+        (
             "Prometheus duration the condition must hold before the alert fires; long enough "
             "to pass over the page cache of a checkpoint being read at start-up."
         ),
@@ -157,13 +146,7 @@ class KVOffloadOverCapacityTrigger(_Trigger):
     """The host KV tier holds more bytes than its capacity: the bound the pod's memory was
     sized on no longer holds (a full tier is its steady state and no alarm)."""
 
-    for_: str = Field(
-        default="1m",
-        alias="for",
-        pattern=DURATION_PATTERN,
-        min_length=1,
-        description="Prometheus duration the condition must hold before the alert fires.",
-    )
+    for_: str = _hold_for("1m")
 
 
 class RemediationTriggers(AliasedModel):
