@@ -10,7 +10,8 @@
 #     OUT=/tmp/out bash benchmarks/kv_events_gpu.sh
 #     SMOKE=1 OUT=/tmp/out bash benchmarks/kv_events_gpu.sh      # the plumbing, on the CPU
 #
-# About 4-5 minutes on an H100: the four server starts are most of it.
+# About 4-5 minutes on an H100 (estimated from earlier servers' starts; not yet timed): the four
+# server starts are most of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the report goes to}"
