@@ -49,6 +49,27 @@ class RequestOutput:
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
+    @classmethod
+    def merged(cls, outputs: list[RequestOutput]) -> RequestOutput:
+        """One output for several consecutive ones of a request (a consumer that fell behind
+        takes them at once): their tokens, text and log-probabilities in order, the last one's
+        counts and ending."""
+        if len(outputs) == 1:
+            return outputs[0]
+        last = outputs[-1]
+        return cls(
+            request_id=last.request_id,
+            new_token_ids=[t for o in outputs for t in o.new_token_ids],
+            new_text="".join(o.new_text for o in outputs),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            logprobs=[p for o in outputs for p in o.logprobs],
+            top_logprobs=[t for o in outputs for t in o.top_logprobs],
+        )
+
 
 class EngineClient(Protocol):
     """The engine as the server sees it.

@@ -73,24 +73,6 @@ class _Request:
         self.wakeup.set()
 
 
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return RequestOutput(
-        request_id=last.request_id,
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-        new_text="".join(o.new_text for o in outputs),
-        finished=last.finished,
-        finish_reason=last.finish_reason,
-        num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens,
-        num_cached_tokens=last.num_cached_tokens,
-        logprobs=[p for o in outputs for p in o.logprobs],
-        top_logprobs=[t for o in outputs for t in o.top_logprobs],
-    )
-
-
 class CoreClient:
     """Front end `client_index`'s connection to the engine core at `addresses`.
 
@@ -213,7 +195,7 @@ class CoreClient:
                     if isinstance(item, BaseException):
                         is_finished = True
                         raise item
-                merged = _merge(items)  # type: ignore[arg-type]
+                merged = RequestOutput.merged(items)  # type: ignore[arg-type]
                 is_finished = merged.finished
                 yield merged
         finally:
