@@ -10,8 +10,8 @@
 #     OUT=/tmp/out bash benchmarks/kv_events_gpu.sh
 #     SMOKE=1 OUT=/tmp/out bash benchmarks/kv_events_gpu.sh      # the plumbing, on the CPU
 #
-# About 4-5 minutes on an H100 (estimated from earlier servers' starts; not yet timed): the four
-# server starts are most of it.
+# About 2.5 minutes on an H100 (155 s in run 50, docs/benchmarks.md): the four server starts
+# are 60 s of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the report goes to}"

@@ -11,7 +11,7 @@
 #     BEFORE=/path/to/checkout-before OUT=/tmp/out bash benchmarks/structured_gpu.sh
 #     SMOKE=1 OUT=/tmp/out bash benchmarks/structured_gpu.sh     # the plumbing, on the CPU
 #
-# About 2-3 minutes on an H100 (twice that with BEFORE): the engine's start is most of it.
+# About 40 s on an H100 (36 s in run 51, docs/benchmarks.md; twice that with BEFORE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the report goes to}"
