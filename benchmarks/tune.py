@@ -69,8 +69,10 @@ def verdict_of(trial: dict[str, Any], base: dict[str, Any], spec: TuningSpec) ->
     trial_figures, base_figures = (tt.RoundFigures(**r["figures"]) for r in (trial, base))
     comparison = tt.judge(trial_figures, base_figures, spec)
     if comparison is None:
-        return {"is_win": False, "reason": "too few throughput samples to tell"}
-    return {"is_win": comparison.is_win, "reason": comparison.reason, **comparison.evidence()}
+        return {"is_win": False, "verdict": "Inconclusive",
+                "reason": "too few throughput samples to tell"}  # fmt: skip
+    return {"is_win": comparison.is_win, "verdict": comparison.verdict,
+            "reason": comparison.reason, **comparison.evidence()}  # fmt: skip
 
 
 def change_of(proposal: Proposal) -> dict[str, str]:
@@ -167,7 +169,9 @@ def format_row(tag: str, entry: dict[str, Any], spec: TuningSpec) -> str:
     if "error" in r:
         return f"{tag}: {json.dumps(r['policy'])} did not start: {r['error'][-200:]}"
     verdict = r.get("verdict")
-    kept = "" if not verdict else f"; {'kept' if verdict['is_win'] else 'rolled back'}: "
+    kept = "" if not verdict else f"; {'kept' if verdict['is_win'] else 'rolled back'}"
+    kept += "" if not verdict or "verdict" not in verdict else f" ({verdict['verdict']})"
+    kept += "" if not verdict else ": "
     kept += "" if not verdict else verdict["reason"]
     return (
         f"{tag}: {r['output_tok_s']:,.0f} tok/s (score {score(r, spec):,.0f}), TTFT p99 "

@@ -175,11 +175,12 @@ def test_rounds_keep_a_measured_win_roll_back_a_tie_and_hold_both_fields() -> No
         "chat_round0", "chat_round1", "chat_round2", "chat_grid0", "chat_grid1",
     ]  # fmt: skip
     first, second, third = report["rounds"]
-    assert first["next"] == {"field": "maxNumSeqs", "current": "16", "proposed": "128",
+    assert first["next"] == {"field": "maxNumSeqs", "current": "16", "proposed": "256",
                              "rule": "max-num-seqs-up"}  # fmt: skip
-    assert second["trial"]["verdict"]["is_win"] and second["in_force"]["maxNumSeqs"] == 128
+    assert second["trial"]["verdict"]["is_win"] and second["in_force"]["maxNumSeqs"] == 256
+    assert second["trial"]["verdict"]["verdict"] == "Win"
     assert second["next"]["field"] == "enablePrefixCaching"
-    assert not third["trial"]["verdict"]["is_win"]
+    assert third["trial"]["verdict"]["verdict"] == "Tie"
     assert third["trial"]["verdict"]["reason"] == "+0.1% tokens/s, under +3%; noise 0.1%"
     # The tie went back: the policy in force and its score are round 1's.
     assert third["in_force"] == second["in_force"] and third["in_force_score"] == 5000.0

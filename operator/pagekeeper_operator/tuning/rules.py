@@ -24,7 +24,9 @@ The rules (derived in docs/memory-policy.md, Tuning):
   cap x 0.9 / peak keeps the peak under 0.9; no more than the demand (the most requests held
   at once, running + waiting peaks: a mean counts the window's idle and draining samples and
   stops short of the offered concurrency), and at most eight times the cap in one step
-  (MAX_SEQS_GROWTH).
+  (MAX_SEQS_GROWTH). Where that runs the whole demand with the KV peak under
+  HEADROOM_KV_PEAK, the cap is twice the demand (what max-num-seqs-headroom would propose
+  next; running sequences stay at the demand, so the KV peak does not grow with it).
 - max-num-seqs-headroom: the load reaches the cap (running at it in >= 5% of the window) where
   max-num-seqs-up does not apply, KV peak < 0.45 and no preemption: double it (the KV peak, by
   the same extrapolation, stays under 0.9). A cap equal to the demand is met at every
@@ -200,20 +202,25 @@ def max_num_seqs(ctx: Context) -> Proposal | None:
         and peak < 0.8
         and w.num_preemptions == 0
     ):
+        has_peaks = w.running_peak is not None and w.waiting_peak is not None
         if w.running_peak is not None and w.waiting_peak is not None:
             demand = w.running_peak + w.waiting_peak
         else:  # a window without the peaks (an older runtime's series)
             demand = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0)
-        new = clip_int(
-            int(min(cap * MAX_SEQS_GROWTH, cap * 0.9 / max(peak, 0.01), demand)), low, high
-        )
+        running = int(min(cap * MAX_SEQS_GROWTH, cap * 0.9 / max(peak, 0.01), demand))
+        # The whole demand (known from the peaks: a mean is no demand) fits, with KV room to
+        # double it: the cap goes to twice the demand, as `max-num-seqs-headroom` would take
+        # it next (running stays at the demand, so the KV peak is the demand's).
+        roomy = has_peaks and running >= int(demand) and peak * running / cap < HEADROOM_KV_PEAK
+        new = clip_int(running * HEADROOM_GROWTH if roomy else running, low, high)
         if new > cap:  # else the demand or the bounds leave no room above the cap
             evidence = {"seqCapFraction": binds, "kvUsagePeak": peak,
                         "waitingAvg": w.waiting_avg or 0.0, "demand": demand}  # fmt: skip
+            room = ", with headroom above the demand" if roomy else ", KV peak near 90%"
             return propose(
                 ctx, "maxNumSeqs", new, "max-num-seqs-up", evidence,
                 f"the cap held requests waiting while KV peaked at {peak:.0%}: more run at "
-                "once, KV peak near 90%",
+                f"once{room}",
                 sample_confidence(w.num_requests, MIN_REQUESTS) * binds,
             )  # fmt: skip
         return None
