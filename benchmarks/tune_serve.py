@@ -162,6 +162,8 @@ def serve_round(
         ),
         "failures": summary["failures"],
         "exit_code": code,
+        "start_s": server.start_s,  # the engine's start, spawn to ready
+        "serve_s": seconds,
     }
 
 
