@@ -28,11 +28,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class MatcherState:
     """A request's matcher and how many of its output tokens it has taken; `is_stuck` once its
-    schema can go no further (the row is then held to the end-of-sequence tokens)."""
+    schema can go no further, `is_terminated` once it took an end-of-sequence token (either
+    way the row is then held to the end-of-sequence tokens). Termination is tracked here rather
+    than asked of the matcher row by row: each call into xgrammar lets the step loop's thread
+    take the GIL, and this thread waits for it again (see `fill_step_masks`)."""
 
     matcher: Any  # xgrammar.GrammarMatcher
     num_accepted: int = 0
     is_stuck: bool = False
+    is_terminated: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,10 @@ def allow_only(mask_row: torch.Tensor, token_ids: frozenset[int]) -> None:
         mask_row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
-def _take_new_tokens(job: FillJob, newest: list[int]) -> None:
+def _take_new_tokens(job: FillJob, newest: list[int], eos_token_ids: frozenset[int]) -> None:
     """Every structured row's matcher takes the outputs it has not seen: one token a step as a
-    rule (in one batch call), more after a preemption recomputed a sequence."""
+    rule (in one batch call), more after a preemption recomputed a sequence. A matcher that
+    takes an end-of-sequence token has terminated (xgrammar ends a match only on one)."""
     import xgrammar  # noqa: PLC0415
 
     single: list[MatcherState] = []
@@ -74,7 +79,7 @@ def _take_new_tokens(job: FillJob, newest: list[int]) -> None:
     ):
         pending = range(state.num_accepted, num_outputs)
         state.num_accepted = max(state.num_accepted, num_outputs)
-        if state.is_stuck or not pending:
+        if state.is_stuck or state.is_terminated or not pending:
             continue
         if len(pending) == 1:
             single.append(state)
@@ -82,18 +87,28 @@ def _take_new_tokens(job: FillJob, newest: list[int]) -> None:
             continue
         for index in pending:
             token_id = newest[row] if index == num_outputs - 1 else tokens[num_prompt + index]
-            if not state.matcher.accept_token(token_id):
-                logger.error("token %d does not continue its schema; ending the reply", token_id)
-                state.is_stuck = True
+            if not _took(state, token_id, state.matcher.accept_token(token_id), eos_token_ids):
                 break
     if single:
         accepted = xgrammar.BatchGrammarMatcher.batch_accept_token(
             [s.matcher for s in single], single_ids
         )
         for state, token_id, is_accepted in zip(single, single_ids, accepted, strict=True):
-            if not is_accepted:
-                logger.error("token %d does not continue its schema; ending the reply", token_id)
-                state.is_stuck = True
+            _took(state, token_id, is_accepted, eos_token_ids)
+
+
+def _took(
+    state: MatcherState, token_id: int, is_accepted: bool, eos_token_ids: frozenset[int]
+) -> bool:
+    """Record whether the matcher took `token_id`; False once it can go no further."""
+    if not is_accepted:
+        logger.error("token %d does not continue its schema; ending the reply", token_id)
+        state.is_stuck = True
+        return False
+    if token_id in eos_token_ids:
+        state.is_terminated = True
+        return False
+    return True
 
 
 def fill_step_masks(
@@ -101,28 +116,37 @@ def fill_step_masks(
 ) -> list[int]:  # `batch`: an xgrammar.BatchGrammarMatcher
     """Fill `job.host`: the structured rows' masks, all ones elsewhere. Returns the rows cut
     mid-way: rows whose schema this vocabulary cannot continue (or that took a token it does
-    not allow), held to the end-of-sequence tokens from here."""
+    not allow), held to the end-of-sequence tokens from here.
+
+    This thread shares the GIL with the step loop's, which runs Python most of the time: each
+    call that lets the GIL go (into xgrammar, into torch) can cost up to the interpreter's
+    switch interval to get it back. So a step's work is a fixed handful of such calls, however
+    many rows: one batch accept, one fill of the whole buffer where a row has no schema, one
+    batch fill and one reduction over the rows, plus one row write per row held to its end."""
     newest = job.newest_token_ids() if job.rows else []
-    _take_new_tokens(job, newest)
-    job.host.fill_(-1)
+    _take_new_tokens(job, newest, eos_token_ids)
     live_rows: list[int] = []
     live: list[MatcherState] = []
     cut_rows: list[int] = []
+    ended_rows: list[int] = []
     for row, state in zip(job.rows, job.states, strict=True):
-        was_stuck = state.is_stuck
-        if state.is_stuck or state.matcher.is_terminated():
+        if state.is_stuck or state.is_terminated:
             # terminated: it took an end token the step loop has not stopped on yet
-            if was_stuck:
+            if state.is_stuck:
                 cut_rows.append(row)
-            allow_only(job.host[row], eos_token_ids)
+            ended_rows.append(row)
         else:
             live_rows.append(row)
             live.append(state)
+    if len(live_rows) < job.host.shape[0]:  # the batch fill writes the live rows whole
+        job.host.fill_(-1)
+    for row in ended_rows:
+        allow_only(job.host[row], eos_token_ids)
     if live:
         batch.batch_fill_next_token_bitmask([s.matcher for s in live], job.host, live_rows)
-        allows_any = job.host[live_rows].any(dim=1).tolist()
-        for row, state, any_allowed in zip(live_rows, live, allows_any, strict=True):
-            if not any_allowed:  # the vocabulary cannot spell what must come next
+        allows_any = job.host.any(dim=1).tolist()
+        for row, state in zip(live_rows, live, strict=True):
+            if not allows_any[row]:  # the vocabulary cannot spell what must come next
                 state.is_stuck = True
                 cut_rows.append(row)
                 allow_only(job.host[row], eos_token_ids)

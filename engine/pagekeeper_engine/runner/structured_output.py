@@ -35,6 +35,7 @@ without `{`), is refused before it runs (`check`), naming `response_format`.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -51,6 +52,13 @@ from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_st
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_FILL_THREADS = 8  # the rows of one step's masks are filled on up to this many threads
+# The interpreter's switch interval once the grammar thread runs. That thread gives up the GIL
+# in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
+# until the interval ends: at the default 5 ms, a step's few calls could wait longer than the
+# device's step. A 2-core CPU measurement of one step's grammar work for 64 rows beside a
+# thread busy in Python: about 10-15 ms at 5 ms, 4-6 ms at 0.5 ms, 1.5-2.5 ms alone
+# (docs/engine.md, structured output).
+GRAMMAR_SWITCH_INTERVAL_S = 0.0005
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -205,6 +213,7 @@ class GrammarMasks:
         threads = max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        sys.setswitchinterval(min(sys.getswitchinterval(), GRAMMAR_SWITCH_INTERVAL_S))
 
     def start(self, params: Sequence[SamplingParams], history: StepRows) -> PendingMasks:
         """Hand the step's grammar work to the grammar thread (call once the step's newest ids

@@ -77,6 +77,29 @@ def test_filled_bitmasks_allow_exactly_what_the_schema_allows_next(tmp_path: Pat
     assert allowed(follow.host[3]) == {"</s>"}
 
 
+def test_a_match_ended_by_its_end_token_is_held_there_not_cut(tmp_path: Path) -> None:
+    # The matcher's termination is read from the token it took, not asked of it row by row.
+    grammar = grammar_for(tmp_path)
+    pending = PLACEHOLDER_TOKEN_ID
+    done = '{"ok": true, "level": "low"}'
+    job = job_for(
+        grammar, [[*ids(done), pending], [*ids('{"ok'), pending]], [EOS_ID, JSON_VOCAB['"']]
+    )
+    batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+    assert fill_step_masks(job, batch, frozenset({EOS_ID})) == []
+    assert [s.is_terminated for s in job.states] == [True, False]
+    assert job.states[0].matcher.is_terminated() and not job.states[0].is_stuck
+    assert allowed(job.host[0]) == {"</s>"} and allowed(job.host[1]) == {":"}
+    # Nothing after the end is taken, so a launch that still carried the row cuts nothing.
+    late = FillJob(
+        job.host, job.rows, job.states, [[*t, 0] for t in job.token_lists],
+        job.num_prompt_tokens, [n + 1 for n in job.num_output_tokens],
+        lambda: [JSON_VOCAB["{"], JSON_VOCAB[":"]],
+    )  # fmt: skip
+    assert fill_step_masks(late, batch, frozenset({EOS_ID})) == []
+    assert allowed(late.host[0]) == {"</s>"} and not late.states[0].is_stuck
+
+
 def test_the_grammar_waits_for_the_sampled_token_and_the_loop_does_not(tmp_path: Path) -> None:
     """`start` returns at once; the fill waits for the newest ids (as it waits for the step that
     sampled them on a device) and masks with them, not with the placeholder in the list."""

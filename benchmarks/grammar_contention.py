@@ -1,0 +1,138 @@
+"""How long one step's grammar work takes on the grammar thread (`runner.structured_output`)
+while the step loop's thread runs Python, on the CPU: the schema of `structured.py` against the
+character tokenizer padded to the shape's vocabulary, one matcher a row, each step every row
+taking a token its mask allows (the first such printable one, end-of-sequence only when nothing
+else is allowed), as the engine's `GrammarMasks.start` hands the work over.
+
+Each case times `--steps` steps, one job at a time (the next handed over once the last is
+filled), with the main thread idle ("alone") or busy in a pure-Python loop that holds the GIL
+between its bytecodes, as the loop that settles, schedules and packs steps does, at the
+interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`. It measures
+the host alone: the device's step and the copies are not in it.
+
+    PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.shapes import SHAPES
+from benchmarks.structured import SCHEMA, write_json_tokenizer
+from pagekeeper_engine.core.sampling_params import SamplingParams
+from pagekeeper_engine.runner import structured_output as so
+
+DEFAULT_SWITCH_S = 0.005
+
+
+@dataclass
+class Row:
+    """A row's sequence as the grammars read it (`structured_output.SeqTokens`)."""
+
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+
+
+class Rows:
+    """A step's rows (`structured_output.StepRows`): the newest token is already on the host."""
+
+    def __init__(self, seqs: list[Row]) -> None:
+        self.seqs = seqs
+
+    def newest_token_list(self) -> list[int]:
+        return [s.all_token_ids[-1] for s in self.seqs]
+
+
+def next_token(mask_row: torch.Tensor, vocab_size: int, eos: int) -> int:
+    allowed = torch.nonzero(so.unpack_bitmask(mask_row, vocab_size)).flatten().tolist()
+    return next((t for t in allowed if t != eos), eos)
+
+
+def busy_python(stop: threading.Event) -> None:
+    while not stop.is_set():
+        total = 0
+        for i in range(10_000):
+            total += i
+
+
+def run_case(grammar: so.GrammarMasks, rows: int, steps: int, eos: int, busy: bool) -> list[float]:
+    """Seconds per step's grammar work, from the hand-over to the filled mask."""
+    vocab = grammar.vocab_size
+    stop = threading.Event()
+    loop = threading.Thread(target=busy_python, args=(stop,), daemon=True)
+    if busy:
+        loop.start()
+    times: list[float] = []
+    try:
+        params = [SamplingParams(json_schema=json.dumps(SCHEMA)) for _ in range(rows)]
+        seqs = [Row([1, 2, 3], 3) for _ in range(rows)]
+        for _ in range(steps):
+            start = time.perf_counter()
+            pending = grammar.start(params, Rows(seqs))
+            pending.filled.result()
+            times.append(time.perf_counter() - start)
+            for row, seq in enumerate(seqs):
+                token = next_token(pending.host[row], vocab, eos)
+                if token == eos:  # a match ended: the row starts a new request
+                    params[row] = SamplingParams(json_schema=json.dumps(SCHEMA))
+                    seqs[row] = Row([1, 2, 3], 3)
+                else:
+                    seq.all_token_ids.append(token)
+    finally:
+        stop.set()
+        if busy:
+            loop.join()
+    return times
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "median_ms": round(statistics.median(ordered) * 1e3, 3),
+        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    config = SHAPES[args.shape]
+    report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "steps": args.steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_json_tokenizer(Path(tmp), config)
+        eos = config["eos_token_id"]
+        grammar = so.GrammarMasks(
+            Path(tmp), config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu")
+        )
+        cases = [("alone", False, so.GRAMMAR_SWITCH_INTERVAL_S)]
+        cases += [("busy loop, 5 ms switch", True, DEFAULT_SWITCH_S)]
+        cases += [(f"busy loop, {so.GRAMMAR_SWITCH_INTERVAL_S * 1e3:g} ms switch", True,
+                   so.GRAMMAR_SWITCH_INTERVAL_S)]  # fmt: skip
+        run_case(grammar, args.rows, 5, eos, busy=False)  # compiles, sets the interval up
+        for name, busy, switch_s in cases:
+            sys.setswitchinterval(switch_s)
+            report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy))
+            print(f"{name}: {report[name]}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
