@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the report goes to}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/engine:$PWD/memplan:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+caller_path="${PYTHONPATH:-}"  # packages carried beside the checkouts, for both passes
+export PYTHONPATH="$PWD/engine:$PWD/memplan:$PWD${caller_path:+:$caller_path}"
 python -c "import xgrammar" || { echo "xgrammar is not installed" >&2; exit 2; }
 
 if [[ "${SMOKE:-0}" == 1 ]]; then
@@ -26,7 +27,7 @@ else
   args=(--concurrency 64 --num-requests 256 --num-samples 200)
 fi
 if [[ -n "${BEFORE:-}" ]]; then
-  (cd "$BEFORE" && PYTHONPATH="$BEFORE/engine:$BEFORE/memplan:$BEFORE" \
+  (cd "$BEFORE" && PYTHONPATH="$BEFORE/engine:$BEFORE/memplan:$BEFORE${caller_path:+:$caller_path}" \
     python benchmarks/structured.py --shape qwen3-0.6b --concurrency 64 --num-requests 256 \
     --num-samples 200) > "$OUT/structured_before.json"
 fi
