@@ -55,9 +55,7 @@ MAX_FILL_THREADS = 8  # the rows of one step's masks are filled on up to this ma
 # The interpreter's switch interval once the grammar thread runs. That thread gives up the GIL
 # in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
 # until the interval ends: at the default 5 ms, a step's few calls could wait longer than the
-# device's step. A 2-core CPU measurement of one step's grammar work for 64 rows beside a
-# thread busy in Python: about 10-15 ms at 5 ms, 4-6 ms at 0.5 ms, 1.5-2.5 ms alone
-# (docs/engine.md, structured output).
+# device's step (measured in docs/engine.md, structured output: benchmarks/grammar_contention.py).
 GRAMMAR_SWITCH_INTERVAL_S = 0.0005
 
 
