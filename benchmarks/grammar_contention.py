@@ -124,11 +124,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cases += [("busy loop, 5 ms switch", True, DEFAULT_SWITCH_S)]
         cases += [(f"busy loop, {so.GRAMMAR_SWITCH_INTERVAL_S * 1e3:g} ms switch", True,
                    so.GRAMMAR_SWITCH_INTERVAL_S)]  # fmt: skip
-        run_case(grammar, args.rows, 5, eos, busy=False)  # compiles, sets the interval up
-        for name, busy, switch_s in cases:
-            sys.setswitchinterval(switch_s)
-            report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy))
-            print(f"{name}: {report[name]}")
+        interval = sys.getswitchinterval()
+        try:
+            run_case(grammar, args.rows, 5, eos, busy=False)  # compiles, sets the interval up
+            for name, busy, switch_s in cases:
+                sys.setswitchinterval(switch_s)
+                report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy))
+                print(f"{name}: {report[name]}")
+        finally:
+            sys.setswitchinterval(interval)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return report
