@@ -63,9 +63,10 @@ def score(result: dict[str, Any], spec: TuningSpec) -> float:
 def verdict_of(trial: dict[str, Any], base: dict[str, Any], spec: TuningSpec) -> dict[str, Any]:
     """The trial rule's verdict on `trial` against `base`, the round of the policy in force."""
     if "error" in trial:
-        return {"is_win": False, "reason": "the candidate did not start"}
+        return {"is_win": False, "verdict": "Loss", "reason": "the candidate did not start"}
     if trial["ooms"] or trial["failures"]:
-        return {"is_win": False, "reason": "the candidate ran out of memory or lost requests"}
+        return {"is_win": False, "verdict": "Loss",
+                "reason": "the candidate ran out of memory or lost requests"}  # fmt: skip
     trial_figures, base_figures = (tt.RoundFigures(**r["figures"]) for r in (trial, base))
     comparison = tt.judge(trial_figures, base_figures, spec)
     if comparison is None:
@@ -169,10 +170,14 @@ def format_row(tag: str, entry: dict[str, Any], spec: TuningSpec) -> str:
     if "error" in r:
         return f"{tag}: {json.dumps(r['policy'])} did not start: {r['error'][-200:]}"
     verdict = r.get("verdict")
-    kept = "" if not verdict else f"; {'kept' if verdict['is_win'] else 'rolled back'}"
-    kept += "" if not verdict or "verdict" not in verdict else f" ({verdict['verdict']})"
-    kept += "" if not verdict else ": "
-    kept += "" if not verdict else verdict["reason"]
+    kept = (
+        ""
+        if not verdict
+        else (
+            f"; {'kept' if verdict['is_win'] else 'rolled back'} ({verdict['verdict']}): "
+            f"{verdict['reason']}"
+        )
+    )
     return (
         f"{tag}: {r['output_tok_s']:,.0f} tok/s (score {score(r, spec):,.0f}), TTFT p99 "
         f"{r['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {r['itl_p99_ms'] or 0:.1f} ms, preemptions "

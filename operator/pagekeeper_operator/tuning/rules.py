@@ -202,11 +202,10 @@ def max_num_seqs(ctx: Context) -> Proposal | None:
         and peak < 0.8
         and w.num_preemptions == 0
     ):
-        has_peaks = w.running_peak is not None and w.waiting_peak is not None
         if w.running_peak is not None and w.waiting_peak is not None:
-            demand = w.running_peak + w.waiting_peak
+            demand, has_peaks = w.running_peak + w.waiting_peak, True
         else:  # a window without the peaks (an older runtime's series)
-            demand = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0)
+            demand, has_peaks = (w.running_avg or float(cap)) + (w.waiting_avg or 0.0), False
         running = int(min(cap * MAX_SEQS_GROWTH, cap * 0.9 / max(peak, 0.01), demand))
         # The whole demand (known from the peaks: a mean is no demand) fits, with KV room to
         # double it: the cap goes to twice the demand, as `max-num-seqs-headroom` would take
