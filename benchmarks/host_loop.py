@@ -25,6 +25,7 @@ from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.sampling_params import SamplingParams
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.heap import freeze_startup_heap
 from pagekeeper_engine.loop.engine import LLMEngine
 
@@ -54,6 +55,7 @@ class NullRunner:
     num_host_blocks = 0
     host_block_bytes = 0
     kv_load_seconds = 0.0
+    grammar_timings = GrammarTimings()
     num_swap_ooms = 0
     allocator_monitor = None
     prefers_async_scheduling = True

@@ -27,7 +27,7 @@ from pagekeeper_engine.core.stats import EngineStats
 from pagekeeper_engine.memory.allocator import AllocatorStats
 from pagekeeper_engine.memory.oom import OOM_EVENT_KINDS
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 STATS_INTERVAL_S = 0.1  # the loop's stats ride on step outputs at most this often
 HEARTBEAT_INTERVAL_S = 0.5  # an idle core sends its stats this often
 

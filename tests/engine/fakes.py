@@ -23,6 +23,7 @@ from pagekeeper_engine.core.limits import SchedulerConfig, resolve_limits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
 from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.messages import EngineOutput
@@ -86,6 +87,7 @@ class PagedFakeRunner:
         self.num_host_blocks = num_host_blocks
         self.host_block_bytes = 64
         self.kv_load_seconds = 0.0
+        self.grammar_timings = GrammarTimings()
         self.gpu: list[list[int | None]] = [[None] * BS for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(num_cpu_blocks)]
         # The host tier's blocks, and its copies as a device that runs them as late as it may:

@@ -14,6 +14,7 @@ from typing import Protocol
 from pagekeeper_engine.config import EngineConfig
 from pagekeeper_engine.core.limits import EngineLimits
 from pagekeeper_engine.core.outputs import RunnerOutput, SchedulerOutput
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.memory.allocator import AllocatorStats
 
 
@@ -61,6 +62,12 @@ class ModelRunnerProtocol(Protocol):
     @property
     def num_swap_ooms(self) -> int:
         """Swaps that found no device memory and fell back to an allocation-free copy."""
+        ...
+
+    @property
+    def grammar_timings(self) -> GrammarTimings:
+        """Histograms of structured steps' grammar work on the host so far (none observed by
+        a runner without schemas)."""
         ...
 
     @property

@@ -10,6 +10,49 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 FINISH_REASONS = ("stop", "length", "abort")
+# Upper bounds (seconds) of the buckets of a step's host-side durations: from 0.1 ms (a step's
+# grammar work for a few rows) to 50 ms (a step stalled ten times over), finest over 1-10 ms,
+# where a step at 64 streams lies (3-8 ms on an H100).
+STEP_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0065,
+    0.008, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DurationCounts:
+    """A histogram of durations: how many fell in each bucket of `STEP_SECONDS_BUCKETS` (at
+    most its bound, above the bound before; not cumulative), then how many above the last
+    bound, and the durations' sum in seconds."""
+
+    counts: tuple[int, ...] = (0,) * (len(STEP_SECONDS_BUCKETS) + 1)
+    sum_seconds: float = 0.0
+
+    @property
+    def num_observed(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class GrammarTimings:
+    """Per structured step (one with a `json_schema` row), what its grammar work cost the host
+    (`runner.structured_output`; nothing is observed for a step without a schema):
+    - `queue`: from the launch handing the work over to the grammar thread starting it;
+    - `fill`: the grammar thread's job, the sum of its parts: `fill_device_wait` (for the
+      bitmask's last copy to the device, then for the previous step's sampled ids on the
+      host), `fill_accept` (the matchers take their new tokens), `fill_bitmask` (xgrammar's
+      batch fill) and `fill_host_ops` (the rest: the torch ops on the host bitmask, Python);
+    - `wait`: the step loop blocked on the filled masks when it samples the step;
+    - `apply`: then, enqueuing the mask's copy to the device and its application."""
+
+    queue: DurationCounts = DurationCounts()
+    fill: DurationCounts = DurationCounts()
+    fill_device_wait: DurationCounts = DurationCounts()
+    fill_accept: DurationCounts = DurationCounts()
+    fill_bitmask: DurationCounts = DurationCounts()
+    fill_host_ops: DurationCounts = DurationCounts()
+    wait: DurationCounts = DurationCounts()
+    apply: DurationCounts = DurationCounts()
 
 
 @dataclass(frozen=True)
@@ -65,6 +108,7 @@ class EngineStats:
     kv_load_seconds: float = 0.0
     prefix_cache_host_hits: int = 0
     prefix_cache_evicted_misses: int = 0
+    grammar: GrammarTimings = GrammarTimings()  # the runner's, for structured output
 
     @property
     def prefix_cache_hit_rate(self) -> float:

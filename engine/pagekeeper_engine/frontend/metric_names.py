@@ -59,6 +59,15 @@ METRICS: Final[dict[str, tuple[MetricKind, tuple[str, ...]]]] = {
     # scheduling only): its rate under load is the host's idle share; near 0, the host, not
     # the device, sets the pace
     "pagekeeper_device_wait_seconds_total": ("counter", ()),
+    # Structured output's grammar work on the host, one observation per step with a schema
+    # (none for steps without one; `core.stats.GrammarTimings`): the launch's hand-over to the
+    # grammar thread's start, that thread's job, its parts (summing to it), the step loop
+    # blocked on the job's result when it samples the step, then the mask's copy and apply.
+    "pagekeeper_grammar_queue_seconds": ("histogram", ()),
+    "pagekeeper_grammar_fill_seconds": ("histogram", ()),
+    "pagekeeper_grammar_fill_part_seconds": ("histogram", ("part",)),
+    "pagekeeper_grammar_wait_seconds": ("histogram", ()),
+    "pagekeeper_grammar_apply_seconds": ("histogram", ()),
     # The host KV tier (--kv-offloading-size), totals over the tensor-parallel ranks: its bytes
     # in use and its capacity, full blocks copied to it, loaded back, and pushed out of it
     # (least recently used first), the bytes loaded and the device seconds the loads took.
@@ -102,6 +111,10 @@ OOM_KINDS: Final[tuple[str, ...]] = ("step", "swap", "startup")
 # Where a prefix-cache hit was found (`pagekeeper_prefix_cache_hits_by_tier_total`).
 PREFIX_CACHE_TIERS: Final[tuple[str, ...]] = ("gpu", "host")
 REJECT_REASONS: Final[tuple[str, ...]] = ("overloaded", "draining", "loading")
+# The parts of the grammar thread's job (`pagekeeper_grammar_fill_part_seconds`): waiting for
+# the device (the bitmask's last copy, the previous step's sampled ids), the matchers taking
+# their tokens, xgrammar's batch fill of the bitmask, and the rest (torch ops on the host, Python).
+GRAMMAR_FILL_PARTS: Final[tuple[str, ...]] = ("device_wait", "accept", "bitmask", "host_ops")
 
 
 def family_name(name: str) -> str:

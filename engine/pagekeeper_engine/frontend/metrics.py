@@ -1,15 +1,16 @@
 """Prometheus metrics: engine state read at scrape time, latencies observed by the server.
 
-Gauges and counters the engine core already keeps (the newest `LoopStats` it sent) are read
-when Prometheus scrapes, so no step of the engine loop pays for them. Latency histograms are
-observed by the request handlers, which see each token leave. Allocator figures come from the
-CUDA caching allocator, read by the step loop at most once a second (a scrape never touches the
-allocator, whose lock the model's thread needs), and are absent on the CPU (see
-`metric_names.CUDA_ONLY`).
+Gauges, counters and histograms the engine core already keeps (the newest `LoopStats` it
+sent) are read when Prometheus scrapes, so no step of the engine loop pays for exporting them.
+Latency histograms are observed by the request handlers, which see each token leave. Allocator
+figures come from the CUDA caching allocator, read by the step loop at most once a second (a
+scrape never touches the allocator, whose lock the model's thread needs), and are absent on the
+CPU (see `metric_names.CUDA_ONLY`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
@@ -21,11 +22,19 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from pagekeeper_engine.core.stats import STEP_SECONDS_BUCKETS, DurationCounts, GrammarTimings
 from pagekeeper_engine.frontend.metric_names import (
     FINISHED_REASONS,
+    GRAMMAR_FILL_PARTS,
     KV_BLOCK_STATES,
     METRICS,
     OOM_KINDS,
@@ -45,6 +54,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 def _desc(name: str) -> str:
     return f"{name} ({METRICS[name][0]})"
+
+
+def _buckets(durations: DurationCounts) -> list[tuple[str, float]]:
+    """Prometheus's cumulative buckets of `durations`, the last at +Inf."""
+    bounds = [*map(floatToGoString, STEP_SECONDS_BUCKETS), "+Inf"]
+    return list(zip(bounds, itertools.accumulate(durations.counts), strict=True))
 
 
 class EngineCollector(Collector):
@@ -164,9 +179,33 @@ class EngineCollector(Collector):
         yield ooms
         yield self._gauge("pagekeeper_step_token_budget", stats.step_token_budget)
         yield self._counter("pagekeeper_device_wait_seconds_total", stats.device_wait_seconds)
+        yield from self._grammar_metrics(stats.grammar)
         yield self._counter("pagekeeper_kv_events_published_total", stats.num_kv_events_published)
         yield self._counter("pagekeeper_kv_events_dropped_total", stats.num_kv_events_dropped)
         yield from self._host_tier_metrics(stats)
+
+    def _grammar_metrics(self, grammar: GrammarTimings) -> Iterator[Metric]:
+        """Structured output's grammar work, per step with a schema (empty without one)."""
+        for name, durations in (
+            ("pagekeeper_grammar_queue_seconds", grammar.queue),
+            ("pagekeeper_grammar_fill_seconds", grammar.fill),
+            ("pagekeeper_grammar_wait_seconds", grammar.wait),
+            ("pagekeeper_grammar_apply_seconds", grammar.apply),
+        ):
+            family = HistogramMetricFamily(name, _desc(name), labels=["model_name"])
+            family.add_metric([self._model_name], _buckets(durations), durations.sum_seconds)
+            yield family
+        name = "pagekeeper_grammar_fill_part_seconds"
+        parts = HistogramMetricFamily(name, _desc(name), labels=["model_name", "part"])
+        by_part = (
+            grammar.fill_device_wait,
+            grammar.fill_accept,
+            grammar.fill_bitmask,
+            grammar.fill_host_ops,
+        )
+        for part, durations in zip(GRAMMAR_FILL_PARTS, by_part, strict=True):
+            parts.add_metric([self._model_name, part], _buckets(durations), durations.sum_seconds)
+        yield parts
 
     def _host_tier_metrics(self, stats: LoopStats) -> Iterator[Metric]:
         """The host KV tier's series, present (at 0 capacity) without a tier too."""

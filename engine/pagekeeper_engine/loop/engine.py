@@ -305,6 +305,7 @@ class LLMEngine:
             device_wait_seconds=self.device_wait_seconds,
             host_block_bytes=self.runner.host_block_bytes,
             kv_load_seconds=self.runner.kv_load_seconds,
+            grammar=self.runner.grammar_timings,
         )
 
     def count_failed_step(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from pagekeeper_engine.core.protocols import AllocatorMonitorProtocol
 from pagekeeper_engine.core.scheduler import Scheduler
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.loop.oom_recovery import OomRecovery
 from pagekeeper_engine.memory.allocator import AllocatorStats, PeriodicReader
 from pagekeeper_engine.messages import DefragmentResult, LoopStats
@@ -31,10 +32,12 @@ def snapshot(
     device_wait_seconds: float,
     host_block_bytes: int = 0,
     kv_load_seconds: float = 0.0,
+    grammar: GrammarTimings | None = None,
 ) -> LoopStats:
     """The loop's state now: the scheduler's queues and pools, its counters (passed in), the
     out-of-memory events and step budget of `oom`, and the newest `allocator` reading; the
-    runner's `host_block_bytes` and `kv_load_seconds` complete the host tier's figures."""
+    runner's `host_block_bytes` and `kv_load_seconds` complete the host tier's figures, and
+    its `grammar` timings are structured output's."""
     kv = sched.kv
     host = kv.host
     pool = kv.pool
@@ -80,6 +83,7 @@ def snapshot(
         kv_load_seconds=kv_load_seconds,
         prefix_cache_host_hits=kv.num_prefix_host_hits,
         prefix_cache_evicted_misses=kv.num_evicted_misses,
+        grammar=grammar if grammar is not None else GrammarTimings(),
     )
 
 

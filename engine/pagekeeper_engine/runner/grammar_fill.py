@@ -16,11 +16,14 @@ ones (-1) allows every token, which is what the rows without a schema get.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagekeeper_engine.runner.grammar_timing import FillTimes
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +115,11 @@ def _took(
 
 
 def fill_step_masks(
-    job: FillJob, batch: Any, eos_token_ids: frozenset[int]
-) -> list[int]:  # `batch`: an xgrammar.BatchGrammarMatcher
+    job: FillJob,
+    batch: Any,  # an xgrammar.BatchGrammarMatcher
+    eos_token_ids: frozenset[int],
+    times: FillTimes | None = None,  # marks its moments here (`grammar_timing`)
+) -> list[int]:
     """Fill `job.host`: the structured rows' masks, all ones elsewhere. Returns the rows cut
     mid-way: rows whose schema this vocabulary cannot continue (or that took a token it does
     not allow), held to the end-of-sequence tokens from here.
@@ -124,7 +130,11 @@ def fill_step_masks(
     many rows: one batch accept, one fill of the whole buffer where a row has no schema, one
     batch fill and one reduction over the rows, plus one row write per row held to its end."""
     newest = job.newest_token_ids() if job.rows else []
+    if times is not None:
+        times.ids_on_host = time.perf_counter()
     _take_new_tokens(job, newest, eos_token_ids)
+    if times is not None:
+        times.accepted = time.perf_counter()
     live_rows: list[int] = []
     live: list[MatcherState] = []
     cut_rows: list[int] = []
@@ -143,7 +153,11 @@ def fill_step_masks(
     for row in ended_rows:
         allow_only(job.host[row], eos_token_ids)
     if live:
-        batch.batch_fill_next_token_bitmask([s.matcher for s in live], job.host, live_rows)
+        matchers = [s.matcher for s in live]
+        started = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, job.host, live_rows)
+        if times is not None:
+            times.bitmask_seconds = time.perf_counter() - started
         allows_any = job.host.any(dim=1).tolist()
         for row, state in zip(live_rows, live, strict=True):
             if not allows_any[row]:  # the vocabulary cannot spell what must come next

@@ -26,6 +26,7 @@ import torch
 from pagekeeper_engine.core.kv_copies import StepCopies
 from pagekeeper_engine.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from pagekeeper_engine.core.sampling_params import SamplingParams
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.runner.follower_step import FollowerStep, follower_step
@@ -55,6 +56,12 @@ class ModelRunner(RunnerSetup):
     def kv_load_seconds(self) -> float:
         """Device seconds the host tier's finished loads took."""
         return self.host_tier.load_seconds if self.host_tier is not None else 0.0
+
+    @property
+    def grammar_timings(self) -> GrammarTimings:
+        """Where structured steps' grammar work spent the host's time (`GrammarMasks`)."""
+        grammar = self.sampler.grammar
+        return grammar.timings() if grammar is not None else GrammarTimings()
 
     @property
     def num_swap_ooms(self) -> int:

@@ -19,6 +19,10 @@ device's steps:
   one non-blocking copy and sets the disallowed scores to -inf in one launch, before any other
   processor (`logits_processing.process_scores`). Nothing waits for the device.
 
+Each structured step's grammar work is timed into histograms (`grammar_timing`: the grammar
+thread's job and its parts, the step loop's wait for it in `apply`, the apply itself), which the
+runner reports with the loop's stats (`timings`).
+
 Two host bitmasks are used in turn; each records an event once its copy to the device is
 enqueued, and the grammar thread waits for that event before it fills the buffer again. A
 schema the vocabulary cannot continue mid-way (no token allowed) holds its row to the
@@ -37,6 +41,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +53,9 @@ import torch
 
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.sampling_params import SamplingParams
+from pagekeeper_engine.core.stats import GrammarTimings
 from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
+from pagekeeper_engine.runner.grammar_timing import FillTimes, GrammarTimer
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_FILL_THREADS = 8  # the rows of one step's masks are filled on up to this many threads
@@ -93,6 +100,7 @@ class PendingMasks:
     host: torch.Tensor  # (N, W) int32 rows of one of the two host bitmasks
     turn: int  # which of the two
     filled: Future[list[int]]  # the rows cut mid-way, once filled
+    times: FillTimes  # the fill's moments, set before `filled` is
 
 
 class GrammarMasks:
@@ -123,6 +131,7 @@ class GrammarMasks:
         self._num_started = 0
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._thread: ThreadPoolExecutor | None = None  # the grammar thread
+        self._timer = GrammarTimer()  # observed on the step loop's thread only (`apply`)
 
     def _compile(self, schema: str) -> Any:
         with self._lock:
@@ -234,20 +243,26 @@ class GrammarMasks:
             num_output_tokens=[len(s.all_token_ids) - s.num_prompt_tokens for s in seqs],
             newest_token_ids=history.newest_token_list,
         )
-        filled = self._thread.submit(self._fill, job, self._copied[turn])
-        return PendingMasks(job.host, turn, filled)
+        times = FillTimes(submitted=time.perf_counter())
+        filled = self._thread.submit(self._fill, job, self._copied[turn], times)
+        return PendingMasks(job.host, turn, filled, times)
 
-    def _fill(self, job: FillJob, copied: torch.cuda.Event | None) -> list[int]:
+    def _fill(self, job: FillJob, copied: torch.cuda.Event | None, times: FillTimes) -> list[int]:
+        times.started = time.perf_counter()
         if copied is not None:  # the buffer's last copy to the device has been read
             copied.synchronize()
-        return fill_step_masks(job, self._batch, self.eos_token_ids)
+        cut_rows = fill_step_masks(job, self._batch, self.eos_token_ids, times)
+        times.ended = time.perf_counter()
+        return cut_rows
 
     def apply(self, scores: torch.Tensor, pending: PendingMasks) -> list[int]:
         """-inf on every token a structured row's schema does not allow next (scores (N, V)
         fp32, rewritten in place); the rows cut mid-way."""
         import xgrammar  # noqa: PLC0415
 
+        started = time.perf_counter()
         cut_rows = pending.filled.result()
+        filled = time.perf_counter()
         mask = pending.host
         if self._device_mask is not None:
             device = self._device_mask[: mask.shape[0]]
@@ -257,7 +272,12 @@ class GrammarMasks:
             self._copied[pending.turn] = event
             mask = device
         xgrammar.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[1])
+        self._timer.observe(pending.times, filled - started, time.perf_counter() - filled)
         return cut_rows
+
+    def timings(self) -> GrammarTimings:
+        """The structured steps' histograms so far (read on the step loop's thread)."""
+        return self._timer.snapshot()
 
     def mask_now(
         self, scores: torch.Tensor, params: Sequence[SamplingParams], history: StepRows

@@ -10,6 +10,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekeeper_engine.core.limits import EngineLimits
+from pagekeeper_engine.core.stats import STEP_SECONDS_BUCKETS, DurationCounts, GrammarTimings
 from pagekeeper_engine.frontend.metric_names import CUDA_ONLY, METRICS, OOM_KINDS, family_name
 from pagekeeper_engine.frontend.metrics import EngineCollector, RequestTimer, ServerMetrics
 from pagekeeper_engine.memory.allocator import AllocatorSettings, AllocatorStats
@@ -25,7 +26,7 @@ def make_stats(**overrides: Any) -> LoopStats:
     values: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(LoopStats)}
     values["kv_cache_usage"] = 0.0
     values["kv_internal_fragmentation"] = 0.0
-    for defaulted in ("num_requests_success", "num_oom_events", "allocator"):
+    for defaulted in ("num_requests_success", "num_oom_events", "allocator", "grammar"):
         del values[defaulted]
     values.update(overrides)
     return LoopStats(**values)
@@ -108,6 +109,46 @@ def test_collector_exports_engine_stats_exactly() -> None:
             "vllm:cache_config_info",  # once the core's handshake says what the cache is
         }:
             assert types[family_name(name)] == kind, name
+
+
+def test_grammar_timings_are_exported_as_cumulative_histograms() -> None:
+    """Each of `GrammarTimings`' histograms under its name, the fill's parts by `part`: the
+    buckets cumulative over `STEP_SECONDS_BUCKETS`, then +Inf, with the count and sum."""
+    assert STEP_SECONDS_BUCKETS[:5] == (0.0001, 0.00025, 0.0005, 0.00075, 0.001)
+    empty = [0] * (len(STEP_SECONDS_BUCKETS) + 1)
+
+    def durations(*placed: tuple[int, int], sum_seconds: float) -> DurationCounts:
+        counts = list(empty)
+        for index, count in placed:
+            counts[index] = count
+        return DurationCounts(tuple(counts), sum_seconds)
+
+    grammar = GrammarTimings(
+        fill=durations((0, 2), (4, 1), (len(empty) - 1, 1), sum_seconds=0.25),
+        wait=durations((1, 3), sum_seconds=0.0006),
+        fill_bitmask=durations((2, 5), sum_seconds=0.002),
+    )
+    collector = EngineCollector("m", lambda: make_stats(grammar=grammar), lambda: False)
+    types, samples = parse(ServerMetrics("m", collector).render().decode())
+    fill = "pagekeeper_grammar_fill_seconds"
+    assert [
+        samples[(f"{fill}_bucket", label("m", le=le))]
+        for le in ("0.0001", "0.00025", "0.00075", "0.001", "0.05", "+Inf")
+    ] == [2, 2, 2, 3, 3, 4]
+    assert samples[(f"{fill}_count", label("m"))] == 4.0
+    assert samples[(f"{fill}_sum", label("m"))] == 0.25
+    wait = "pagekeeper_grammar_wait_seconds"
+    assert samples[(f"{wait}_bucket", label("m", le="0.0001"))] == 0.0
+    assert samples[(f"{wait}_bucket", label("m", le="0.00025"))] == 3.0
+    assert samples[(f"{wait}_sum", label("m"))] == 0.0006
+    part = "pagekeeper_grammar_fill_part_seconds"
+    assert samples[(f"{part}_count", label("m", part="bitmask"))] == 5.0
+    assert samples[(f"{part}_bucket", label("m", part="bitmask", le="0.0005"))] == 5.0
+    for name in ("device_wait", "accept", "host_ops"):
+        assert samples[(f"{part}_count", label("m", part=name))] == 0.0
+    for name in ("queue", "apply"):
+        assert samples[(f"pagekeeper_grammar_{name}_seconds_count", label("m"))] == 0.0
+    assert {types[n] for n in (fill, wait, part)} == {"histogram"}
 
 
 def test_allocator_reading_budget_and_allocator_settings() -> None:
