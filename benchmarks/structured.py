@@ -23,6 +23,11 @@ schema's passes add `response_format` json_schema (`SCHEMA`, whose replies are b
 random-weight model finishes them too), and the pass without it caps each seed's reply at the
 length of that seed's schema reply (`main`). Tokens are counted from each body's `usage`. The goals
 (issue 51): every sample matches; with a schema at least 80% of the tok/s without.
+
+Around the schema's throughput pass /metrics is read twice, and `grammar` reports what the
+engine observed in between of its `pagekeeper_grammar_*_seconds` histograms (docs/engine.md,
+"Metrics"): per series the count (structured steps), the sum, and p50/p90/p99 estimated from
+the buckets as Prometheus would; printed as a table on stderr (stdout is the JSON report).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import serving_server
+from benchmarks import metric_histograms, serving_server
 from benchmarks import serving_workload as wl
 from benchmarks.shapes import SHAPES
 
@@ -60,6 +65,10 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 PROMPT = "Describe one customer of a software company as a JSON record."
+GRAMMAR_PREFIX = "pagekeeper_grammar_"
+# The engine core's stats reach /metrics with its step outputs, and within its idle heartbeat
+# (0.5 s, `messages.HEARTBEAT_INTERVAL_S`) once a pass is over: wait that long, twice, first.
+METRICS_SETTLE_S = 1.0
 
 
 def matches(value: Any) -> bool:
@@ -201,6 +210,16 @@ async def run_pass(
     return sum(r.num_tokens for r in replies) / seconds, replies
 
 
+async def read_metrics(url: str) -> str:
+    """The server's /metrics page once the core's newest stats have reached it."""
+    await asyncio.sleep(METRICS_SETTLE_S)
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as answer:
+        text = await answer.text()
+        if answer.status != 200:
+            raise RuntimeError(f"/metrics: {answer.status}: {text[:200]}")
+        return text
+
+
 def parses(text: str) -> bool:
     try:
         return matches(json.loads(text))
@@ -218,9 +237,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         url, model, args.concurrency, dict.fromkeys(range(args.num_samples), args.max_tokens), True
     )
     seeds = range(args.num_samples, args.num_samples + args.num_requests)
+    metrics_before = await read_metrics(url)
     schema_tok_s, schema_replies = await run_pass(
         url, model, args.concurrency, dict.fromkeys(seeds, args.max_tokens), True
     )
+    grammar = metric_histograms.summarize(metrics_before, await read_metrics(url), GRAMMAR_PREFIX)
+    print(metric_histograms.format_table(grammar), file=sys.stderr, flush=True)
     lengths = {r.seed: max(1, r.num_tokens) for r in schema_replies}
     plain_tok_s, plain_replies = await run_pass(url, model, args.concurrency, lengths, False)
     num_matching = sum(parses(r.text) for r in samples)
@@ -234,6 +256,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "plain_output_tok_s": plain_tok_s,
         "schema_output_tok_s": schema_tok_s,
         "schema_over_plain": schema_tok_s / plain_tok_s,
+        "grammar": grammar,
     }
 
 
