@@ -38,10 +38,12 @@ from benchmarks import tune_trial as tt
 from benchmarks import tune_workload as tw
 from benchmarks.shapes import SHAPES
 from benchmarks.tune_serve import Serve, serving
-from pagekeeper_operator.api.tuning import TuningSpec
+from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.tuning import MAX_LOOKS, TuningSpec
 from pagekeeper_operator.policy.fields import with_change
 from pagekeeper_operator.tuning.proposal import Proposal
 from pagekeeper_operator.tuning.rules import recommend
+from pagekeeper_operator.tuning.window import MetricWindow
 
 TARGET_SHARE = 0.9  # of the grid's best
 
@@ -60,20 +62,50 @@ def score(result: dict[str, Any], spec: TuningSpec) -> float:
     return float(result["output_tok_s"])
 
 
-def verdict_of(trial: dict[str, Any], base: dict[str, Any], spec: TuningSpec) -> dict[str, Any]:
-    """The trial rule's verdict on `trial` against `base`, the round of the policy in force."""
-    if "error" in trial:
+def verdict_of(
+    trials: list[dict[str, Any]], bases: list[dict[str, Any]], spec: TuningSpec
+) -> dict[str, Any]:
+    """The trial rule's verdict on the candidate's looks (`trials`) against those of the policy
+    in force (`bases`), each side's looks pooled (`tune_trial.pooled`)."""
+    if any("error" in t for t in trials):
         return {"is_win": False, "verdict": "Loss", "reason": "the candidate did not start"}
-    if trial["ooms"] or trial["failures"]:
+    if any(t["ooms"] or t["failures"] for t in trials):
         return {"is_win": False, "verdict": "Loss",
                 "reason": "the candidate ran out of memory or lost requests"}  # fmt: skip
-    trial_figures, base_figures = (tt.RoundFigures(**r["figures"]) for r in (trial, base))
+    trial_figures = tt.pooled([tt.RoundFigures(**t["figures"]) for t in trials], max)
+    base_figures = tt.pooled([tt.RoundFigures(**b["figures"]) for b in bases], min)
     comparison = tt.judge(trial_figures, base_figures, spec)
+    looks = {"looks": len(trials)}
     if comparison is None:
         return {"is_win": False, "verdict": "Inconclusive",
-                "reason": "too few throughput samples to tell"}  # fmt: skip
+                "reason": "too few throughput samples to tell", **looks}  # fmt: skip
     return {"is_win": comparison.is_win, "verdict": comparison.verdict,
-            "reason": comparison.reason, **comparison.evidence()}  # fmt: skip
+            "reason": comparison.reason, **looks, **comparison.evidence()}  # fmt: skip
+
+
+def trial_looks(
+    serve: Serve,
+    candidate: MemoryPolicy,
+    policy: MemoryPolicy,
+    base: dict[str, Any],
+    tag: str,
+    spec: TuningSpec,
+) -> tuple[dict[str, Any], MetricWindow | None]:
+    """A trial as Apply mode runs it (`tuning.decide`): a window that cannot decide is extended,
+    up to MAX_LOOKS windows, the candidate and the policy in force each serving the same
+    requests once more a look, and judged over all of them; the last look that cannot decide
+    ends it Inconclusive. The first look's result carries the verdict and the later looks'."""
+    trial, window = serve(candidate, tag)
+    trials, bases = [trial], [base]
+    verdict = verdict_of(trials, bases, spec)
+    while verdict["verdict"] == "Inconclusive" and len(trials) < MAX_LOOKS:
+        print(f"  look {len(trials)}: {verdict['reason']}; the trial is extended")
+        trials.append(serve(candidate, f"{tag}_look{len(trials) + 1}")[0])
+        bases.append(serve(policy, f"{tag}_baseline_look{len(bases) + 1}")[0])
+        verdict = verdict_of(trials, bases, spec)
+    trial["verdict"] = verdict
+    trial["later_looks"] = {"candidate": trials[1:], "baseline": bases[1:]}
+    return trial, window
 
 
 def change_of(proposal: Proposal) -> dict[str, str]:
@@ -117,8 +149,9 @@ def run_class(cls: tw.WorkloadClass, args: argparse.Namespace, serve: Serve) -> 
             break
         top = proposals[0]
         candidate = with_change(policy, top.field, top.proposed)
-        trial, window = serve(candidate, f"{cls.name}_round{index}")
-        trial["verdict"] = verdict_of(trial, base, spec)
+        trial, window = trial_looks(
+            serve, candidate, policy, base, f"{cls.name}_round{index}", spec
+        )
         held.add(top.field)  # the hold-off: whatever the verdict, not tried again in this run
         if trial["verdict"]["is_win"]:
             policy, base, base_window = candidate, trial, window
@@ -161,8 +194,17 @@ def summarize_class(
         "rounds": rounds, "grid": grid, "grid_best_tok_s": best,
         "round_reaching_90pct": reached, "rounds_more_than_5pct_worse": drops,
         "trials_more_than_5pct_worse": worse_trials,
-        "ooms": sum(r["trial"].get("ooms") or 0 for r in [*rounds, *({"trial": g} for g in grid)]),
+        "ooms": sum(r.get("ooms") or 0 for r in served(rounds, grid)),
     }  # fmt: skip
+
+
+def served(rounds: list[dict[str, Any]], grid: list[Any]) -> list[dict[str, Any]]:
+    """Every engine round's result: each round's trial and its later looks, then the grid."""
+    out = []
+    for r in rounds:
+        later = r["trial"].get("later_looks", {})
+        out += [r["trial"], *later.get("candidate", []), *later.get("baseline", [])]
+    return out + list(grid)
 
 
 def format_row(tag: str, entry: dict[str, Any], spec: TuningSpec) -> str:

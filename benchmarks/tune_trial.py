@@ -17,7 +17,7 @@ nothing to measure (no request finished, no first token) gives no sample of that
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -144,6 +144,25 @@ class RoundFigures:
         if spec.objective == "ThroughputUnderITL":
             return self.itl_p99_s
         return None
+
+
+def pooled(looks: Sequence[RoundFigures], p99: Callable[[Iterable[float]], float]) -> RoundFigures:
+    """One side's looks at an extended trial as one: each figure's samples side by side, as the
+    operator reads an extended trial's whole run at the same stretch (`tuning.trial_queries`);
+    each p99 the `p99` of the looks' (`max` for the canary, which must hold a bound in every
+    look; `min` for the baseline, which must break it in every look to lose on it)."""
+
+    def each(values: Iterable[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return p99(known) if known else None
+
+    figures = {f for look in looks for f in look.secondary}
+    return RoundFigures(
+        [x for look in looks for x in look.samples],
+        each(look.ttft_p99_s for look in looks),
+        each(look.itl_p99_s for look in looks),
+        {f: [x for look in looks for x in look.secondary.get(f, [])] for f in sorted(figures)},
+    )
 
 
 def judge(trial: RoundFigures, baseline: RoundFigures, spec: TuningSpec) -> Comparison | None:

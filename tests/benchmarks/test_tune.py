@@ -271,3 +271,47 @@ def test_the_grid_can_come_first_and_reversed_and_reports_in_its_own_order() -> 
     assert served == ["chat_grid2", "chat_grid1", "chat_grid0", "chat_round0"]
     assert [g["policy"]["maxNumSeqs"] for g in report["grid"]] == [64, 128, 256]
     assert report["grid_best_tok_s"] == 256.0
+
+
+def test_a_trial_that_cannot_decide_is_extended_once_and_judged_over_both_looks() -> None:
+    """Apply mode's extension (`tuning.decide`): one window's noisy +20% is not yet significant,
+    so the candidate and the policy in force each serve the same requests once more, and the
+    pooled samples decide. The later looks are kept beside the first, and counted for OOMs."""
+    spec = tw.classes(0, VOCAB, 8192, quick=True)[0].tuning
+    base = [1000.0 + 200.0 * (i % 4) for i in range(16)]
+    canary = [1.2 * x for x in base]
+    looks = {
+        "chat_round1": result(1650.0, 250.0, canary),
+        "chat_round1_look2": {**result(1650.0, 250.0, canary), "ooms": 0.0},
+        "chat_round1_baseline_look2": result(1500.0, 250.0, base),
+    }
+    served: list[str] = []
+
+    def serve(policy: MemoryPolicy, tag: str) -> tuple[dict[str, Any], MetricWindow | None]:
+        served.append(tag)
+        return {**looks[tag], "policy": policy.to_api()}, None
+
+    start = tw.classes(0, VOCAB, 8192, quick=True)[0].start
+    candidate = start.model_copy(update={"max_num_seqs": 256})
+    one = tune.verdict_of([looks["chat_round1"]], [result(1500.0, 250.0, base)], spec)
+    assert one["verdict"] == "Inconclusive" and one["looks"] == 1, one
+    trial, _ = tune.trial_looks(
+        serve, candidate, start, result(1500.0, 250.0, base), "chat_round1", spec
+    )
+    assert served == ["chat_round1", "chat_round1_look2", "chat_round1_baseline_look2"]
+    verdict = trial["verdict"]
+    assert (verdict["verdict"], verdict["looks"], verdict["canarySamples"]) == ("Win", 2, 32.0)
+    assert [t["policy"]["maxNumSeqs"] for t in trial["later_looks"]["candidate"]] == [256]
+    assert [t["policy"]["maxNumSeqs"] for t in trial["later_looks"]["baseline"]] == [16]
+    rounds = [{"round": 1, "trial": trial}]
+    assert len(tune.served(rounds, [])) == 3
+
+
+def test_looks_pool_samples_side_by_side_and_p99s_against_the_candidate() -> None:
+    first = tt.RoundFigures([1.0, 2.0], 0.5, 0.02, {"TTFTP99": [0.4]})
+    second = tt.RoundFigures([3.0], 0.9, None, {"ITLP99": [0.03]})
+    canary = tt.pooled([first, second], max)
+    assert canary == tt.RoundFigures(
+        [1.0, 2.0, 3.0], 0.9, 0.02, {"ITLP99": [0.03], "TTFTP99": [0.4]}
+    )
+    assert tt.pooled([first, second], min).ttft_p99_s == 0.5
