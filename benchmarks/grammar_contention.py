@@ -1,22 +1,27 @@
 """How long one step's grammar work takes on the grammar thread (`runner.structured_output`)
 while the step loop's thread runs Python, on the CPU: the schema of `structured.py` against the
 character tokenizer padded to the shape's vocabulary, one matcher a row, each step every row
-taking a token its mask allows (the first such printable one, end-of-sequence only when nothing
-else is allowed), as the engine's `GrammarMasks.start` hands the work over.
+taking a token its mask allows, picked uniformly among them from a seeded generator (as a
+temperature-1 sample of random weights' logits nearly is: inside a string that is mostly the
+tokenizer's filler words), as the engine's `GrammarMasks.start` hands the work over.
 
 Each case times `--steps` steps, one job at a time (the next handed over once the last is
 filled), with the main thread idle ("alone") or busy in a pure-Python loop that holds the GIL
 between its bytecodes, as the loop that settles, schedules and packs steps does, at the
 interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`. It measures
-the host alone: the device's step and the copies are not in it.
+the host alone: the device's step and the copies are not in it. `--fill-threads N ...` instead
+times the main thread idle with xgrammar's batch fill on each of those thread counts (the
+engine's is `FILL_THREADS`), reporting the whole job and the batch fill in it.
 
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
+    PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --fill-threads 1 2 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -55,9 +60,9 @@ class Rows:
         return [s.all_token_ids[-1] for s in self.seqs]
 
 
-def next_token(mask_row: torch.Tensor, vocab_size: int, eos: int) -> int:
-    allowed = torch.nonzero(so.unpack_bitmask(mask_row, vocab_size)).flatten().tolist()
-    return next((t for t in allowed if t != eos), eos)
+def next_token(mask_row: torch.Tensor, vocab_size: int, pick: random.Random) -> int:
+    allowed = torch.nonzero(so.unpack_bitmask(mask_row, vocab_size)).flatten()
+    return int(allowed[pick.randrange(allowed.numel())])
 
 
 def busy_python(stop: threading.Event) -> None:
@@ -67,7 +72,14 @@ def busy_python(stop: threading.Event) -> None:
             total += i
 
 
-def run_case(grammar: so.GrammarMasks, rows: int, steps: int, eos: int, busy: bool) -> list[float]:
+def run_case(
+    grammar: so.GrammarMasks,
+    rows: int,
+    steps: int,
+    eos: int,
+    busy: bool,
+    fills: list[float] | None = None,  # each step's batch fill, appended here
+) -> list[float]:
     """Seconds per step's grammar work, from the hand-over to the filled mask."""
     vocab = grammar.vocab_size
     stop = threading.Event()
@@ -75,6 +87,7 @@ def run_case(grammar: so.GrammarMasks, rows: int, steps: int, eos: int, busy: bo
     if busy:
         loop.start()
     times: list[float] = []
+    pick = random.Random(0)
     try:
         params = [SamplingParams(json_schema=json.dumps(SCHEMA)) for _ in range(rows)]
         seqs = [Row([1, 2, 3], 3) for _ in range(rows)]
@@ -83,8 +96,10 @@ def run_case(grammar: so.GrammarMasks, rows: int, steps: int, eos: int, busy: bo
             pending = grammar.start(params, Rows(seqs))
             pending.filled.result()
             times.append(time.perf_counter() - start)
+            if fills is not None:
+                fills.append(pending.times.bitmask_seconds)
             for row, seq in enumerate(seqs):
-                token = next_token(pending.host[row], vocab, eos)
+                token = next_token(pending.host[row], vocab, pick)
                 if token == eos:  # a match ended: the row starts a new request
                     params[row] = SamplingParams(json_schema=json.dumps(SCHEMA))
                     seqs[row] = Row([1, 2, 3], 3)
@@ -105,18 +120,43 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
+def by_fill_threads(
+    model_dir: Path, config: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The main thread idle, the batch fill on each of `args.fill_threads` thread counts."""
+    eos = config["eos_token_id"]
+    report: dict[str, Any] = {}
+    for threads in args.fill_threads:
+        grammar = so.GrammarMasks(
+            model_dir, config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu"),
+            fill_threads=threads,
+        )  # fmt: skip
+        run_case(grammar, args.rows, 5, eos, busy=False)  # compiles
+        fills: list[float] = []
+        job = summary(run_case(grammar, args.rows, args.steps, eos, False, fills))
+        report[f"alone, fill on {threads} threads"] = {"job": job, "batch_fill": summary(fills)}
+        print(f"fill on {threads} threads: job {job}, batch fill {summary(fills)}")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--fill-threads", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
     config = SHAPES[args.shape]
     report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         write_json_tokenizer(Path(tmp), config)
         eos = config["eos_token_id"]
+        if args.fill_threads is not None:
+            report.update(by_fill_threads(Path(tmp), config, args))
+            if args.json is not None:
+                args.json.write_text(json.dumps(report, indent=1) + "\n")
+            return report
         grammar = so.GrammarMasks(
             Path(tmp), config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu")
         )
