@@ -8,6 +8,12 @@ twice as long in K would close the gap. The sweep (FP8 only; bf16's tiles were s
 tries them beside the shipped ones. Every timing replays a CUDA graph over enough distinct
 weights that the L2 cache never holds the one a call reads.
 
+For FP8 each projection also gets its reads' ceiling: the same weights read through each shipped
+tile by a kernel that only folds the loaded words together (`read_tiles`, one XOR per 4-byte word
+where the GEMV widens each byte to fp32 and multiplies it). A GEMV near that ceiling is bound by
+its reads (tile shape, bytes in flight, the ramp at either end); one well under it, by the work
+done on each element it read.
+
     PYTHONPATH=engine:. python benchmarks/gemv_tiles.py --shape llama-3.1-8b --json tiles.json
 """
 
@@ -21,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernels import ROTATE_BYTES, measure_copy_bandwidth, time_graph
@@ -45,6 +53,51 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
         "gate_up": (2 * inter, hidden),
         "down": (hidden, inter),
     }
+
+
+@triton.jit
+def _read_tiles_kernel(w_ptr, out_ptr, K_WORDS, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = tl.arange(0, BLOCK_W)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K_WORDS + offs[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
+    for _ in range(0, K_WORDS, BLOCK_W):
+        acc ^= tl.load(ptrs, eviction_policy="evict_first")
+        ptrs += BLOCK_W
+    tl.store(out_ptr + rows, tl.xor_sum(acc, axis=1))
+
+
+def read_tiles(weight: torch.Tensor, out: torch.Tensor, config: GemvConfig) -> None:
+    """Fold each row of a (N, K) one-byte weight into out[row] through `config`'s tiles (4-byte
+    words: a tile of block_k bytes is block_k / 4 of them), the GEMV's reads without its math."""
+    n, k = weight.shape
+    assert weight.element_size() == 1 and weight.is_contiguous(), "a contiguous FP8 weight"
+    assert n % config.block_n == 0 and k % config.block_k == 0, "whole tiles only"
+    assert out.shape == (n,) and out.dtype == torch.int32
+    words = weight.view(torch.int32)  # (N, K / 4)
+    _read_tiles_kernel[(n // config.block_n,)](
+        words, out, k // 4, BLOCK_N=config.block_n, BLOCK_W=config.block_k // 4,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def read_ceiling(
+    weights: list[torch.Tensor], configs: list[GemvConfig], copy: float
+) -> list[dict[str, Any]]:
+    """Each shipped tile's reads alone, as a share of the copy rate."""
+    n, k = weights[0].shape
+    out = torch.empty(n, dtype=torch.int32, device="cuda")
+    rows = []
+    for config in configs:
+        if n % config.block_n or k % config.block_k:
+            continue
+        calls = [(lambda w=w, c=config: read_tiles(w, out, c)) for w in weights]
+        seconds = time_graph(calls)
+        rows.append({
+            "config": config.describe(), "stages": config.num_stages,
+            "us": seconds * 1e6, "share_of_copy": n * k / seconds / copy,
+        })  # fmt: skip
+    return rows
 
 
 def sweep_configs() -> list[GemvConfig]:
@@ -81,7 +134,10 @@ def bench(n: int, k: int, fp8: bool, configs: list[GemvConfig], copy: float) -> 
             "config": config.describe(), "stages": config.num_stages,
             "us": seconds * 1e6, "share_of_copy": per_weight / seconds / copy,
         })  # fmt: skip
-    return {"n": n, "k": k, "fp8": fp8, "weight_bytes": per_weight, "rows": rows}
+    result = {"n": n, "k": k, "fp8": fp8, "weight_bytes": per_weight, "rows": rows}
+    if fp8:
+        result["read_ceiling"] = read_ceiling(weights, list(CANDIDATES), copy)
+    return result
 
 
 def describe(row: dict[str, Any]) -> str:
@@ -112,6 +168,9 @@ def main() -> None:
                 f"{describe(best_shipped)}; sweep best {describe(best)}",
                 flush=True,
             )
+            if fp8:
+                ceiling = max(result["read_ceiling"], key=lambda r: r["share_of_copy"])
+                print(f"     {name:>7} reads alone, best shipped tile: {describe(ceiling)}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -4,6 +4,7 @@ caller's again afterwards (no figure is asserted: they are the machine's)."""
 
 from __future__ import annotations
 
+import random
 import sys
 
 import torch
@@ -20,9 +21,19 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
     assert sys.getswitchinterval() == before
 
 
-def test_a_row_takes_an_allowed_token_and_ends_only_when_nothing_else_is() -> None:
+def test_fill_threads_cases_time_the_job_and_its_batch_fill() -> None:
+    report = gc.main(["--rows", "4", "--steps", "3", "--fill-threads", "1", "2"])
+    cases = [k for k in report if k not in ("shape", "rows", "steps")]
+    assert cases == ["alone, fill on 1 threads", "alone, fill on 2 threads"]
+    for case in cases:
+        job, fill = report[case]["job"], report[case]["batch_fill"]
+        assert 0 < fill["median_ms"] <= job["p90_ms"], "the batch fill is inside the job"
+
+
+def test_a_row_takes_a_token_its_mask_allows() -> None:
     words = torch.zeros(2, dtype=torch.int32)
     words[0] = (1 << 5) | (1 << 2)  # tokens 2 and 5
-    assert gc.next_token(words, 64, eos=2) == 5
+    picks = {gc.next_token(words, 64, random.Random(seed)) for seed in range(20)}
+    assert picks == {2, 5}
     words[0] = 1 << 2
-    assert gc.next_token(words, 64, eos=2) == 2
+    assert gc.next_token(words, 64, random.Random(0)) == 2
