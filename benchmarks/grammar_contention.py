@@ -11,7 +11,7 @@ between its bytecodes, as the loop that settles, schedules and packs steps does,
 interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`. It measures
 the host alone: the device's step and the copies are not in it. `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
-engine's is `FILL_THREADS`), reporting the whole job and the batch fill in it.
+engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it.
 
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --fill-threads 1 2 8

@@ -11,11 +11,6 @@ already final.
 
 A bitmask row is `ceil(V / 32)` int32 words, token t at bit t % 32 of word t // 32; a row of all
 ones (-1) allows every token, which is what the rows without a schema get.
-
-The host bitmask is written and read here through a numpy view of it, not torch's operators: a
-step's rows (64 x 4,748 words at a 151,936-token vocabulary) are past torch's grain for its
-intra-op threads, which would then spin beside this thread, the step loop's and the server's on
-the host's cores (measured in docs/engine.md, structured output).
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from pagekeeper_engine.runner.grammar_timing import FillTimes
@@ -62,12 +55,13 @@ class FillJob:
     newest_token_ids: Callable[[], list[int]]  # (N,) every row's newest token, read on the host
 
 
-def allow_only(mask_row: npt.NDArray[np.int32], token_ids: frozenset[int]) -> None:
-    """A bitmask row (a view of one) allowing only `token_ids`."""
-    words = mask_row.view(np.uint32)
-    words[:] = 0
+def allow_only(mask_row: torch.Tensor, token_ids: frozenset[int]) -> None:
+    """A bitmask row allowing only `token_ids`."""
+    mask_row.zero_()
     for token_id in token_ids:
-        words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+        word = token_id // 32
+        bits = (int(mask_row[word]) & 0xFFFFFFFF) | (1 << (token_id % 32))
+        mask_row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
 def _take_new_tokens(job: FillJob, newest: list[int], eos_token_ids: frozenset[int]) -> None:
@@ -154,21 +148,20 @@ def fill_step_masks(
         else:
             live_rows.append(row)
             live.append(state)
-    host = job.host.numpy()  # (N, W) int32, the same memory
-    if len(live_rows) < host.shape[0]:  # the batch fill writes the live rows whole
-        host.fill(-1)
+    if len(live_rows) < job.host.shape[0]:  # the batch fill writes the live rows whole
+        job.host.fill_(-1)
     for row in ended_rows:
-        allow_only(host[row], eos_token_ids)
+        allow_only(job.host[row], eos_token_ids)
     if live:
         matchers = [s.matcher for s in live]
         started = time.perf_counter()
         batch.batch_fill_next_token_bitmask(matchers, job.host, live_rows)
         if times is not None:
             times.bitmask_seconds = time.perf_counter() - started
-        allows_any = np.any(host, axis=1)  # (N,) bool
+        allows_any = job.host.any(dim=1).tolist()
         for row, state in zip(live_rows, live, strict=True):
             if not allows_any[row]:  # the vocabulary cannot spell what must come next
                 state.is_stuck = True
                 cut_rows.append(row)
-                allow_only(host[row], eos_token_ids)
+                allow_only(job.host[row], eos_token_ids)
     return sorted(cut_rows)

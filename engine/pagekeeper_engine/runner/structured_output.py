@@ -11,8 +11,8 @@ device's steps:
   work needs (`grammar_fill.FillJob`) and hands it to the grammar thread. There each matcher
   takes its newest token, read from the host copy the launch started before the forward pass
   (so the wait is for the step before, which sampled it), and xgrammar's batch matcher fills
-  the rows of a pinned host bitmask, on that thread alone (see `FILL_THREADS`), in one call
-  that releases the GIL. Meanwhile the step loop's thread settles the step before, schedules the
+  the rows of a pinned host bitmask on up to `MAX_FILL_THREADS` threads of its own (they
+  release the GIL). Meanwhile the step loop's thread settles the step before, schedules the
   next step and packs its inputs, and the device runs this step's forward pass.
 - `apply`, when the step is sampled (`step_launch` defers a structured step's sampling to the
   next launch, or to the step's result): it takes the filled mask, copies it to the device in
@@ -38,6 +38,7 @@ without `{`), is refused before it runs (`check`), naming `response_format`.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -57,12 +58,11 @@ from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_st
 from pagekeeper_engine.runner.grammar_timing import FillTimes, GrammarTimer
 
 TOKENIZER_FILE = "tokenizer.json"
-# xgrammar's batch fill on more than one thread starts a pool of new threads in every call and
-# hands them the rows one by one: at 64 rows of the 0.6B shape's vocabulary that costs several
-# times the rows' own work (a 0.4 ms fill on one thread took 2.1 ms on two on the CI machine,
-# and 3.0 ms mean, 7.4 ms at p90, on eight on an H200's host: docs/engine.md, structured
-# output). So one step's rows are filled on the grammar thread itself.
-FILL_THREADS = 1
+# The rows of one step's masks are filled on up to this many threads. xgrammar starts them anew
+# in every batch fill; on an H100's 16-core host one thread was slower still (the schema pass
+# 0.41x plain against 0.57x, its batch fill 2.4 ms p50 and 24 ms p90: docs/benchmarks.md, "Also
+# measured", run 55).
+MAX_FILL_THREADS = 8
 # The interpreter's switch interval once the grammar thread runs. That thread gives up the GIL
 # in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
 # until the interval ends: at the default 5 ms, a step's few calls could wait longer than the
@@ -117,9 +117,9 @@ class GrammarMasks:
         eos_token_ids: frozenset[int],
         max_rows: int,
         device: torch.device,
-        fill_threads: int = FILL_THREADS,  # xgrammar's threads for a step's rows
+        fill_threads: int | None = None,  # xgrammar's threads for a step's rows (a benchmark's)
     ) -> None:
-        assert fill_threads >= 1, f"{fill_threads} fill threads"
+        assert fill_threads is None or fill_threads >= 1, f"{fill_threads} fill threads"
         self.model_dir = model_dir
         self.fill_threads = fill_threads
         self.vocab_size = vocab_size
@@ -224,7 +224,8 @@ class GrammarMasks:
                 host = xgrammar.allocate_token_bitmask(self.max_rows, self.vocab_size)
                 self._host_masks.append(host.pin_memory() if is_cuda else host)
             self._device_mask = self._host_masks[0].to(self.device) if is_cuda else None
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=self.fill_threads)
+        threads = self.fill_threads or max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         sys.setswitchinterval(min(sys.getswitchinterval(), GRAMMAR_SWITCH_INTERVAL_S))
 
