@@ -92,12 +92,16 @@ def read_ceiling(
         if n % config.block_n or k % config.block_k:
             continue
         calls = [(lambda w=w, c=config: read_tiles(w, out, c)) for w in weights]
-        seconds = time_graph(calls)
-        rows.append({
-            "config": config.describe(), "stages": config.num_stages,
-            "us": seconds * 1e6, "share_of_copy": n * k / seconds / copy,
-        })  # fmt: skip
+        rows.append(timed_row(config, time_graph(calls), n * k, copy))
     return rows
+
+
+def timed_row(config: GemvConfig, seconds: float, nbytes: int, copy: float) -> dict[str, Any]:
+    """One tile's timing: its seconds a call and the share of the copy rate its bytes reach."""
+    return {
+        "config": config.describe(), "stages": config.num_stages,
+        "us": seconds * 1e6, "share_of_copy": nbytes / seconds / copy,
+    }  # fmt: skip
 
 
 def sweep_configs() -> list[GemvConfig]:
@@ -129,11 +133,7 @@ def bench(n: int, k: int, fp8: bool, configs: list[GemvConfig], copy: float) -> 
             (lambda w=w, s=s, c=config: gemv(x, w, config=c, weight_scale=s))
             for w, s in zip(weights, scales or [None] * copies, strict=True)
         ]
-        seconds = time_graph(calls)
-        rows.append({
-            "config": config.describe(), "stages": config.num_stages,
-            "us": seconds * 1e6, "share_of_copy": per_weight / seconds / copy,
-        })  # fmt: skip
+        rows.append(timed_row(config, time_graph(calls), per_weight, copy))
     result = {"n": n, "k": k, "fp8": fp8, "weight_bytes": per_weight, "rows": rows}
     if fp8:
         result["read_ceiling"] = read_ceiling(weights, list(CANDIDATES), copy)

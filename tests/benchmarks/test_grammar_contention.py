@@ -22,7 +22,9 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
 
 
 def test_fill_threads_cases_time_the_job_and_its_batch_fill() -> None:
+    before = sys.getswitchinterval()
     report = gc.main(["--rows", "4", "--steps", "3", "--fill-threads", "1", "2"])
+    assert sys.getswitchinterval() == before
     cases = [k for k in report if k not in ("shape", "rows", "steps")]
     assert cases == ["alone, fill on 1 threads", "alone, fill on 2 threads"]
     for case in cases:
