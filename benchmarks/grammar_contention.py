@@ -11,10 +11,13 @@ between its bytecodes, as the loop that settles, schedules and packs steps does,
 interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`. It measures
 the host alone: the device's step and the copies are not in it. `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
-engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it.
+engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it;
+`--torch-threads N ...` times the same with torch's intra-op pool at each size (the engine on a
+GPU holds it to one, `runner.host_threads`), the engine's fill threads otherwise.
 
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --fill-threads 1 2 8
+    PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --torch-threads 16 1
 """
 
 from __future__ import annotations
@@ -120,22 +123,51 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
+def idle_case(
+    model_dir: Path, config: dict[str, Any], args: argparse.Namespace, fill_threads: int | None
+) -> dict[str, Any]:
+    """The main thread idle: the job and its batch fill, on a new grammar thread."""
+    eos = config["eos_token_id"]
+    grammar = so.GrammarMasks(
+        model_dir, config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu"),
+        fill_threads=fill_threads,
+    )  # fmt: skip
+    run_case(grammar, args.rows, 5, eos, busy=False)  # compiles
+    fills: list[float] = []
+    job = summary(run_case(grammar, args.rows, args.steps, eos, False, fills))
+    return {"job": job, "batch_fill": summary(fills)}
+
+
 def by_fill_threads(
     model_dir: Path, config: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     """The main thread idle, the batch fill on each of `args.fill_threads` thread counts."""
-    eos = config["eos_token_id"]
     report: dict[str, Any] = {}
     for threads in args.fill_threads:
-        grammar = so.GrammarMasks(
-            model_dir, config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu"),
-            fill_threads=threads,
-        )  # fmt: skip
-        run_case(grammar, args.rows, 5, eos, busy=False)  # compiles
-        fills: list[float] = []
-        job = summary(run_case(grammar, args.rows, args.steps, eos, False, fills))
-        report[f"alone, fill on {threads} threads"] = {"job": job, "batch_fill": summary(fills)}
-        print(f"fill on {threads} threads: job {job}, batch fill {summary(fills)}")
+        report[f"alone, fill on {threads} threads"] = case = idle_case(
+            model_dir, config, args, threads
+        )
+        print(f"fill on {threads} threads: job {case['job']}, batch fill {case['batch_fill']}")
+    return report
+
+
+def by_torch_threads(
+    model_dir: Path, config: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The main thread idle, torch's intra-op pool at each of `args.torch_threads` sizes (a new
+    thread takes the size set when it first runs a parallel op: each case's grammar thread is
+    new). The caller's size is restored after."""
+    report: dict[str, Any] = {}
+    before = torch.get_num_threads()
+    try:
+        for threads in args.torch_threads:
+            torch.set_num_threads(threads)
+            report[f"alone, torch on {threads} threads"] = case = idle_case(
+                model_dir, config, args, None
+            )
+            print(f"torch on {threads} threads: job {case['job']}, batch fill {case['batch_fill']}")
+    finally:
+        torch.set_num_threads(before)
     return report
 
 
@@ -166,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--fill-threads", type=int, nargs="+", default=None)
+    kinds = parser.add_mutually_exclusive_group()
+    kinds.add_argument("--fill-threads", type=int, nargs="+", default=None)
+    kinds.add_argument("--torch-threads", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
     config = SHAPES[args.shape]
     report: dict[str, Any] = {"shape": args.shape, "rows": args.rows, "steps": args.steps}
@@ -174,7 +208,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             write_json_tokenizer(Path(tmp), config)
-            cases = by_switch_interval if args.fill_threads is None else by_fill_threads
+            cases = by_switch_interval
+            if args.fill_threads is not None:
+                cases = by_fill_threads
+            elif args.torch_threads is not None:
+                cases = by_torch_threads
             report.update(cases(Path(tmp), config, args))
     finally:
         sys.setswitchinterval(interval)

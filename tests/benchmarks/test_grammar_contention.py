@@ -39,3 +39,14 @@ def test_a_row_takes_a_token_its_mask_allows() -> None:
     assert picks == {2, 5}
     words[0] = 1 << 2
     assert gc.next_token(words, 64, random.Random(0)) == 2
+
+
+def test_torch_threads_cases_run_each_pool_size_and_restore_the_callers() -> None:
+    before = torch.get_num_threads()
+    report = gc.main(["--rows", "4", "--steps", "3", "--torch-threads", "2", "1"])
+    assert torch.get_num_threads() == before
+    cases = [k for k in report if k not in ("shape", "rows", "steps")]
+    assert cases == ["alone, torch on 2 threads", "alone, torch on 1 threads"]
+    for case in cases:
+        job, fill = report[case]["job"], report[case]["batch_fill"]
+        assert 0 < fill["median_ms"] <= job["p90_ms"], "the batch fill is inside the job"
