@@ -12,8 +12,9 @@ interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`.
 the host alone: the device's step and the copies are not in it. `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
 engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it;
-`--torch-threads N ...` times the same with torch's intra-op pool at each size (the engine on a
-GPU holds it to one, `runner.host_threads`), the engine's fill threads otherwise.
+`--torch-threads N ...` times the same with torch's intra-op pool at each size (torch sizes it
+to every core by default; its threads spin a while after each host op large enough to wake
+them), the engine's fill threads otherwise.
 
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --fill-threads 1 2 8

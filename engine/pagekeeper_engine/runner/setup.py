@@ -35,7 +35,6 @@ from pagekeeper_engine.model.offload import plan_for_model
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.model.workspace import Workspace, WorkspaceShape
 from pagekeeper_engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes
-from pagekeeper_engine.runner.host_threads import limit_host_threads
 from pagekeeper_engine.runner.kernel_choice import KernelChoices, choose_kernels
 from pagekeeper_engine.runner.kv_blocks import decide_num_gpu_blocks
 from pagekeeper_engine.runner.kv_cache import (
@@ -83,9 +82,8 @@ class RunnerSetup:
     ):
         """Set up in stages, each on what the ones before it left: the device, the model, the
         memory a step works in, the kernels it runs and the budget they leave, the KV cache,
-        the graphs; then, on a GPU, torch's CPU threads held to one (`host_threads`). Under
-        tensor parallelism every rank takes the same stages in lockstep (the budget, the block
-        count and the graphs run collectives)."""
+        the graphs. Under tensor parallelism every rank takes the same stages in lockstep (the
+        budget, the block count and the graphs run collectives)."""
         self.config = config
         self.tp = tp if tp is not None else TensorParallelGroup()
         self.followers = followers
@@ -104,7 +102,6 @@ class RunnerSetup:
         self._allocate_kv_cache()
         if self.uses_graphs:
             self.capture_graphs()
-        limit_host_threads(self.device.type, os.environ)
 
     def _set_up_device(self) -> None:
         self.device = torch.device(self.config.device)

@@ -281,17 +281,3 @@ def test_a_started_runner_compiles_nothing_for_its_first_requests(checkpoint: Pa
     finally:
         knobs.runtime.jit_post_compile_hook = None
     assert compiled == []
-
-
-def test_a_started_runner_holds_torchs_cpu_threads_to_one(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its host does bookkeeping only; torch's whole pool would spin beside the grammar thread."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        gpu_runner(checkpoint)
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
