@@ -8,8 +8,11 @@ tokenizer's filler words), as the engine's `GrammarMasks.start` hands the work o
 Each case times `--steps` steps, one job at a time (the next handed over once the last is
 filled), with the main thread idle ("alone") or busy in a pure-Python loop that holds the GIL
 between its bytecodes, as the loop that settles, schedules and packs steps does, at the
-interpreter's default switch interval (5 ms) and at `GRAMMAR_SWITCH_INTERVAL_S`. It measures
-the host alone: the device's step and the copies are not in it. `--fill-threads N ...` instead
+interpreter's default switch interval (5 ms), at `GRAMMAR_SWITCH_INTERVAL_S` and at each of
+`--switch-ms`. The busy loop runs while a job is in flight only: the rows' token picks between
+jobs run alone (beside the loop each of their torch calls would wait for the lock, and a case
+of 200 steps would take minutes). It measures the host alone: the device's step and the
+copies are not in it. `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
 engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it;
 `--torch-threads N ...` times the same with torch's intra-op pool at each size (torch sizes it
@@ -17,6 +20,7 @@ to every core by default; its threads spin a while after each host op large enou
 them), the engine's fill threads otherwise.
 
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --rows 64 --steps 200
+    PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --switch-ms 0.2 0.1
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --fill-threads 1 2 8
     PYTHONPATH=engine:memplan:. python3 benchmarks/grammar_contention.py --torch-threads 16 1
 """
@@ -69,8 +73,10 @@ def next_token(mask_row: torch.Tensor, vocab_size: int, pick: random.Random) -> 
     return int(allowed[pick.randrange(allowed.numel())])
 
 
-def busy_python(stop: threading.Event) -> None:
+def busy_python(stop: threading.Event, go: threading.Event) -> None:
+    """Pure Python while `go` is set (a job is in flight), until `stop`."""
     while not stop.is_set():
+        go.wait()
         total = 0
         for i in range(10_000):
             total += i
@@ -86,8 +92,8 @@ def run_case(
 ) -> list[float]:
     """Seconds per step's grammar work, from the hand-over to the filled mask."""
     vocab = grammar.vocab_size
-    stop = threading.Event()
-    loop = threading.Thread(target=busy_python, args=(stop,), daemon=True)
+    stop, go = threading.Event(), threading.Event()
+    loop = threading.Thread(target=busy_python, args=(stop, go), daemon=True)
     if busy:
         loop.start()
     times: list[float] = []
@@ -96,10 +102,12 @@ def run_case(
         params = [SamplingParams(json_schema=json.dumps(SCHEMA)) for _ in range(rows)]
         seqs = [Row([1, 2, 3], 3) for _ in range(rows)]
         for _ in range(steps):
+            go.set()
             start = time.perf_counter()
             pending = grammar.start(params, Rows(seqs))
             pending.filled.result()
             times.append(time.perf_counter() - start)
+            go.clear()  # the token picks below run alone
             if fills is not None:
                 fills.append(pending.times.bitmask_seconds)
             for row, seq in enumerate(seqs):
@@ -111,6 +119,7 @@ def run_case(
                     seq.all_token_ids.append(token)
     finally:
         stop.set()
+        go.set()
         if busy:
             loop.join()
     return times
@@ -175,15 +184,18 @@ def by_torch_threads(
 def by_switch_interval(
     model_dir: Path, config: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """The main thread idle, then busy at the default switch interval and at the engine's."""
+    """The main thread idle, then busy at the default switch interval, at the engine's and at
+    each of `args.switch_ms`."""
     eos = config["eos_token_id"]
     grammar = so.GrammarMasks(
         model_dir, config["vocab_size"], frozenset({eos}), args.rows, torch.device("cpu")
     )
+    intervals = [DEFAULT_SWITCH_S, so.GRAMMAR_SWITCH_INTERVAL_S]
+    intervals += [ms / 1e3 for ms in args.switch_ms if ms / 1e3 not in intervals]
     cases = [("alone", False, so.GRAMMAR_SWITCH_INTERVAL_S)]
-    cases += [("busy loop, 5 ms switch", True, DEFAULT_SWITCH_S)]
-    cases += [(f"busy loop, {so.GRAMMAR_SWITCH_INTERVAL_S * 1e3:g} ms switch", True,
-               so.GRAMMAR_SWITCH_INTERVAL_S)]  # fmt: skip
+    cases += [
+        (f"busy loop, {switch_s * 1e3:g} ms switch", True, switch_s) for switch_s in intervals
+    ]
     report: dict[str, Any] = {}
     run_case(grammar, args.rows, 5, eos, busy=False)  # compiles, sets the interval up
     for name, busy, switch_s in cases:
@@ -198,6 +210,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--switch-ms", type=float, nargs="*", default=[],
+        help="more switch intervals (ms) for the busy loop's cases",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     kinds = parser.add_mutually_exclusive_group()
     kinds.add_argument("--fill-threads", type=int, nargs="+", default=None)

@@ -21,6 +21,17 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
     assert sys.getswitchinterval() == before
 
 
+def test_more_switch_intervals_add_busy_cases_once_each() -> None:
+    report = gc.main(["--rows", "4", "--steps", "3", "--switch-ms", "0.5", "0.2"])
+    cases = [k for k in report if k not in ("shape", "rows", "steps")]
+    assert cases == [
+        "alone",
+        "busy loop, 5 ms switch",
+        "busy loop, 0.5 ms switch",  # the engine's, not repeated
+        "busy loop, 0.2 ms switch",
+    ]
+
+
 def test_fill_threads_cases_time_the_job_and_its_batch_fill() -> None:
     before = sys.getswitchinterval()
     report = gc.main(["--rows", "4", "--steps", "3", "--fill-threads", "1", "2"])
