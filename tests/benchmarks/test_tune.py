@@ -12,6 +12,7 @@ from benchmarks import tune_workload as tw
 from benchmarks.serving_workload import RequestRecord
 from harness.cpu_engine import write_tiny_checkpoint
 from pagekeeper_operator.api.policy import MemoryPolicy
+from pagekeeper_operator.api.tuning import SecondaryFigure
 from pagekeeper_operator.tuning.window import MetricWindow
 
 VOCAB = 4000
@@ -86,7 +87,8 @@ def test_classes_follow_the_workload_description() -> None:
     assert (longout.concurrency, len(longout.work.prompts)) == (tw.LONGOUT_STREAMS, 384)
     assert all(16 <= len(p) <= 64 for p in longout.work.prompts)
     assert all(256 <= n <= 768 for n in longout.work.output_lens)
-    assert longout.concurrency < longout.start.max_num_seqs == 256
+    assert longout.start.max_num_seqs == 256
+    assert longout.concurrency is not None and longout.concurrency < 256
     assert longout.start.gpu_memory_utilization == 0.1
     assert longout.tuning.objective == "Throughput"
     assert longout.tuning.secondaries == ("PreemptionsPer1000Requests", "TTFTP99", "ITLP99")
@@ -219,12 +221,12 @@ def test_a_latency_win_at_equal_throughput_is_judged_on_the_secondary_figures() 
     """The long-output class's case: the same tokens/s, far fewer preemptions and a far lower
     TTFT p99 in every stretch wins under the throughput objective; the reverse loses."""
     same = [1000.0 + (i % 4) for i in range(16)]
-    poor = {
+    poor: dict[SecondaryFigure, list[float]] = {
         "PreemptionsPer1000Requests": [400.0 + i for i in range(16)],
         "TTFTP99": [8.0 + i / 10 for i in range(16)],
         "ITLP99": [0.02] * 16,
     }
-    good = {"PreemptionsPer1000Requests": [0.0] * 16,
+    good: dict[SecondaryFigure, list[float]] = {"PreemptionsPer1000Requests": [0.0] * 16,
             "TTFTP99": [1.0 + i / 10 for i in range(16)], "ITLP99": [0.02] * 16}  # fmt: skip
     spec = tw.classes(0, VOCAB, 8192, quick=True)[3].tuning
     before, after = (tt.RoundFigures(same, None, None, figures) for figures in (poor, good))
