@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagekeeper_engine.runner.grammar_timing import FillTimes
@@ -62,6 +63,14 @@ def allow_only(mask_row: torch.Tensor, token_ids: frozenset[int]) -> None:
         word = token_id // 32
         bits = (int(mask_row[word]) & 0xFFFFFFFF) | (1 << (token_id % 32))
         mask_row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+def rows_allowing_any(host: torch.Tensor) -> list[bool]:
+    """Whether each bitmask row allows some token: a row's largest word, read unsigned, is not
+    zero. Through numpy on the host buffer: torch's `any` over a step's 64 x 4,748 words took
+    0.25 ms on one CPU thread, this 0.03 ms."""
+    words = host.numpy().view(np.uint32)  # (N, W): the same bytes
+    return (words.max(axis=1) != 0).tolist()  # type: ignore[no-any-return]
 
 
 def _take_new_tokens(job: FillJob, newest: list[int], eos_token_ids: frozenset[int]) -> None:
@@ -158,7 +167,7 @@ def fill_step_masks(
         batch.batch_fill_next_token_bitmask(matchers, job.host, live_rows)
         if times is not None:
             times.bitmask_seconds = time.perf_counter() - started
-        allows_any = job.host.any(dim=1).tolist()
+        allows_any = rows_allowing_any(job.host)
         for row, state in zip(live_rows, live, strict=True):
             if not allows_any[row]:  # the vocabulary cannot spell what must come next
                 state.is_stuck = True

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
+from pagekeeper_engine.runner.grammar_fill import rows_allowing_any
 from pagekeeper_engine.runner.logits_processing import StepHistory
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.structured_output import GrammarMasks, unpack_bitmask
@@ -129,6 +130,16 @@ def test_unpacked_bitmask_rows_name_exactly_their_tokens() -> None:
     assert words.shape == (1, 3)
     unpacked = unpack_bitmask(words[0], vocab_size)
     assert torch.nonzero(unpacked).flatten().tolist() == token_ids
+
+
+def test_a_row_allows_some_token_when_any_bit_of_any_word_is_set() -> None:
+    rows = torch.zeros(5, 3, dtype=torch.int32)  # an odd number of words a row
+    rows[1, 2] = -(2**31)  # token 95 alone: the sign bit of the last word
+    rows[2, 0] = 1  # token 0 alone
+    rows[3] = -1  # every token
+    # row 0 and row 4 allow nothing
+    assert rows_allowing_any(rows) == [False, True, True, True, False]
+    assert rows_allowing_any(rows[1:3]) == [True, True]  # a step's first rows of the buffer
 
 
 def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path) -> None:
