@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import Any
 
 import torch
 
@@ -36,11 +37,7 @@ def test_fill_threads_cases_time_the_job_and_its_batch_fill() -> None:
     before = sys.getswitchinterval()
     report = gc.main(["--rows", "4", "--steps", "3", "--fill-threads", "1", "2"])
     assert sys.getswitchinterval() == before
-    cases = [k for k in report if k not in ("shape", "rows", "steps")]
-    assert cases == ["alone, fill on 1 threads", "alone, fill on 2 threads"]
-    for case in cases:
-        job, fill = report[case]["job"], report[case]["batch_fill"]
-        assert 0 < fill["median_ms"] <= job["p90_ms"], "the batch fill is inside the job"
+    assert_idle_cases(report, ["alone, fill on 1 threads", "alone, fill on 2 threads"])
 
 
 def test_a_row_takes_a_token_its_mask_allows() -> None:
@@ -56,8 +53,13 @@ def test_torch_threads_cases_run_each_pool_size_and_restore_the_callers() -> Non
     before = torch.get_num_threads()
     report = gc.main(["--rows", "4", "--steps", "3", "--torch-threads", "2", "1"])
     assert torch.get_num_threads() == before
+    assert_idle_cases(report, ["alone, torch on 2 threads", "alone, torch on 1 threads"])
+
+
+def assert_idle_cases(report: dict[str, Any], names: list[str]) -> None:
+    """Exactly these cases, each timing the job and the batch fill inside it."""
     cases = [k for k in report if k not in ("shape", "rows", "steps")]
-    assert cases == ["alone, torch on 2 threads", "alone, torch on 1 threads"]
+    assert cases == names
     for case in cases:
         job, fill = report[case]["job"], report[case]["batch_fill"]
         assert 0 < fill["median_ms"] <= job["p90_ms"], "the batch fill is inside the job"
