@@ -12,7 +12,9 @@ interpreter's default switch interval (5 ms), at `GRAMMAR_SWITCH_INTERVAL_S` and
 `--switch-ms`. The busy loop runs while a job is in flight only: the rows' token picks between
 jobs run alone (beside the loop each of their torch calls would wait for the lock, and a case
 of 200 steps would take minutes). It measures the host alone: the device's step and the
-copies are not in it. `--fill-threads N ...` instead
+copies are not in it. The case alone also counts the distinct rows among each step's masks:
+rows at one grammar state get one mask, so a step filling each state once would need at least
+that many fills (two states may share a mask). `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
 engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it;
 `--torch-threads N ...` times the same with torch's intra-op pool at each size (torch sizes it
@@ -89,6 +91,7 @@ def run_case(
     eos: int,
     busy: bool,
     fills: list[float] | None = None,  # each step's batch fill, appended here
+    distinct: list[int] | None = None,  # each step's count of distinct mask rows, appended here
 ) -> list[float]:
     """Seconds per step's grammar work, from the hand-over to the filled mask."""
     vocab = grammar.vocab_size
@@ -110,6 +113,8 @@ def run_case(
             go.clear()  # the token picks below run alone
             if fills is not None:
                 fills.append(pending.times.bitmask_seconds)
+            if distinct is not None:
+                distinct.append(len({row.numpy().tobytes() for row in pending.host}))
             for row, seq in enumerate(seqs):
                 token = next_token(pending.host[row], vocab, pick)
                 if token == eos:  # a match ended: the row starts a new request
@@ -200,7 +205,12 @@ def by_switch_interval(
     run_case(grammar, args.rows, 5, eos, busy=False)  # compiles, sets the interval up
     for name, busy, switch_s in cases:
         sys.setswitchinterval(switch_s)
-        report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy))
+        counts: list[int] | None = None if busy else []
+        report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy, None, counts))
+        if counts:  # how many of a step's rows a fill per grammar state would have to fill
+            report[name]["distinct_masks"] = {
+                "median": statistics.median(counts), "max": max(counts)
+            }  # fmt: skip
         print(f"{name}: {report[name]}")
     return report
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import grammar_contention as gc
+from benchmarks.shapes import SHAPES
+from benchmarks.structured import write_json_tokenizer
+from pagekeeper_engine.runner import structured_output as so
 
 
 def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
@@ -19,7 +23,28 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
     cases = [k for k in report if k not in ("shape", "rows", "steps")]
     assert cases == ["alone", "busy loop, 5 ms switch", "busy loop, 0.5 ms switch"]
     assert all(report[c]["median_ms"] > 0 and report[c]["p90_ms"] > 0 for c in cases)
+    distinct = report["alone"]["distinct_masks"]
+    assert 1 <= distinct["median"] <= distinct["max"] <= 4  # four rows
+    assert "distinct_masks" not in report["busy loop, 5 ms switch"]
     assert sys.getswitchinterval() == before
+
+
+def test_distinct_masks_count_rows_at_different_states(tmp_path: Path) -> None:
+    config = SHAPES["qwen3-0.6b"]
+    write_json_tokenizer(tmp_path, config)
+    eos = config["eos_token_id"]
+    grammar = so.GrammarMasks(
+        tmp_path, config["vocab_size"], frozenset({eos}), 4, torch.device("cpu")
+    )
+    counts: list[int] = []
+    interval = sys.getswitchinterval()  # the grammar's set-up lowers it
+    try:
+        gc.run_case(grammar, 4, 40, eos, busy=False, distinct=counts)
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(counts) == 40 and all(1 <= c <= 4 for c in counts)
+    assert counts[0] == 1, "every row starts at the schema's first state"
+    assert max(counts) > 1, "the rows' seeded picks part them inside the strings"
 
 
 def test_more_switch_intervals_add_busy_cases_once_each() -> None:
