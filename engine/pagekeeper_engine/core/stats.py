@@ -41,7 +41,8 @@ class GrammarTimings:
     - `fill`: the grammar thread's job, the sum of its parts: `fill_device_wait` (for the
       bitmask's last copy to the device, then for the previous step's sampled ids on the
       host), `fill_accept` (the matchers take their new tokens), `fill_bitmask` (xgrammar's
-      batch fill) and `fill_host_ops` (the rest: the torch ops on the host bitmask, Python);
+      batch fill) and `fill_host_ops` (the rest: the host bitmask's writes and its check for
+      rows allowing nothing, Python);
     - `wait`: the step loop blocked on the filled masks when it samples the step;
     - `apply`: then, enqueuing the mask's copy to the device and its application."""
 

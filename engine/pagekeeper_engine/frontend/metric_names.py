@@ -113,7 +113,8 @@ PREFIX_CACHE_TIERS: Final[tuple[str, ...]] = ("gpu", "host")
 REJECT_REASONS: Final[tuple[str, ...]] = ("overloaded", "draining", "loading")
 # The parts of the grammar thread's job (`pagekeeper_grammar_fill_part_seconds`): waiting for
 # the device (the bitmask's last copy, the previous step's sampled ids), the matchers taking
-# their tokens, xgrammar's batch fill of the bitmask, and the rest (torch ops on the host, Python).
+# their tokens, xgrammar's batch fill of the bitmask, and the rest (the host bitmask's writes and
+# its check for rows allowing nothing, Python).
 GRAMMAR_FILL_PARTS: Final[tuple[str, ...]] = ("device_wait", "accept", "bitmask", "host_ops")
 
 
