@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,7 @@ class FusionChoice:
         return f"one-token layer: {name(self.chosen)} (batch-1 step {timed}{tiles})"
 
 
-def _groups(model: nn.Module) -> dict[tuple[str, int, int], list[Linear]]:
+def projection_groups(model: nn.Module) -> dict[tuple[str, int, int], list[Linear]]:
     """Projections by (name within a layer, out, in): the lm_head is not a projection of the
     decoder's layers (its logits matmul bypasses `Linear.forward`) and stays with cuBLAS."""
     groups: dict[tuple[str, int, int], list[Linear]] = defaultdict(list)
@@ -110,18 +110,19 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
     forward pass of `model`, e.g. over padding inputs); set `Linear.gemv_config` accordingly
     and return the decisions. Groups decided earlier keep their choice while later ones are
     timed; the undecided ones run the first GEMV tile."""
-    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
+    from pagekeeper_engine.kernels.gemv import candidates  # noqa: PLC0415 (imports triton)
 
-    groups = _groups(model)
+    groups = projection_groups(model)
     # The groups interact (on an H200: from all-cuBLAS, one pass kept cuBLAS for gate/up and qkv,
     # each a tie or a loss alone, and the step took 4.46 ms; both on the GEMV gave 4.34 ms),
     # so the pass starts from every group on the first tile.
     for linears in groups.values():
-        _assign(linears, CANDIDATES[0])
+        _assign(linears, candidates(linears[0].weight.dtype)[0])
     choices = []
     for (name, out_features, in_features), linears in sorted(groups.items()):
-        cublas, *timed = _timed(linears, [None, *CANDIDATES], forward)
-        best_s, best_config = min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])
+        tiles = candidates(linears[0].weight.dtype)
+        cublas, *timed = time_configs(linears, [None, *tiles], forward)
+        best_s, best_config = min(zip(timed, tiles, strict=True), key=lambda pair: pair[0])
         chosen = best_config if best_s < MARGIN * cublas else None
         _assign(linears, chosen)
         choice = GemvChoice(
@@ -143,8 +144,10 @@ def _assign(linears: list[Linear], config: GemvConfig | None) -> None:
         linear.gemv_config = config
 
 
-def _timed(
-    linears: list[Linear], configs: list[GemvConfig | None], forward: Callable[[], object]
+def time_configs(
+    linears: list[Linear],
+    configs: Sequence[GemvConfig | None],
+    forward: Callable[[], object],
 ) -> list[float]:
     """Seconds of `forward`'s best replay with `linears` on each of `configs` (captured one
     after the other, replayed interleaved); leaves them on the last."""
@@ -163,15 +166,16 @@ def choose_tiles(model: nn.Module, forward: Callable[[], object]) -> Tiles:
     """Group by group, the GEMV tile under which `forward` (a batch-1 forward, in the layer
     variant that is set) is fastest, the other groups keeping theirs (a group on cuBLAS starts
     from the first tile); sets them and returns every group's."""
-    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
+    from pagekeeper_engine.kernels.gemv import candidates  # noqa: PLC0415 (imports triton)
 
-    groups = _groups(model)
+    groups = projection_groups(model)
     for linears in groups.values():
         if linears[0].gemv_config is None:
-            _assign(linears, CANDIDATES[0])
+            _assign(linears, candidates(linears[0].weight.dtype)[0])
     for _, linears in sorted(groups.items()):
-        timed = _timed(linears, list(CANDIDATES), forward)
-        _assign(linears, min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])[1])
+        tiles = candidates(linears[0].weight.dtype)
+        timed = time_configs(linears, list(tiles), forward)
+        _assign(linears, min(zip(timed, tiles, strict=True), key=lambda pair: pair[0])[1])
     return _tiles(groups)
 
 
@@ -187,7 +191,7 @@ def choose_row_fusion(
     are set and the fused ones with the tiles `choose_tiles` finds in the last of them; keep
     `decide_fusion`'s pick and leave it and its tiles set."""
     fused_variants = [RowFusion(pdl=False), *([RowFusion(pdl=True)] if pdl else [])]
-    groups = _groups(model)
+    groups = projection_groups(model)
     unfused_tiles = _tiles(groups)
     fused_tiles = unfused_tiles
     for fusion in reversed(fused_variants):
