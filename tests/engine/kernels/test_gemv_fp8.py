@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch.nn import functional
 
-from pagekeeper_engine.kernels.gemv import Epilogue, GemvConfig, RowNorm, gemv, programs
+from pagekeeper_engine.kernels.gemv import (
+    FP8_CANDIDATES,
+    Epilogue,
+    GemvConfig,
+    RowNorm,
+    gemv,
+    programs,
+)
 from pagekeeper_engine.kernels.reference import gemv_fp8_ref
 from pagekeeper_engine.model.fp8 import FP8_DTYPE, quantize_rows
 from tests.engine.kernels.paged_cases import random_tensor
@@ -105,6 +112,31 @@ def test_fp8_gemv_swiglu_scales_the_gate_and_up_rows_apart(
     expected = (functional.silu(gate).to(dtype).float() * up).to(dtype).float()
     assert out.shape == (1, n)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("config", FP8_CANDIDATES, ids=str)
+def test_fp8_candidates_in_the_fused_layer_s_normed_swiglu(
+    config: GemvConfig, device: torch.device, generator: torch.Generator
+) -> None:
+    # The tiles the start-up times for e4m3 weights, over more than one program and K tile, in
+    # the fused layer's heaviest form: the norm in the prologue and SwiGLU in the epilogue.
+    n, k = 2 * config.block_n + 3, 2 * config.block_k
+    x = random_tensor((1, k), torch.float32, device, generator)
+    norm_weight = random_tensor((k,), torch.float32, device, generator)
+    weight, scale = fp8_weight(2 * n, k, device, generator)
+
+    out = gemv(
+        x,
+        weight,
+        config=config,
+        norm=RowNorm(norm_weight, 1e-6),
+        epilogue=Epilogue.SWIGLU,
+        weight_scale=scale,
+    )
+
+    normed = norm_weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    gate, up = gemv_fp8_ref(normed, weight, scale).split(n, dim=-1)
+    assert_close(out, functional.silu(gate) * up, torch.float32)
 
 
 def test_quantized_rows_round_trip_within_e4m3_precision(
