@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row["itl_after_s"] = row["itl_before_s"]  # nothing changed in it
                 print(f"  batch-1 ITL {row['itl_before_s'] * 1e3:.3f} ms")
             report[quantization] = row
+            if args.json:  # after each engine: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(report, indent=1))
             del engine, runner
             stop_ranks()
     if "fp8" in report and "none" in report:
