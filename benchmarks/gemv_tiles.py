@@ -35,8 +35,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernels import ROTATE_BYTES, measure_copy_bandwidth, time_graph
 from benchmarks.shapes import SHAPES
-from pagekeeper_engine.kernels import FP8_WEIGHT_DTYPE
-from pagekeeper_engine.kernels.gemv import GemvConfig, candidates, gemv
+from pagekeeper_engine.kernels.gemv import CANDIDATES, GemvConfig, gemv
 from pagekeeper_engine.model.fp8 import quantize_rows
 
 # Tiles of 1-4k elements in K, 8 or 16 columns: up to 4x the shipped tiles' bytes per load.
@@ -141,7 +140,7 @@ def bench(n: int, k: int, fp8: bool, configs: list[GemvConfig], copy: float) -> 
         rows.append(timed_row(config, time_graph(calls), per_weight, copy))
     result = {"n": n, "k": k, "fp8": fp8, "weight_bytes": per_weight, "rows": rows}
     if fp8:
-        result["read_ceiling"] = read_ceiling(weights, list(candidates(FP8_WEIGHT_DTYPE)), copy)
+        result["read_ceiling"] = read_ceiling(weights, list(CANDIDATES), copy)
     return result
 
 
@@ -159,7 +158,7 @@ def main() -> None:
     report: dict[str, Any] = {"shape": args.shape, "copy_bytes_s": copy, "results": []}
     print(f"# copy: {copy / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
     for fp8 in (False, True):
-        shipped = list(candidates(FP8_WEIGHT_DTYPE if fp8 else torch.bfloat16))
+        shipped = list(CANDIDATES)
         configs = shipped if args.shipped_only or not fp8 else shipped + sweep_configs()
         for name, (n, k) in projections(args.shape).items():
             result = bench(n, k, fp8, configs, copy)

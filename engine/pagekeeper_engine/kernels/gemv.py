@@ -85,12 +85,6 @@ CANDIDATES = (
     GemvConfig(8, 2048, num_warps=8, num_stages=1),
     GemvConfig(4, 4096, num_warps=8, num_stages=1),
 )
-FP8_CANDIDATES = CANDIDATES
-
-
-def candidates(weight_dtype: torch.dtype) -> tuple[GemvConfig, ...]:
-    """The tiles the start-up times for a projection whose weight is `weight_dtype`."""
-    return FP8_CANDIDATES if weight_dtype == FP8_WEIGHT_DTYPE else CANDIDATES
 
 
 class Epilogue(enum.IntEnum):

@@ -110,19 +110,18 @@ def choose_gemv(model: nn.Module, forward: Callable[[], object]) -> list[GemvCho
     forward pass of `model`, e.g. over padding inputs); set `Linear.gemv_config` accordingly
     and return the decisions. Groups decided earlier keep their choice while later ones are
     timed; the undecided ones run the first GEMV tile."""
-    from pagekeeper_engine.kernels.gemv import candidates  # noqa: PLC0415 (imports triton)
+    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
 
     groups = projection_groups(model)
     # The groups interact (on an H200: from all-cuBLAS, one pass kept cuBLAS for gate/up and qkv,
     # each a tie or a loss alone, and the step took 4.46 ms; both on the GEMV gave 4.34 ms),
     # so the pass starts from every group on the first tile.
     for linears in groups.values():
-        _assign(linears, candidates(linears[0].weight.dtype)[0])
+        _assign(linears, CANDIDATES[0])
     choices = []
     for (name, out_features, in_features), linears in sorted(groups.items()):
-        tiles = candidates(linears[0].weight.dtype)
-        cublas, *timed = time_configs(linears, [None, *tiles], forward)
-        best_s, best_config = min(zip(timed, tiles, strict=True), key=lambda pair: pair[0])
+        cublas, *timed = time_configs(linears, [None, *CANDIDATES], forward)
+        best_s, best_config = min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])
         chosen = best_config if best_s < MARGIN * cublas else None
         _assign(linears, chosen)
         choice = GemvChoice(
@@ -166,16 +165,15 @@ def choose_tiles(model: nn.Module, forward: Callable[[], object]) -> Tiles:
     """Group by group, the GEMV tile under which `forward` (a batch-1 forward, in the layer
     variant that is set) is fastest, the other groups keeping theirs (a group on cuBLAS starts
     from the first tile); sets them and returns every group's."""
-    from pagekeeper_engine.kernels.gemv import candidates  # noqa: PLC0415 (imports triton)
+    from pagekeeper_engine.kernels.gemv import CANDIDATES  # noqa: PLC0415 (imports triton)
 
     groups = projection_groups(model)
     for linears in groups.values():
         if linears[0].gemv_config is None:
-            _assign(linears, candidates(linears[0].weight.dtype)[0])
+            _assign(linears, CANDIDATES[0])
     for _, linears in sorted(groups.items()):
-        tiles = candidates(linears[0].weight.dtype)
-        timed = time_configs(linears, list(tiles), forward)
-        _assign(linears, min(zip(timed, tiles, strict=True), key=lambda pair: pair[0])[1])
+        timed = time_configs(linears, CANDIDATES, forward)
+        _assign(linears, min(zip(timed, CANDIDATES, strict=True), key=lambda pair: pair[0])[1])
     return _tiles(groups)
 
 

@@ -63,7 +63,7 @@ def forward_one_row(
     input_norm, post_attention_norm = norms
 
     def config(linear: Linear) -> kernel.GemvConfig:
-        return linear.gemv_config or kernel.candidates(linear.weight.dtype)[0]
+        return linear.gemv_config or kernel.CANDIDATES[0]
 
     def statistic(row: int, producer: Linear) -> torch.Tensor:
         """Row `row`'s entries for `producer`'s programs over the residual's columns."""

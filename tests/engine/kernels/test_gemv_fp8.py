@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional
 
 from pagekeeper_engine.kernels.gemv import (
-    FP8_CANDIDATES,
+    CANDIDATES,
     Epilogue,
     GemvConfig,
     RowNorm,
@@ -114,11 +114,11 @@ def test_fp8_gemv_swiglu_scales_the_gate_and_up_rows_apart(
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("config", FP8_CANDIDATES, ids=str)
+@pytest.mark.parametrize("config", CANDIDATES, ids=str)
 def test_fp8_candidates_in_the_fused_layer_s_normed_swiglu(
     config: GemvConfig, device: torch.device, generator: torch.Generator
 ) -> None:
-    # The tiles the start-up times for e4m3 weights, over more than one program and K tile, in
+    # The tiles the start-up times, with e4m3 weights, over more than one program and K tile, in
     # the fused layer's heaviest form: the norm in the prologue and SwiGLU in the epilogue.
     n, k = 2 * config.block_n + 3, 2 * config.block_k
     x = random_tensor((1, k), torch.float32, device, generator)
