@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.nn import functional
 
+from benchmarks.layer_tiles import SWEEP
 from pagekeeper_engine.kernels.gemv import (
     CANDIDATES,
     Epilogue,
@@ -114,11 +115,15 @@ def test_fp8_gemv_swiglu_scales_the_gate_and_up_rows_apart(
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("config", CANDIDATES, ids=str)
+# The shipped tiles, then the others `benchmarks/layer_tiles.py` times in the fused layer.
+TILES = list(dict.fromkeys([*CANDIDATES, *SWEEP]))
+
+
+@pytest.mark.parametrize("config", TILES, ids=str)
 def test_fp8_candidates_in_the_fused_layer_s_normed_swiglu(
     config: GemvConfig, device: torch.device, generator: torch.Generator
 ) -> None:
-    # The tiles the start-up times, with e4m3 weights, over more than one program and K tile, in
+    # Each tile with e4m3 weights, over more than one program and K tile, in
     # the fused layer's heaviest form: the norm in the prologue and SwiGLU in the epilogue.
     n, k = 2 * config.block_n + 3, 2 * config.block_k
     x = random_tensor((1, k), torch.float32, device, generator)
