@@ -67,9 +67,7 @@ MAX_FILL_THREADS = 8
 # in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
 # until the interval ends: at the default 5 ms, a step's few calls could wait longer than the
 # device's step (measured in docs/engine.md, structured output: benchmarks/grammar_contention.py).
-# With the step loop busy, 64 rows' job took 7.0 ms at 0.5 ms and 4.4 ms at 0.1 ms on a 2-core
-# CPU (`grammar_contention.py --switch-ms`); a process without a schema never switches for it.
-GRAMMAR_SWITCH_INTERVAL_S = 0.0001
+GRAMMAR_SWITCH_INTERVAL_S = 0.0005
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
