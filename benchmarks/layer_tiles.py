@@ -6,11 +6,12 @@ the norms, residual adds and SwiGLU inside the GEMVs), and the batch-1 ITL befor
 tile also carries its prologue and epilogue (a normed projection's programs each norm the whole
 input, so that work is shared by `block_n` rows), and with programmatic dependent launch its
 first loads overlap the kernel ahead. So a tile's place in the fused layer can differ from its
-place alone. For each weight format this builds the engine (its start-up choice as shipped),
-measures the batch-1 ITL, times every `--tiles` tile in each group in the fused layer (the
-others keeping theirs, as `gemv_choice.choose_tiles` does), then times the start-up's layer
-against the fused layer on the best tiles in one interleaved round, re-captures the serving
-graphs on the faster and measures the ITL again in the same engine.
+place alone. For each weight format this builds the engine (its start-up choice as shipped)
+and measures the batch-1 ITL; for those in `--sweep` (FP8 by default) it then times every
+`--tiles` tile in each group in the fused layer (the others keeping theirs, as
+`gemv_choice.choose_tiles` does), times the start-up's layer against the fused layer on the
+best tiles in one interleaved round, re-captures the serving graphs on the faster and measures
+the ITL again in the same engine. The report is written after each engine.
 
     PYTHONPATH=engine:. python benchmarks/layer_tiles.py --shape llama-3.1-8b --json tiles.json
 """
