@@ -120,11 +120,11 @@ TILES = list(dict.fromkeys([*CANDIDATES, *SWEEP]))
 
 
 @pytest.mark.parametrize("config", TILES, ids=str)
-def test_fp8_candidates_in_the_fused_layer_s_normed_swiglu(
+def test_fp8_tiles_in_the_fused_layers_normed_swiglu(
     config: GemvConfig, device: torch.device, generator: torch.Generator
 ) -> None:
-    # Each tile with e4m3 weights, over more than one program and K tile, in
-    # the fused layer's heaviest form: the norm in the prologue and SwiGLU in the epilogue.
+    # Each tile over e4m3 weights, more than one program and K tile, in the fused layer's
+    # heaviest form: the norm in the prologue and SwiGLU in the epilogue.
     n, k = 2 * config.block_n + 3, 2 * config.block_k
     x = random_tensor((1, k), torch.float32, device, generator)
     norm_weight = random_tensor((k,), torch.float32, device, generator)
