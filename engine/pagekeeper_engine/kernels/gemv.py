@@ -78,12 +78,16 @@ class GemvConfig:
 # an H200 (docs/benchmarks-archive.md, "a batch-1 GEMV chosen at start-up"), and two wide tiles of
 # 16,384 elements that hold a whole row of K <= 2,048 or 4,096, so that a program loads all of its
 # weights before it waits for the kernel ahead (the Qwen3-0.6B's o and down projections: batch-1 ITL
-# 0.778 -> 0.720 ms; docs/benchmarks-archive.md, "whole-row GEMV tiles").
+# 0.778 -> 0.720 ms; docs/benchmarks-archive.md, "whole-row GEMV tiles"); and two 16-row tiles,
+# which the 8B's fused layer with FP8 weights ran fastest on an H100 (gate/up 16 x 256, o and
+# down 16 x 1,024; `benchmarks/layer_tiles.py`, docs/benchmarks.md, "Also measured", run 57).
 CANDIDATES = (
     GemvConfig(8, 512),
     GemvConfig(8, 1024),
     GemvConfig(8, 2048, num_warps=8, num_stages=1),
     GemvConfig(4, 4096, num_warps=8, num_stages=1),
+    GemvConfig(16, 256),
+    GemvConfig(16, 1024, num_warps=8),
 )
 
 
