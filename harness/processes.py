@@ -35,9 +35,17 @@ def engine_pythonpath() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are chosen (one closed
+    before the next is asked for can be handed out again)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def http_get_json(url: str, timeout: float = 5) -> Any:
@@ -117,7 +125,7 @@ def start_alertmanager(
     """Alertmanager that posts every alert (grouped by pod, no delay) to `webhook_url`; with
     `ca_file`, over HTTPS trusting that CA (its `tls_config`)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port, cluster_port = free_port(), free_port()
+    port, cluster_port = free_ports(2)
     config = {
         "route": {
             "receiver": "pagekeeper",

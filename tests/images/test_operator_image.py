@@ -27,7 +27,7 @@ from kubernetes import client
 
 from harness.cluster import Cluster, wait_for
 from harness.loop import llmserver
-from harness.processes import free_port
+from harness.processes import free_ports
 from harness.tools import REPO, tool
 from tests.images.pod import PodHost, ServiceAccountToken, run_args
 from tests.images.podman import Container, run_detached
@@ -107,7 +107,7 @@ def release(cluster: Cluster, namespace: str, llmserver_crd: Path) -> Iterator[d
         "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
     )  # fmt: skip
     name = f"r{uuid.uuid4().hex[:6]}"
-    health_port, webhook_port = free_port(), free_port()
+    health_port, webhook_port = free_ports(2)
     helm(
         cluster, "install", name, str(CHART), "-n", namespace,
         "--set", f"watchNamespaces={{{namespace}}}", "--set", "operator.resyncSeconds=5",

@@ -32,7 +32,7 @@ import requests
 from openai import OpenAI
 
 from harness.cpu_engine import spawn_argv, wait_engine_ready, write_tiny_checkpoint
-from harness.processes import free_port, stop_process, wait_http_ok
+from harness.processes import free_port, free_ports, stop_process, wait_http_ok
 from pagekeeper_operator.render import render_deployment
 from tests.operator.servers import DEFAULT_IMAGES, make_server
 from tests.support.pod_env import container_argv, container_env
@@ -123,7 +123,7 @@ def start_vllm_pod(
     launcher, vllm = command[:separator], command[separator + 1 :]
     assert launcher[:3] == ["python3", "-m", "pagekeeper_vllm.launch"], launcher
     assert vllm[:2] == ["vllm", "serve"], vllm
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     launcher_flags = with_value(launcher[3:], "--metrics-port", str(metrics_port))
     vllm_args = with_value(with_value(vllm[2:], "--host", "127.0.0.1"), "--port", str(port))
     argv = [
