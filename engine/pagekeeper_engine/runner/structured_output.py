@@ -140,7 +140,8 @@ class GrammarMasks:
         self._thread: ThreadPoolExecutor | None = None  # the grammar thread
         self._timer = GrammarTimer()  # observed on the step loop's thread only (`apply`)
 
-    def _compile(self, schema: str) -> Any:
+    def compile(self, schema: str) -> Any:
+        """The xgrammar.CompiledGrammar of a JSON schema's text, compiled once per text."""
         with self._lock:
             compiled = self._compiled.get(schema)
             if compiled is not None:
@@ -170,7 +171,7 @@ class GrammarMasks:
         if params.json_schema is None:
             return
         try:
-            compiled = self._compile(params.json_schema)
+            compiled = self.compile(params.json_schema)
         except RuntimeError as exc:  # xgrammar's converter reports every fault so
             reason = str(exc).splitlines()[-1] if str(exc) else type(exc).__name__
             raise RequestRejectedError(
@@ -208,7 +209,7 @@ class GrammarMasks:
             import xgrammar  # noqa: PLC0415
 
             assert params.json_schema is not None
-            state = MatcherState(xgrammar.GrammarMatcher(self._compile(params.json_schema)))
+            state = MatcherState(xgrammar.GrammarMatcher(self.compile(params.json_schema)))
             self._matchers[key] = state
             weakref.finalize(params, self._matchers.pop, key, None)
         return state

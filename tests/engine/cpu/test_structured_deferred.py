@@ -41,7 +41,7 @@ def allowed(row: torch.Tensor) -> set[str]:
 
 def job_for(grammar: GrammarMasks, outputs: list[list[int]], newest: list[int]) -> FillJob:
     """One row per output list, each a structured row whose newest output is pending."""
-    compiled = grammar._compile(SCHEMA)
+    compiled = grammar.compile(SCHEMA)
     rows = list(range(len(outputs)))
     return FillJob(
         host=xgrammar.allocate_token_bitmask(len(outputs), V),
