@@ -5,10 +5,13 @@
 # throughput pass and the plain pass over the same seeds and output lengths
 # (benchmarks/structured.py). Writes $OUT/structured.json with the device and versions; exits
 # non-zero if a sample misses the schema. With BEFORE=<a checkout of an earlier commit> the same
-# passes run first from there, on the same card, into $OUT/structured_before.json.
+# passes run first from there, on the same card, into $OUT/structured_before.json; with
+# BEFORE_PATH=<a folder of packages> as well, that pass imports them first (another xgrammar
+# beside the same engine: BEFORE=$PWD).
 #
 #     OUT=/tmp/out bash benchmarks/structured_gpu.sh
 #     BEFORE=/path/to/checkout-before OUT=/tmp/out bash benchmarks/structured_gpu.sh
+#     BEFORE=$PWD BEFORE_PATH=/tmp/xgrammar-0.2.8 OUT=/tmp/out bash benchmarks/structured_gpu.sh
 #     SMOKE=1 OUT=/tmp/out bash benchmarks/structured_gpu.sh     # the plumbing, on the CPU
 #
 # About 40 s on an H100 (36 s in run 51, docs/benchmarks.md; twice that with BEFORE).
@@ -27,7 +30,8 @@ else
   args=(--concurrency 64 --num-requests 256 --num-samples 200)
 fi
 if [[ -n "${BEFORE:-}" ]]; then
-  (cd "$BEFORE" && PYTHONPATH="$BEFORE/engine:$BEFORE/memplan:$BEFORE${caller_path:+:$caller_path}" \
+  before_path="${BEFORE_PATH:+$BEFORE_PATH:}$BEFORE/engine:$BEFORE/memplan:$BEFORE"
+  (cd "$BEFORE" && PYTHONPATH="$before_path${caller_path:+:$caller_path}" \
     python benchmarks/structured.py --shape qwen3-0.6b --concurrency 64 --num-requests 256 \
     --num-samples 200) > "$OUT/structured_before.json"
 fi
