@@ -16,7 +16,8 @@ copies are not in it. The case alone also counts the distinct rows among each st
 rows at one grammar state get one mask, so a step filling each state once would need at least
 that many fills (two states may share a mask). `--fill-threads N ...` instead
 times the main thread idle with xgrammar's batch fill on each of those thread counts (the
-engine's is up to `MAX_FILL_THREADS`), reporting the whole job and the batch fill in it;
+engine sizes each fill by its rows' work: `runner/fill_threads.py`; the other cases do too),
+reporting the whole job and the batch fill in it;
 `--torch-threads N ...` times the same with torch's intra-op pool at each size (torch sizes it
 to every core by default; its threads spin a while after each host op large enough to wake
 them), the engine's fill threads otherwise.

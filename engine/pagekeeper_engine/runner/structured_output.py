@@ -11,9 +11,10 @@ device's steps:
   work needs (`grammar_fill.FillJob`) and hands it to the grammar thread. There each matcher
   takes its newest token, read from the host copy the launch started before the forward pass
   (so the wait is for the step before, which sampled it), and xgrammar's batch matcher fills
-  the rows of a pinned host bitmask on up to `MAX_FILL_THREADS` threads of its own (they
-  release the GIL). Meanwhile the step loop's thread settles the step before, schedules the
-  next step and packs its inputs, and the device runs this step's forward pass.
+  the rows of a pinned host bitmask on threads of its own (they release the GIL): one, or up
+  to `MAX_FILL_THREADS` where the rows' work asks for more (`fill_threads`). Meanwhile the
+  step loop's thread settles the step before, schedules the next step and packs its inputs,
+  and the device runs this step's forward pass.
 - `apply`, when the step is sampled (`step_launch` defers a structured step's sampling to the
   next launch, or to the step's result): it takes the filled mask, copies it to the device in
   one non-blocking copy and sets the disallowed scores to -inf in one launch, before any other
@@ -54,14 +55,13 @@ import torch
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.stats import GrammarTimings
+from pagekeeper_engine.runner.fill_threads import FillThreads
 from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
 from pagekeeper_engine.runner.grammar_timing import FillTimes, GrammarTimer
 
 TOKENIZER_FILE = "tokenizer.json"
-# The rows of one step's masks are filled on up to this many threads. xgrammar starts them anew
-# in every batch fill; on an H100's 16-core host one thread was slower still (the schema pass
-# 0.41x plain against 0.57x, its batch fill 2.4 ms p50 and 24 ms p90: docs/benchmarks.md, "Also
-# measured", run 55).
+# The rows of one step's masks are filled on up to this many threads, as many as their work
+# asks for (`fill_threads`).
 MAX_FILL_THREADS = 8
 # The interpreter's switch interval once the grammar thread runs. That thread gives up the GIL
 # in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
@@ -117,7 +117,7 @@ class GrammarMasks:
         eos_token_ids: frozenset[int],
         max_rows: int,
         device: torch.device,
-        fill_threads: int | None = None,  # xgrammar's threads for a step's rows (a benchmark's)
+        fill_threads: int | None = None,  # xgrammar's threads for every step (a benchmark's)
     ) -> None:
         assert fill_threads is None or fill_threads >= 1, f"{fill_threads} fill threads"
         self.model_dir = model_dir
@@ -136,7 +136,9 @@ class GrammarMasks:
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's copy enqueued
         self._device_mask: torch.Tensor | None = None
         self._num_started = 0
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        # xgrammar.BatchGrammarMatcher by its thread count, each made on first use
+        self._batches: dict[int, Any] = {}
+        self._threads: FillThreads | None = None  # made with the grammar thread
         self._thread: ThreadPoolExecutor | None = None  # the grammar thread
         self._timer = GrammarTimer()  # observed on the step loop's thread only (`apply`)
 
@@ -225,8 +227,7 @@ class GrammarMasks:
                 host = xgrammar.allocate_token_bitmask(self.max_rows, self.vocab_size)
                 self._host_masks.append(host.pin_memory() if is_cuda else host)
             self._device_mask = self._host_masks[0].to(self.device) if is_cuda else None
-        threads = self.fill_threads or max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1))
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        self._threads = FillThreads(max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1)))
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         sys.setswitchinterval(min(sys.getswitchinterval(), GRAMMAR_SWITCH_INTERVAL_S))
 
@@ -259,9 +260,27 @@ class GrammarMasks:
         times.started = time.perf_counter()
         if copied is not None:  # the buffer's last copy to the device has been read
             copied.synchronize()
-        cut_rows = fill_step_masks(job, self._batch, self.eos_token_ids, times)
+        assert self._threads is not None
+        threads = self.fill_threads or self._threads.choose(len(job.rows))
+        cut_rows = fill_step_masks(job, self._batch_on(threads), self.eos_token_ids, times)
         times.ended = time.perf_counter()
+        self._threads.observe(threads, len(job.rows), times.bitmask_seconds)
         return cut_rows
+
+    def _batch_on(self, threads: int) -> Any:
+        """The batch matcher that fills on `threads` threads (on the grammar thread only)."""
+        batch = self._batches.get(threads)
+        if batch is None:
+            import xgrammar  # noqa: PLC0415
+
+            batch = self._batches[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        return batch
+
+    @property
+    def fill_row_seconds(self) -> float | None:
+        """A row's batch fill on one thread, as the thread count's estimate holds it (None
+        before the first structured step)."""
+        return None if self._threads is None else self._threads.row_seconds
 
     def apply(self, scores: torch.Tensor, pending: PendingMasks) -> list[int]:
         """-inf on every token a structured row's schema does not allow next (scores (N, V)

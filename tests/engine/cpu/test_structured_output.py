@@ -92,6 +92,8 @@ def check_picks_continue_the_schema(tmp_path: Path, temperature: float, device: 
         assert output[-1] == EOS_ID and matcher.is_terminated()
         value = json.loads("".join(TOKENS[t] for t in output[:-1]))
         assert set(value) == {"ok", "level"} and value["level"] in ("low", "high")
+    # the fills on one thread measured a row's fill, which sizes the next fills' threads
+    assert grammar.fill_row_seconds is not None and grammar.fill_row_seconds > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
