@@ -167,6 +167,7 @@ def fill_step_masks(
         batch.batch_fill_next_token_bitmask(matchers, job.host, live_rows)
         if times is not None:
             times.bitmask_seconds = time.perf_counter() - started
+            times.bitmask_rows = len(live)
         allows_any = rows_allowing_any(job.host)
         for row, state in zip(live_rows, live, strict=True):
             if not allows_any[row]:  # the vocabulary cannot spell what must come next

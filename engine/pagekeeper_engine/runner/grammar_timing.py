@@ -26,6 +26,7 @@ class FillTimes:
     ids_on_host: float = 0.0  # the buffer's last copy read, the newest sampled ids on the host
     accepted: float = 0.0  # the matchers took their new tokens
     bitmask_seconds: float = 0.0  # inside xgrammar's batch fill
+    bitmask_rows: int = 0  # the rows that batch fill filled (none: it did not run)
     ended: float = 0.0
 
 

@@ -264,7 +264,7 @@ class GrammarMasks:
         threads = self.fill_threads or self._threads.choose(len(job.rows))
         cut_rows = fill_step_masks(job, self._batch_on(threads), self.eos_token_ids, times)
         times.ended = time.perf_counter()
-        self._threads.observe(threads, len(job.rows), times.bitmask_seconds)
+        self._threads.observe(threads, times.bitmask_rows, times.bitmask_seconds)
         return cut_rows
 
     def _batch_on(self, threads: int) -> Any:

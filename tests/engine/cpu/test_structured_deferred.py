@@ -20,6 +20,7 @@ from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
 from pagekeeper_engine.loop.engine import LLMEngine
 from pagekeeper_engine.messages import EngineOutput
 from pagekeeper_engine.runner.grammar_fill import FillJob, MatcherState, fill_step_masks
+from pagekeeper_engine.runner.grammar_timing import FillTimes
 from pagekeeper_engine.runner.step_results import DeferredStep
 from pagekeeper_engine.runner.structured_output import GrammarMasks, unpack_bitmask
 from tests.engine.checkpoints import make_runner
@@ -86,7 +87,9 @@ def test_a_match_ended_by_its_end_token_is_held_there_not_cut(tmp_path: Path) ->
         grammar, [[*ids(done), pending], [*ids('{"ok'), pending]], [EOS_ID, JSON_VOCAB['"']]
     )
     batch = xgrammar.BatchGrammarMatcher(max_threads=1)
-    assert fill_step_masks(job, batch, frozenset({EOS_ID})) == []
+    times = FillTimes()
+    assert fill_step_masks(job, batch, frozenset({EOS_ID}), times) == []
+    assert times.bitmask_rows == 1, "the batch fill filled the live row only"
     assert [s.is_terminated for s in job.states] == [True, False]
     assert job.states[0].matcher.is_terminated() and not job.states[0].is_stuck
     assert allowed(job.host[0]) == {"</s>"} and allowed(job.host[1]) == {":"}
@@ -98,6 +101,14 @@ def test_a_match_ended_by_its_end_token_is_held_there_not_cut(tmp_path: Path) ->
     )  # fmt: skip
     assert fill_step_masks(late, batch, frozenset({EOS_ID})) == []
     assert allowed(late.host[0]) == {"</s>"} and not late.states[0].is_stuck
+    # a step whose every row has ended runs no batch fill, and says so
+    ended = FillJob(
+        late.host[:1], [0], late.states[:1], late.token_lists[:1], late.num_prompt_tokens[:1],
+        late.num_output_tokens[:1], lambda: [JSON_VOCAB["{"]],
+    )  # fmt: skip
+    times = FillTimes()
+    assert fill_step_masks(ended, batch, frozenset({EOS_ID}), times) == []
+    assert (times.bitmask_rows, times.bitmask_seconds) == (0, 0.0)
 
 
 def test_the_grammar_waits_for_the_sampled_token_and_the_loop_does_not(tmp_path: Path) -> None:
