@@ -14,8 +14,9 @@ jobs run alone (beside the loop each of their torch calls would wait for the loc
 of 200 steps would take minutes). It measures the host alone: the device's step and the
 copies are not in it. The case alone also counts the distinct rows among each step's masks:
 rows at one grammar state get one mask, so a step filling each state once would need at least
-that many fills (two states may share a mask). `--fill-threads N ...` instead
-times the main thread idle with xgrammar's batch fill on each of those thread counts (the
+that many fills (two states may share a mask), and gives the engine's estimate of one row's
+fill on one thread, which sizes its fills' threads (`fill_row_us`). `--fill-threads N ...`
+instead times the main thread idle with xgrammar's batch fill on each of those thread counts (the
 engine sizes each fill by its rows' work: `runner/fill_threads.py`; the other cases do too),
 reporting the whole job and the batch fill in it;
 `--torch-threads N ...` times the same with torch's intra-op pool at each size (torch sizes it
@@ -212,6 +213,9 @@ def by_switch_interval(
             report[name]["distinct_masks"] = {
                 "median": statistics.median(counts), "max": max(counts)
             }  # fmt: skip
+            # a row's fill on one thread as the engine estimates it to size its fills' threads
+            row_s = grammar.fill_row_seconds
+            report[name]["fill_row_us"] = None if row_s is None else round(row_s * 1e6, 2)
         print(f"{name}: {report[name]}")
     return report
 

@@ -28,6 +28,7 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
     distinct = report["alone"]["distinct_masks"]
     assert 1 <= distinct["median"] <= distinct["max"] <= 4  # four rows
     assert "distinct_masks" not in report["busy loop, 5 ms switch"]
+    assert report["alone"]["fill_row_us"] > 0  # the engine's estimate, from one-thread fills
     assert sys.getswitchinterval() == before
 
 
