@@ -12,8 +12,8 @@ one and at most the cap. A fill on several threads says nothing reliable about a
 time holds the threads' start), so every `PROBE_EVERY`th fill runs on one thread to keep the
 estimate current. The first fill runs on one thread: it has no estimate yet.
 
-Pure: the caller times its fills and reports them (`observe`); it runs on one thread (the
-grammar thread), so nothing here is locked.
+No clock and no I/O here: the caller times its fills and reports them (`observe`). It runs
+on one thread (the grammar thread), so nothing here is locked.
 """
 
 from __future__ import annotations
