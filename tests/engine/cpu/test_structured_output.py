@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from pagekeeper_engine.core.limits import RequestRejectedError
 from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.core.sequence import PLACEHOLDER_TOKEN_ID
-from pagekeeper_engine.runner.grammar_fill import rows_allowing_any
+from pagekeeper_engine.runner.grammar_fill import HostRows
 from pagekeeper_engine.runner.logits_processing import StepHistory
 from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.structured_output import GrammarMasks, unpack_bitmask
@@ -140,8 +140,22 @@ def test_a_row_allows_some_token_when_any_bit_of_any_word_is_set() -> None:
     rows[2, 0] = 1  # token 0 alone
     rows[3] = -1  # every token
     # row 0 and row 4 allow nothing
-    assert rows_allowing_any(rows) == [False, True, True, True, False]
-    assert rows_allowing_any(rows[1:3]) == [True, True]  # a step's first rows of the buffer
+    assert [HostRows(rows).allows_any(r) for r in range(5)] == [False, True, True, True, False]
+    first = HostRows(rows[1:3])  # a step's first rows of the buffer
+    assert [first.allows_any(r) for r in range(2)] == [True, True]
+
+
+def test_host_rows_write_whole_rows_and_single_bits_in_place() -> None:
+    buffer = torch.zeros(4, 3, dtype=torch.int32)
+    rows = HostRows(buffer[:3])  # the step's rows: the fourth is outside them
+    rows.allow_all(1)
+    assert buffer[1].tolist() == [-1, -1, -1]
+    rows.allow_only(2, frozenset({0, 63, 95}))  # bit 0 of word 0, the sign bits of words 1, 2
+    assert buffer[2].tolist() == [1, -(2**31), -(2**31)]
+    rows.allow_only(1, frozenset({33}))  # clears what was there first
+    assert buffer[1].tolist() == [0, 2, 0]
+    assert buffer[0].tolist() == [0, 0, 0] and buffer[3].tolist() == [0, 0, 0]
+    assert [rows.allows_any(r) for r in range(3)] == [False, True, True]
 
 
 def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path) -> None:
