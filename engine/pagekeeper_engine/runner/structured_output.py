@@ -66,8 +66,9 @@ MAX_FILL_THREADS = 8
 # The interpreter's switch interval once the grammar thread runs. That thread gives up the GIL
 # in each call into xgrammar or torch, and the step loop's thread, busy in Python, keeps it
 # until the interval ends: at the default 5 ms, a step's few calls could wait longer than the
-# device's step. A step's job makes about six such calls, so at 0.5 ms it took 2.4 ms where its
-# work alone takes 1 ms (measured in docs/engine.md, structured output).
+# device's step. Beside a thread busy in Python a step's job waited for it five to ten times,
+# and at 0.5 ms it took 2.4 ms in the engine on an H100's host where its work alone takes 1 ms
+# (docs/engine.md, structured output).
 GRAMMAR_SWITCH_INTERVAL_S = 0.0001
 
 
