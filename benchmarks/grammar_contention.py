@@ -15,7 +15,10 @@ of 200 steps would take minutes). It measures the host alone: the device's step 
 copies are not in it. The case alone also counts the distinct rows among each step's masks:
 rows at one grammar state get one mask, so a step filling each state once would need at least
 that many fills (two states may share a mask), and gives the engine's estimate of one row's
-fill on one thread, which sizes its fills' threads (`fill_row_us`). `--fill-threads N ...`
+fill on one thread, which sizes its fills' threads (`fill_row_us`). Each of those cases also
+reports its parts' means (`mean_parts_ms`: the hand-over to the grammar thread, then the job's
+parts as the engine's histograms split it, `grammar_timing.FillParts`); beside the busy loop a
+part that lets the GIL go waits up to the switch interval to get it back. `--fill-threads N ...`
 instead times the main thread idle with xgrammar's batch fill on each of those thread counts (the
 engine sizes each fill by its rows' work: `runner/fill_threads.py`; the other cases do too),
 reporting the whole job and the batch fill in it;
@@ -50,6 +53,7 @@ from benchmarks.shapes import SHAPES
 from benchmarks.structured import SCHEMA, write_json_tokenizer
 from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.runner import structured_output as so
+from pagekeeper_engine.runner.grammar_timing import FillParts
 
 DEFAULT_SWITCH_S = 0.005
 
@@ -94,6 +98,7 @@ def run_case(
     busy: bool,
     fills: list[float] | None = None,  # each step's batch fill, appended here
     distinct: list[int] | None = None,  # each step's count of distinct mask rows, appended here
+    parts: list[FillParts] | None = None,  # each step's job in its parts, appended here
 ) -> list[float]:
     """Seconds per step's grammar work, from the hand-over to the filled mask."""
     vocab = grammar.vocab_size
@@ -115,6 +120,8 @@ def run_case(
             go.clear()  # the token picks below run alone
             if fills is not None:
                 fills.append(pending.times.bitmask_seconds)
+            if parts is not None:
+                parts.append(pending.times.parts())
             if distinct is not None:
                 distinct.append(len({row.numpy().tobytes() for row in pending.host}))
             for row, seq in enumerate(seqs):
@@ -130,6 +137,12 @@ def run_case(
         if busy:
             loop.join()
     return times
+
+
+def mean_parts_ms(parts: list[FillParts]) -> dict[str, float]:
+    """Each part's mean over the steps, in ms (`FillParts`: queue, then the job's four)."""
+    names = ("queue", "device_wait", "accept", "bitmask", "host_ops")
+    return {n: round(statistics.fmean(getattr(p, n) for p in parts) * 1e3, 3) for n in names}
 
 
 def summary(times: list[float]) -> dict[str, float]:
@@ -208,7 +221,10 @@ def by_switch_interval(
     for name, busy, switch_s in cases:
         sys.setswitchinterval(switch_s)
         counts: list[int] | None = None if busy else []
-        report[name] = summary(run_case(grammar, args.rows, args.steps, eos, busy, None, counts))
+        parts: list[FillParts] = []
+        times = run_case(grammar, args.rows, args.steps, eos, busy, None, counts, parts)
+        report[name] = summary(times)
+        report[name]["mean_parts_ms"] = mean_parts_ms(parts)
         if counts:  # how many of a step's rows a fill per grammar state would have to fill
             report[name]["distinct_masks"] = {
                 "median": statistics.median(counts), "max": max(counts)

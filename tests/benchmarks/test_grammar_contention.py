@@ -25,6 +25,10 @@ def test_each_case_times_every_step_and_the_interval_is_restored() -> None:
     cases = [k for k in report if k not in ("shape", "rows", "steps")]
     assert cases == ["alone", "busy loop, 5 ms switch", f"busy loop, {ENGINE_MS:g} ms switch"]
     assert all(report[c]["median_ms"] > 0 and report[c]["p90_ms"] > 0 for c in cases)
+    for case in cases:  # the hand-over, then the job's parts; every step's batch fill ran
+        parts = report[case]["mean_parts_ms"]
+        assert list(parts) == ["queue", "device_wait", "accept", "bitmask", "host_ops"]
+        assert all(v >= 0 for v in parts.values()) and parts["bitmask"] > 0, (case, parts)
     distinct = report["alone"]["distinct_masks"]
     assert 1 <= distinct["median"] <= distinct["max"] <= 4  # four rows
     assert "distinct_masks" not in report["busy loop, 5 ms switch"]

@@ -29,6 +29,33 @@ class FillTimes:
     bitmask_rows: int = 0  # the rows that batch fill filled (none: it did not run)
     ended: float = 0.0
 
+    def parts(self) -> FillParts:
+        """The durations between the marks."""
+        fill_seconds = self.ended - self.started
+        device_wait = self.ids_on_host - self.started
+        accept = self.accepted - self.ids_on_host
+        return FillParts(
+            queue=self.started - self.submitted,
+            fill=fill_seconds,
+            device_wait=device_wait,
+            accept=accept,
+            bitmask=self.bitmask_seconds,
+            host_ops=fill_seconds - device_wait - accept - self.bitmask_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class FillParts:
+    """One step's grammar work in seconds: `queue` before the grammar thread starts it, then
+    `fill`, the job, which its four parts sum to."""
+
+    queue: float
+    fill: float
+    device_wait: float  # the buffer's last copy, then the newest ids on the host
+    accept: float  # the matchers take their tokens
+    bitmask: float  # xgrammar's batch fill
+    host_ops: float  # the rest: the host bitmask's other rows, the check, Python
+
 
 class DurationHistogram:
     """Counts of durations over `STEP_SECONDS_BUCKETS` (a bucket holds what is at most its
@@ -61,15 +88,13 @@ class GrammarTimer:
 
     def observe(self, fill: FillTimes, wait_seconds: float, apply_seconds: float) -> None:
         """One step: its grammar job's marks, the step loop's wait for it and its apply."""
-        fill_seconds = fill.ended - fill.started
-        device_wait = fill.ids_on_host - fill.started
-        accept = fill.accepted - fill.ids_on_host
-        self.queue.observe(fill.started - fill.submitted)
-        self.fill.observe(fill_seconds)
-        self.fill_device_wait.observe(device_wait)
-        self.fill_accept.observe(accept)
-        self.fill_bitmask.observe(fill.bitmask_seconds)
-        self.fill_host_ops.observe(fill_seconds - device_wait - accept - fill.bitmask_seconds)
+        parts = fill.parts()
+        self.queue.observe(parts.queue)
+        self.fill.observe(parts.fill)
+        self.fill_device_wait.observe(parts.device_wait)
+        self.fill_accept.observe(parts.accept)
+        self.fill_bitmask.observe(parts.bitmask)
+        self.fill_host_ops.observe(parts.host_ops)
         self.wait.observe(wait_seconds)
         self.apply.observe(apply_seconds)
 

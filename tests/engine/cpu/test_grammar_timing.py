@@ -56,6 +56,9 @@ def test_a_steps_marks_become_its_durations() -> None:
         "fill_bitmask": 0.0012, "fill_host_ops": 0.0004, "wait": 0.004, "apply": 0.00003,
     })  # fmt: skip
     assert set(num_observed(timings).values()) == {1}
+    parts = marks.parts()  # what the benchmarks read: the same durations
+    assert (parts.queue, parts.fill, parts.device_wait) == pytest.approx((0.0002, 0.0023, 0.0005))
+    assert (parts.accept, parts.bitmask, parts.host_ops) == pytest.approx((0.0002, 0.0012, 0.0004))
 
 
 def test_every_histogram_observes_each_structured_step_once(tmp_path: Path) -> None:
