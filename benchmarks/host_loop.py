@@ -78,6 +78,7 @@ class LoopPass:
     seconds: float
     steps: int
     output_tokens: int
+    parts_ms: dict[str, float]  # the loop's thread a step, by part (`loop.step_time`)
 
     @property
     def ms_per_step(self) -> float:
@@ -111,7 +112,7 @@ def build_loop(max_num_seqs: int, num_gpu_blocks: int, async_scheduling: bool) -
 
 def run_pass(engine: LLMEngine, work: Workload, tag: str) -> LoopPass:
     """Every request of `work` through the loop, timed from the first add to the last output."""
-    steps_before = engine.num_steps
+    steps_before, spent_before = engine.num_steps, engine.host_seconds.copy()
     started = time.perf_counter()
     for i, (prompt, num_out) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         params = SamplingParams(max_tokens=num_out, temperature=0.6, ignore_eos=True)
@@ -120,7 +121,10 @@ def run_pass(engine: LLMEngine, work: Workload, tag: str) -> LoopPass:
     while engine.has_work():
         num_output += sum(len(out.new_token_ids) for out in engine.step())
     seconds = time.perf_counter() - started
-    return LoopPass(seconds, engine.num_steps - steps_before, num_output)
+    steps = engine.num_steps - steps_before
+    spent = engine.host_seconds.since(spent_before).as_dict()
+    parts = {part: value / steps * 1e3 for part, value in spent.items()}
+    return LoopPass(seconds, steps, num_output, parts)
 
 
 def main() -> None:
@@ -141,7 +145,8 @@ def main() -> None:
     for p in passes:
         print(
             f"{p.seconds:.3f} s, {p.steps} steps, {p.ms_per_step:.3f} ms a step, "
-            f"{p.us_per_token:.2f} us a sequence-step"
+            f"{p.us_per_token:.2f} us a sequence-step; "
+            + ", ".join(f"{part} {ms:.3f}" for part, ms in p.parts_ms.items())
         )
     median = statistics.median(p.seconds for p in passes)
     print(f"median {median:.3f} s over {len(passes)} passes of {work.num_output_tokens} tokens")

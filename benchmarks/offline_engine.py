@@ -200,7 +200,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     while engine.has_work():
         engine.step()
     synchronize()
-    steps_before, waited_before = engine.num_steps, engine.device_wait_seconds
+    steps_before, spent_before = engine.num_steps, engine.host_seconds.copy()
     start = time.perf_counter()
     for i, (prompt, sampling) in enumerate(zip(work.prompts, params, strict=True)):
         engine.add_request(f"req-{i}", prompt, sampling)
@@ -215,7 +215,7 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
     synchronize()
     seconds = time.perf_counter() - start
     num_steps = engine.num_steps - steps_before
-    device_wait_s = engine.device_wait_seconds - waited_before
+    spent = engine.host_seconds.since(spent_before)
     # Past the time limit: end what is left, so later measurements (batch-1 latency) find the
     # engine idle instead of sharing every step with the rest of W-nano.
     for request_id in unfinished:
@@ -229,7 +229,11 @@ def run_engine(engine: LLMEngine, work: Workload, time_limit: float) -> dict[str
         "complete": num_finished == len(work.prompts),
         "num_steps": num_steps,
         # the host idle, waiting for the device: near 0, the host set the pace
-        "device_wait_s": device_wait_s,
+        "device_wait_s": spent.wait,
+        # the loop's thread by part of its steps (`loop.step_time`), ms a step
+        "host_ms_per_step": {
+            part: seconds / max(num_steps, 1) * 1e3 for part, seconds in spent.as_dict().items()
+        },
     }
 
 

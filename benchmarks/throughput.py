@@ -12,6 +12,7 @@ engine, the workload and the floor are `offline_engine.py`'s, the optional probe
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -31,7 +32,9 @@ from kernels import measure_copy_bandwidth, measure_matmul_rate
 from benchmarks.engine_probes import (
     compare_greedy,
     greedy_logprobs,
+    host_profile,
     mixed_step_cost,
+    print_host_profile,
     profile_decode,
 )
 from benchmarks.offline_engine import (
@@ -131,6 +134,11 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--profile", action="store_true", help="profile 10 decode steps")
     parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one more W-nano pass under cProfile: where the loop's thread spends it, by function",
+    )
+    parser.add_argument(
         "--mixed",
         type=int,
         default=0,
@@ -191,6 +199,11 @@ def main() -> None:
                 print_itl(row)
             if args.profile:
                 profile_decode(engine, args.max_num_seqs, args.trace)
+            if args.host_profile:
+                row["host_profile"] = host_profile(
+                    functools.partial(run_engine, engine, work, args.time_limit)
+                )
+                print_host_profile(row["host_profile"])
             if args.mixed:
                 row["mixed_step"] = mixed_step_cost(engine, args.max_num_seqs // 2, args.mixed)
             if args.accuracy:
@@ -238,6 +251,8 @@ def print_row(row: dict[str, Any], work: Workload) -> None:
             else ""
         )
     )
+    parts = ", ".join(f"{part} {ms:.3f}" for part, ms in row["host_ms_per_step"].items())
+    print(f"  the loop's thread a step, ms: {parts}")
 
 
 def print_itl(row: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ from pagekeeper_engine.faults import FatalEngineError
 from pagekeeper_engine.loop.loop_stats import release_cached, snapshot
 from pagekeeper_engine.loop.oom_recovery import OomRecovery
 from pagekeeper_engine.loop.request_outputs import RequestOutputs, cut_request_ids
+from pagekeeper_engine.loop.step_time import StepHostSeconds
 from pagekeeper_engine.memory.allocator import PeriodicReader
 from pagekeeper_engine.memory.oom import DeviceOutOfMemoryError
 from pagekeeper_engine.memory.step_budget import StepTokenBudget
@@ -81,7 +82,7 @@ class LLMEngine:
         runner: ModelRunnerProtocol,
         eos_token_ids: frozenset[int],
         scheduler_config: SchedulerConfig | None = None,
-        clock: Callable[[], float] = time.perf_counter,  # times the waits for the device
+        clock: Callable[[], float] = time.perf_counter,  # times the parts of each step
         check_sampling: Callable[[SamplingParams], None] | None = None,  # the runner's check
     ) -> None:
         self.config = config
@@ -114,7 +115,12 @@ class LLMEngine:
         self.num_consecutive_failed_steps = 0
         self.num_batched_tokens_total = 0
         self._clock = clock
-        self.device_wait_seconds = 0.0  # collecting launched steps' tokens (`LoopStats`)
+        self.host_seconds = StepHostSeconds()  # where this thread spent its steps
+
+    @property
+    def device_wait_seconds(self) -> float:
+        """Seconds spent collecting launched steps' tokens (`LoopStats`)."""
+        return self.host_seconds.wait
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejectedError for a request that can never run."""
@@ -161,13 +167,19 @@ class LLMEngine:
         `max_consecutive_ooms`: the engine cannot serve at any step size and must restart."""
         if self._launch is not None:
             return self._step_async(self._launch)
+        clock, spent = self._clock, self.host_seconds
+        started = clock()
         out = self._oom.schedule()
+        scheduled = clock()
+        spent.schedule += scheduled - started
         outputs, self._pending = self._pending, []
         if out.is_empty:
             self._oom.on_empty_step()
             return outputs
         try:
             runner_out = self.runner.execute(out)
+            executed = clock()
+            spent.launch += executed - scheduled
         except DeviceOutOfMemoryError as exc:
             self._count_swap_ooms()
             self._oom.on_oom(out, exc)
@@ -185,6 +197,7 @@ class LLMEngine:
         outputs += self.request_outputs.apply(
             self.scheduler.update(out, runner_out), cut_request_ids(out, runner_out)
         )
+        spent.apply += clock() - executed
         if self._allocator is not None:
             self._allocator.maybe_read()
         return outputs
@@ -194,7 +207,11 @@ class LLMEngine:
     ) -> list[EngineOutput]:
         """Launch the next step, then settle the one in flight (its tokens were sampled while
         this one was being scheduled)."""
+        clock, spent = self._clock, self.host_seconds
+        started = clock()
         out = self._oom.schedule()
+        scheduled = clock()
+        spent.schedule += scheduled - started
         outputs, self._pending = self._pending, []
         if out.is_empty:
             if self._in_flight is not None:
@@ -215,10 +232,13 @@ class LLMEngine:
             outputs += self._settle()
             return outputs + self._fail_step(out, exc)
         self._count_swap_ooms()
+        launched = clock()
+        spent.launch += launched - scheduled
         previous, self._in_flight = (
             self._in_flight,
             _InFlight(out, self.scheduler.advance(out), pending),
         )
+        spent.book += clock() - launched
         self._oom.on_clean_step()
         self.num_steps += 1
         self.num_consecutive_failed_steps = 0
@@ -238,10 +258,12 @@ class LLMEngine:
             step, self._in_flight = self._in_flight, None
             if step is None:
                 return []
+        clock, spent = self._clock, self.host_seconds
         try:
-            started = self._clock()
+            started = clock()
             runner_out = step.pending.result()
-            self.device_wait_seconds += self._clock() - started
+            waited = clock()
+            spent.wait += waited - started
         except FatalEngineError:
             raise
         except Exception as exc:
@@ -250,10 +272,12 @@ class LLMEngine:
             if later is not None:
                 outputs += self._fail_step(later.out, exc)
             return outputs
-        return self.request_outputs.apply(
+        outputs = self.request_outputs.apply(
             self.scheduler.fill(step.out, step.seqs, runner_out),
             cut_request_ids(step.out, runner_out),
         )
+        spent.apply += clock() - waited
+        return outputs
 
     def drain(self) -> None:
         """Settle the step in flight now; its outputs come with the next `step()`."""

@@ -137,6 +137,35 @@ def test_the_loop_counts_its_waits_for_the_device(async_scheduling: bool) -> Non
     assert engine.stats().device_wait_seconds == expected
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_loop_times_each_part_of_its_steps(async_scheduling: bool) -> None:
+    """With a clock that ticks one second a read, each part of a step counts one second each
+    time the loop takes it: scheduling at every `step()` call, launching, booking, waiting and
+    applying once a launched step (the synchronous loop's launch is its whole `execute`, and it
+    books and waits for nothing)."""
+    ticks = itertools.count()
+    engine, _ = make_engine(async_scheduling=async_scheduling, clock=lambda: float(next(ticks)))
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params_for(rid))
+    num_calls = 0
+    while engine.has_work():
+        engine.step()
+        num_calls += 1
+    steps = float(engine.num_steps)
+    assert steps > 0
+    spent = engine.host_seconds
+    booked = steps if async_scheduling else 0.0
+    assert spent.as_dict() == {
+        "schedule": float(num_calls),
+        "launch": steps,
+        "book": booked,
+        "wait": booked,
+        "apply": steps,
+    }
+    assert spent.total == num_calls + 2 * steps + 2 * booked
+    assert spent.since(spent.copy()).total == 0.0
+
+
 def test_block_tables_stay_exact_while_steps_overlap() -> None:
     """Between steps every running sequence holds exactly the blocks its booked tokens need,
     and the pool's used count is the sum of them (no prefix sharing here)."""
