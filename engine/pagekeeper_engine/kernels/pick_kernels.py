@@ -7,7 +7,9 @@ A program of the chunk stage reads BLOCK_V columns of one row and stores the PLA
 (`pick_scratch.py`). The merge reads every chunk of a row (of every rank, under tensor
 parallelism) and writes the row's token id and its (id, log-probability) pair. In the one-rank
 pick each chunk's program counts itself in on its row's counter after its stores; the program
-that counts last merges the row and zeroes the counter again.
+that counts last merges the row and zeroes the counter again. Where the one-rank pick is given
+the schemas' token bitmask (MASKED), a score whose token's bit is clear reads as -inf: the pick
+applies the mask as it reads the scores, so no pass of its own writes them first.
 """
 
 from __future__ import annotations
@@ -46,10 +48,33 @@ _PICK_VARYING = (
 
 
 @triton.jit
+def _load_scores(
+    scores_ptr,
+    bitmask_ptr,
+    row,
+    cols,
+    col_mask,
+    scores_row_stride,
+    bitmask_row_stride,
+    MASKED: tl.constexpr,
+):
+    """Row `row`'s scores at `cols` in fp32, -inf where `col_mask` is off and, under MASKED,
+    where the token's bit (bit t % 32 of int32 word t // 32 of the row) is clear."""
+    score = tl.load(scores_ptr + row * scores_row_stride + cols, mask=col_mask, other=float("-inf"))
+    score = score.to(tl.float32)
+    if MASKED:
+        words = tl.load(bitmask_ptr + row * bitmask_row_stride + cols // 32, mask=col_mask, other=0)
+        allowed = ((words >> (cols % 32)) & 1) != 0
+        score = tl.where(allowed, score, float("-inf"))
+    return score
+
+
+@triton.jit
 def _store_chunk_partials(
     scores_ptr,
     raw_ptr,
     noise_ptr,
+    bitmask_ptr,
     parts_ptr,
     index_ptr,
     row,
@@ -57,6 +82,7 @@ def _store_chunk_partials(
     scores_row_stride,
     raw_row_stride,
     noise_row_stride,
+    bitmask_row_stride,
     plane_stride,
     scale,
     VOCAB: tl.constexpr,
@@ -66,6 +92,7 @@ def _store_chunk_partials(
     BLOCK_V: tl.constexpr,
     RULE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Chunk `chunk` of row `row`: its PLANES partials, stored at (row, chunk) of each plane.
     Under INVERSE_CDF the BEST plane holds the chunk's largest score * scale and the
@@ -80,8 +107,10 @@ def _store_chunk_partials(
     shift = tl.where(raw_max == float("-inf"), 0.0, raw_max)
     raw_sum = tl.sum(tl.exp(raw - shift), axis=0)
 
-    score = tl.load(scores_ptr + row * scores_row_stride + offs, mask=mask, other=float("-inf"))
-    score = score.to(tl.float32) * scale
+    score = _load_scores(
+        scores_ptr, bitmask_ptr, row, offs, mask, scores_row_stride, bitmask_row_stride, MASKED
+    )
+    score = score * scale
     part = row * NUM_CHUNKS + chunk
     tl.store(parts_ptr + _MAX * plane_stride + part, raw_max)
     tl.store(parts_ptr + _SUM * plane_stride + part, raw_sum)
@@ -125,10 +154,10 @@ def chunk_partials_kernel(
     NOISE_FLOOR: tl.constexpr,
 ):
     _store_chunk_partials(
-        scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr,
+        scores_ptr, raw_ptr, noise_ptr, scores_ptr, parts_ptr, index_ptr,
         tl.program_id(0).to(tl.int64), tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
-        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR,
+        scores_row_stride, raw_row_stride, noise_row_stride, 0, plane_stride, scale,
+        VOCAB, INDEX_OFFSET, NO_INDEX, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR, False,
     )  # fmt: skip
 
 
@@ -208,12 +237,14 @@ def combine_chunks_kernel(
 def _sample_row(
     scores_ptr,
     raw_ptr,
+    bitmask_ptr,
     parts_ptr,
     token_ids_ptr,
     packed_ptr,
     row,
     scores_row_stride,
     raw_row_stride,
+    bitmask_row_stride,
     plane_stride,
     packed_row_stride,
     scale,
@@ -222,6 +253,7 @@ def _sample_row(
     NUM_CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Row `row`'s token under INVERSE_CDF: U = `tl.rand(key, row)`, uniform in [0, 1), and
     the token is the first whose cumulative softmax(scores * scale) mass exceeds U times the
@@ -252,8 +284,10 @@ def _sample_row(
 
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < VOCAB
-    score = tl.load(scores_ptr + row * scores_row_stride + cols, mask=col_mask, other=float("-inf"))
-    weight = tl.exp(score.to(tl.float32) * scale - shift)  # -inf scores weigh 0
+    score = _load_scores(
+        scores_ptr, bitmask_ptr, row, cols, col_mask, scores_row_stride, bitmask_row_stride, MASKED
+    )
+    weight = tl.exp(score * scale - shift)  # -inf scores weigh 0
     running = tl.cumsum(weight, axis=0)
     inside = share * tl.sum(weight, axis=0)
     hit = (running > inside) & (weight > 0)
@@ -272,6 +306,7 @@ def pick_kernel(
     scores_ptr,
     raw_ptr,
     noise_ptr,
+    bitmask_ptr,  # MASKED: (N, ceil(VOCAB / 32)) int32 rows of allowed tokens' bits
     parts_ptr,  # (PLANES, N, NUM_CHUNKS) fp32
     index_ptr,  # the same memory as int32
     counters_ptr,  # (>= N,) int32, zero before the launch and after it
@@ -280,6 +315,7 @@ def pick_kernel(
     scores_row_stride,
     raw_row_stride,
     noise_row_stride,
+    bitmask_row_stride,
     plane_stride,  # N * NUM_CHUNKS
     packed_row_stride,
     scale,
@@ -290,12 +326,13 @@ def pick_kernel(
     BLOCK_V: tl.constexpr,
     RULE: tl.constexpr,
     NOISE_FLOOR: tl.constexpr,
+    MASKED: tl.constexpr,  # the scores are read through the bitmask
 ):
     row = tl.program_id(0).to(tl.int64)
     _store_chunk_partials(
-        scores_ptr, raw_ptr, noise_ptr, parts_ptr, index_ptr, row, tl.program_id(1),
-        scores_row_stride, raw_row_stride, noise_row_stride, plane_stride, scale,
-        VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR,
+        scores_ptr, raw_ptr, noise_ptr, bitmask_ptr, parts_ptr, index_ptr, row, tl.program_id(1),
+        scores_row_stride, raw_row_stride, noise_row_stride, bitmask_row_stride, plane_stride,
+        scale, VOCAB, 0, VOCAB, NUM_CHUNKS, BLOCK_V, RULE, NOISE_FLOOR, MASKED,
     )  # fmt: skip
     # Every thread's partial stores precede the counter's release (barrier, then an acq_rel
     # atomic at GPU scope); the chunk that counts last acquires all of its row's.
@@ -306,9 +343,9 @@ def pick_kernel(
     if num_done == NUM_CHUNKS - 1:
         if RULE == _INVERSE_CDF:
             _sample_row(
-                scores_ptr, raw_ptr, parts_ptr, token_ids_ptr, packed_ptr, row,
-                scores_row_stride, raw_row_stride, plane_stride, packed_row_stride, scale, key,
-                VOCAB, NUM_CHUNKS, CHUNKS_PAD, BLOCK_V,
+                scores_ptr, raw_ptr, bitmask_ptr, parts_ptr, token_ids_ptr, packed_ptr, row,
+                scores_row_stride, raw_row_stride, bitmask_row_stride, plane_stride,
+                packed_row_stride, scale, key, VOCAB, NUM_CHUNKS, CHUNKS_PAD, BLOCK_V, MASKED,
             )  # fmt: skip
         else:
             _combine_row(

@@ -8,6 +8,9 @@ one rank and in two around the ranks' exchange under tensor parallelism (the ker
 all in fp32, whatever the dtypes the operands are stored in: the logits may be read in the
 model's dtype (bf16 / fp16), widened in registers, so that no step copies them to fp32 first.
 
+Given the schemas' token bitmask, the one-rank pick reads each score whose token's bit is clear as
+-inf: the mask is applied where the scores are read, instead of by a pass over them first.
+
 Without noise it is the greedy argmax. With scale = 1 / T and noise E ~ Exp(1) it is the exponential
 race (the Gumbel-max trick: -log E is Gumbel-distributed), which samples exactly from
 softmax(scores / T). Given `sample_key` instead of draws, the one-rank pick samples the same
@@ -158,11 +161,14 @@ def pick_tokens(
     sample_key: int | None = None,  # instead of `noise`: invert the CDF at draws of this key
     scratch: PickScratch | None = None,  # where the results go; default: new tensors
     block_v: int | None = None,  # vocabulary entries a program reads; default: the scratch's
+    bitmask: torch.Tensor | None = None,  # (N, ceil(V / 32)) int32: the allowed tokens' bits
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the token ids (N,) int64 and the packed (2, N) float64: the same ids, then their
     log-probabilities under raw, in one launch over a one-rank scratch. Ids below 2**53 are
     exact in float64. With `sample_key` row r's token is `reference.inverse_cdf_ref`'s at
-    the uniform `reference.uniforms_ref(sample_key, N)[r]`."""
+    the uniform `reference.uniforms_ref(sample_key, N)[r]`. With `bitmask` the pick is the
+    one over the scores with -inf wherever a token's bit (bit t % 32 of word t // 32 of its
+    row) is clear; the log-probabilities stay raw's."""
     assert raw.dim() == 2, f"raw must be (rows, vocab), got {tuple(raw.shape)}"
     if scratch is None:
         scratch = PickScratch(raw.shape[0], raw.shape[1], raw.device, block_v or BLOCK_V)
@@ -181,10 +187,13 @@ def pick_tokens(
     if num_rows == 0:
         return token_ids, packed
     noise_or_scores = scores if noise is None else noise  # never read without noise
+    if bitmask is not None:
+        _check_bitmask(bitmask, raw)
     pick_kernel[(num_rows, num_chunks)](
         scores,
         raw,
         noise_or_scores,
+        scores if bitmask is None else bitmask,  # never read without a bitmask
         parts,
         parts.view(torch.int32),
         scratch.counters,
@@ -193,6 +202,7 @@ def pick_tokens(
         scores.stride(0),
         raw.stride(0),
         noise_or_scores.stride(0),
+        0 if bitmask is None else bitmask.stride(0),
         num_rows * num_chunks,
         packed.stride(0),
         scale,
@@ -203,6 +213,7 @@ def pick_tokens(
         BLOCK_V=block_v,
         RULE=_rule(noise, sample_key),
         NOISE_FLOOR=NOISE_FLOOR,
+        MASKED=bitmask is not None,
         num_warps=8,
     )
     return token_ids, packed
@@ -228,6 +239,18 @@ def _check_pick_operands(
     if noise is not None:
         check_like("noise", noise, raw, torch.float32)
     assert math.isfinite(scale) and scale > 0, f"scale {scale} must be finite and positive"
+
+
+def _check_bitmask(bitmask: torch.Tensor, raw: torch.Tensor) -> None:
+    """One row of int32 words a row of raw, a bit for each of its columns."""
+    num_rows, vocab_size = raw.shape
+    words = triton.cdiv(vocab_size, 32)
+    assert bitmask.dtype == torch.int32, f"bitmask is {bitmask.dtype}, expected torch.int32"
+    assert bitmask.dim() == 2 and bitmask.shape[0] == num_rows and bitmask.shape[1] >= words, (
+        f"bitmask {tuple(bitmask.shape)} does not cover raw's {num_rows} rows of {vocab_size}"
+    )
+    assert bitmask.stride(1) == 1, "bitmask rows must be contiguous"
+    check_device("bitmask", bitmask, raw.device)
 
 
 def _check_scratch(scratch: PickScratch, raw: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from pagekeeper_engine.runner.logits_processing import (
     top_logprobs,
     uses_processors,
 )
-from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
+from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks, unpack_bitmask
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -54,10 +54,13 @@ def pick_tokens_ref(
     *,
     scale: float = 1.0,
     noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
+    bitmask: torch.Tensor | None = None,  # (N, ceil(V / 32)) int32: the allowed tokens' bits
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.sampling.pick_tokens` in plain torch, in fp32: the CPU path and the kernel's
     reference."""
     race = scores.float() * scale
+    if bitmask is not None:
+        race = race.masked_fill(~unpack_bitmask(bitmask, raw.shape[1]), float("-inf"))
     if noise is not None:
         race = race - noise.clamp(min=NOISE_FLOOR).log()
     token_ids = race.argmax(dim=-1)  # ties: the lowest index
@@ -74,18 +77,26 @@ def pick_tokens(
     noise: torch.Tensor | None = None,
     sample_key: int | None = None,  # instead of `noise`: invert the CDF at this key's draws
     scratch: PickScratch | None = None,
+    bitmask: torch.Tensor | None = None,  # (N, ceil(V / 32)) int32: the allowed tokens' bits
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
-    `scratch` where given)."""
+    `scratch` where given); with `bitmask`, picked as if every score whose bit is clear were
+    -inf."""
     if not raw.is_cuda:
         assert sample_key is None, "a keyed pick runs in the CUDA kernel; the CPU's races"
-        return pick_tokens_ref(scores, raw, scale=scale, noise=noise)
+        return pick_tokens_ref(scores, raw, scale=scale, noise=noise, bitmask=bitmask)
     # Imported on first CUDA use: a kernel module fixes interpreted or native mode
     # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
     from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
 
     return sampling.pick_tokens(
-        scores, raw, scale=scale, noise=noise, sample_key=sample_key, scratch=scratch
+        scores,
+        raw,
+        scale=scale,
+        noise=noise,
+        sample_key=sample_key,
+        scratch=scratch,
+        bitmask=bitmask,
     )
 
 

@@ -73,11 +73,11 @@ GRAMMAR_SWITCH_INTERVAL_S = 0.0001
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(V,) bool from a packed row of (ceil(V / 32),) int32 words: token t is bit t % 32 of
-    word t // 32."""
+    """(..., V) bool from packed rows of (..., ceil(V / 32)) int32 words: token t is bit t % 32
+    of word t // 32."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words[:, None] >> shifts) & 1  # (W, 32)
-    return bits.flatten()[:vocab_size].bool()
+    bits = (words[..., None] >> shifts) & 1  # (..., W, 32)
+    return bits.flatten(-2)[..., :vocab_size].bool()
 
 
 class SeqTokens(Protocol):

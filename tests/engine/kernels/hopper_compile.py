@@ -1,7 +1,7 @@
 """Compiles kernels for sm_90 (Hopper) without running them, in a process where
 TRITON_INTERPRET is unset (the interpreter accepts what the compiler refuses): `python -m
-tests.engine.kernels.hopper_compile pick` (the token pick: one rank's one launch and the
-two launches around the ranks' gather) or `... peer_reduce`
+tests.engine.kernels.hopper_compile pick` (the token pick: one rank's one launch, with the schemas'
+bitmask and without, and the two launches around the ranks' gather) or `... peer_reduce`
 (the one-shot all-reduce, both ways, with and without the norm). Prints "compiled" and each
 rank count done.
 """
@@ -48,6 +48,7 @@ PICK = {
     "scores_ptr": "*bf16",
     "raw_ptr": "*bf16",
     "noise_ptr": "*fp32",
+    "bitmask_ptr": "*i32",
     "parts_ptr": "*fp32",
     "index_ptr": "*i32",
     "counters_ptr": "*i32",
@@ -56,6 +57,7 @@ PICK = {
     "scores_row_stride": "i32",
     "raw_row_stride": "i32",
     "noise_row_stride": "i32",
+    "bitmask_row_stride": "i32",
     "plane_stride": "i32",
     "packed_row_stride": "i32",
     "scale": "fp32",
@@ -86,8 +88,9 @@ def compile_pick(ranks: int) -> None:
     }
     _compile(pick_kernels.chunk_partials_kernel, PARTIALS, partial_constants)
     _compile(pick_kernels.combine_chunks_kernel, COMBINE, combine_constants)
-    if ranks == 1:  # the shard is the whole vocabulary: a race, and a CDF's inverse
-        for rule in (pick_kernels.RACE, pick_kernels.INVERSE_CDF):
+    if ranks == 1:  # the whole vocabulary: a race and a CDF's inverse, with a bitmask or not
+        rules = (pick_kernels.RACE, pick_kernels.INVERSE_CDF)
+        for rule, masked in itertools.product(rules, (False, True)):
             pick_constants: dict[str, object] = {
                 "VOCAB": VOCAB,
                 "NUM_CHUNKS": chunks,
@@ -95,6 +98,7 @@ def compile_pick(ranks: int) -> None:
                 "BLOCK_V": BLOCK_V,
                 "RULE": rule,
                 "NOISE_FLOOR": NOISE_FLOOR,
+                "MASKED": masked,
             }
             _compile(pick_kernels.pick_kernel, PICK, pick_constants)
 

@@ -10,6 +10,7 @@ from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
 from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
+from pagekeeper_engine.runner.structured_output import unpack_bitmask
 from tests.engine.kernels.hopper_compile import compile_for_hopper
 
 # Many chunks at small vocabularies: 63 at V = 1000, as 128,256 has at BLOCK_V.
@@ -135,6 +136,66 @@ def test_a_keyed_pick_inverts_the_cdf_as_the_reference(
     torch.testing.assert_close(packed[1], ref_packed[1], rtol=1e-5, atol=1e-5)
     if is_masked:
         assert bool(torch.isfinite(scores.float().gather(1, token_ids[:, None])).all())
+
+
+def random_bitmask(
+    num_rows: int, vocab_size: int, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    """(N, ceil(V / 32)) int32 words of random bits, every word's sign bit among them; token 0
+    always allowed (a row allowing nothing picks token 0 either way)."""
+    words = torch.randint(
+        -(2**31), 2**31, (num_rows, -(-vocab_size // 32)), generator=gen, device=device
+    ).to(torch.int32)
+    words[:, 0] |= 1
+    return words
+
+
+@pytest.mark.parametrize("rule", ["argmax", "race", "key"])
+@pytest.mark.parametrize(
+    ("num_rows", "vocab_size", "block_v"),
+    [(1, 1, BLOCK_V), (3, 37, BLOCK_V), (2, 64, SMALL_BLOCK_V), (4, 1000, SMALL_BLOCK_V)],
+)
+def test_a_pick_through_a_bitmask_is_the_pick_over_masked_scores(
+    rule: str,
+    num_rows: int,
+    vocab_size: int,
+    block_v: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    # The schemas' bitmask read where the scores are: the same tokens as the pick over scores
+    # with -inf at every clear bit, never a masked token, and raw's log-probabilities.
+    raw = random_logits(num_rows, vocab_size, device, generator).bfloat16()
+    bitmask = random_bitmask(num_rows, vocab_size, device, generator)
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    assert allowed.shape == raw.shape
+    masked = raw.float().masked_fill(~allowed, float("-inf"))
+    noise = None
+    if rule == "race":
+        noise = torch.empty(raw.shape, device=device).exponential_(generator=generator)
+    key = 2**61 + 99 if rule == "key" else None
+    options = {"scale": 1 / 0.7, "noise": noise, "sample_key": key, "block_v": block_v}
+    token_ids, packed = pick_tokens(raw, raw, bitmask=bitmask, **options)  # type: ignore[arg-type]
+    want_ids, want_packed = pick_tokens(masked, raw, **options)  # type: ignore[arg-type]
+    assert torch.equal(token_ids, want_ids)
+    torch.testing.assert_close(packed, want_packed, rtol=0, atol=0)
+    assert bool(allowed.gather(1, token_ids[:, None]).all())
+    if rule != "key":  # the reference races: it has no keyed pick
+        ref_ids, ref_packed = pick_tokens_ref(raw, raw, scale=1 / 0.7, noise=noise, bitmask=bitmask)
+        assert torch.equal(token_ids, ref_ids)
+        torch.testing.assert_close(packed[1], ref_packed[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_pick_refuses_a_bitmask_that_does_not_cover_its_rows(device: torch.device) -> None:
+    raw = torch.zeros(2, 70, device=device)
+    for bad, message in [
+        (torch.zeros(2, 2, dtype=torch.int32, device=device), "does not cover"),
+        (torch.zeros(1, 3, dtype=torch.int32, device=device), "does not cover"),
+        (torch.zeros(2, 3, dtype=torch.int64, device=device), "expected torch.int32"),
+        (torch.zeros(3, 2, dtype=torch.int32, device=device).T, "contiguous"),
+    ]:
+        with pytest.raises(AssertionError, match=message):
+            pick_tokens(raw, raw, bitmask=bad)
 
 
 def test_a_keyed_pick_at_the_edges_of_the_cdf(device: torch.device) -> None:
