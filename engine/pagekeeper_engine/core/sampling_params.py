@@ -57,10 +57,12 @@ class SamplingParams:
         """Anything beyond the plain pick: a schema, a bias, a penalty, min-p or top alternatives.
         Cached (outside the fields, so neither equality nor the messages see it): every step
         asks it of every sampled row."""
+        return self.json_schema is not None or self.uses_processors_beside_schema
+
+    @functools.cached_property
+    def uses_processors_beside_schema(self) -> bool:
+        """A bias, a penalty, min-p or top alternatives: what a schema's mask alone, which the
+        pick reads as it picks, does not ask for. Cached as `uses_processors` is."""
         return (
-            bool(self.logit_bias)
-            or self.min_p > 0.0
-            or self.top_logprobs > 0
-            or self.json_schema is not None
-            or self.has_penalties
+            bool(self.logit_bias) or self.min_p > 0.0 or self.top_logprobs > 0 or self.has_penalties
         )

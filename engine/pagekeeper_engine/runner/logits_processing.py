@@ -111,6 +111,12 @@ def uses_grammars(params: Sequence[SamplingParams]) -> bool:
     return any(p.json_schema is not None for p in params)
 
 
+def masks_alone(params: Sequence[SamplingParams]) -> bool:
+    """Whether the schemas' masks are all the batch's processing: some row has a schema and no
+    row asks for anything else (`SamplingParams.uses_processors_beside_schema`)."""
+    return uses_grammars(params) and not any(p.uses_processors_beside_schema for p in params)
+
+
 def _on(device: torch.device, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 

@@ -16,7 +16,11 @@ the other rows' draws come from the engine's device generator.
 
 A batch where some row asks for a logit bias, a penalty, min-p or top alternatives first has
 its scores rewritten (`logits_processing`), and its top alternatives are appended to the packed
-results; a batch where none does takes exactly the path above, at the cost of one check.
+results; a batch where none does takes exactly the path above, at the cost of one check. A batch
+whose only processing is the schemas' masks, and whose rows pick alike without a cut, hands the
+filled bitmask to the pick, which reads its scores through it (no copy of the logits, no pass
+that writes the mask into them); any other structured batch has its masks written into its
+scores first.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from pagekeeper_engine.kernels import NOISE_FLOOR
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
 from pagekeeper_engine.runner.logits_processing import (
     StepHistory,
+    masks_alone,
     process_scores,
     top_logprobs,
     uses_processors,
 )
-from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks, unpack_bitmask
+from pagekeeper_engine.runner.pick import pick_tokens
+from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
 
@@ -46,58 +52,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[float]
-
-
-def pick_tokens_ref(
-    scores: torch.Tensor,  # (N, V) fp32 or raw's dtype
-    raw: torch.Tensor,  # (N, V) fp32, bf16 or fp16: the model's unmodified logits
-    *,
-    scale: float = 1.0,
-    noise: torch.Tensor | None = None,  # (N, V) fp32 Exp(1) draws, each >= 0
-    bitmask: torch.Tensor | None = None,  # (N, ceil(V / 32)) int32: the allowed tokens' bits
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.sampling.pick_tokens` in plain torch, in fp32: the CPU path and the kernel's
-    reference."""
-    race = scores.float() * scale
-    if bitmask is not None:
-        race = race.masked_fill(~unpack_bitmask(bitmask, raw.shape[1]), float("-inf"))
-    if noise is not None:
-        race = race - noise.clamp(min=NOISE_FLOOR).log()
-    token_ids = race.argmax(dim=-1)  # ties: the lowest index
-    raw = raw.float()
-    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
-    return token_ids, torch.stack((token_ids.double(), logprobs.double()))
-
-
-def pick_tokens(
-    scores: torch.Tensor,
-    raw: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    noise: torch.Tensor | None = None,
-    sample_key: int | None = None,  # instead of `noise`: invert the CDF at this key's draws
-    scratch: PickScratch | None = None,
-    bitmask: torch.Tensor | None = None,  # (N, ceil(V / 32)) int32: the allowed tokens' bits
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (N,) int64 and (2, N) float64 [ids; log-probabilities], left on the device (in
-    `scratch` where given); with `bitmask`, picked as if every score whose bit is clear were
-    -inf."""
-    if not raw.is_cuda:
-        assert sample_key is None, "a keyed pick runs in the CUDA kernel; the CPU's races"
-        return pick_tokens_ref(scores, raw, scale=scale, noise=noise, bitmask=bitmask)
-    # Imported on first CUDA use: a kernel module fixes interpreted or native mode
-    # (`TRITON_INTERPRET`) when it is imported, and the CPU path needs no triton.
-    from pagekeeper_engine.kernels import sampling  # noqa: PLC0415
-
-    return sampling.pick_tokens(
-        scores,
-        raw,
-        scale=scale,
-        noise=noise,
-        sample_key=sample_key,
-        scratch=scratch,
-        bitmask=bitmask,
-    )
 
 
 def has_cut(params: Sequence[SamplingParams]) -> bool:
@@ -119,6 +73,11 @@ class UniformRace:
 
     greedy: bool
     scale: float
+
+
+def picks_alike(params: Sequence[SamplingParams]) -> bool:
+    """Whether the batch goes to the pick as it is: its rows pick alike, and none cuts."""
+    return uniform_race(params) is not None and not has_cut(params)
 
 
 def uniform_race(params: Sequence[SamplingParams]) -> UniformRace | None:
@@ -215,6 +174,17 @@ class Sampler:
         masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
         if not uses_processors(params):
             return self._pick(logits, masked, params, num_output_tokens, buffers)
+        if masks_alone(params) and picks_alike(params):
+            # the pick reads the schemas' bitmask as it reads the scores: no fp32 copy of the
+            # logits, no pass that writes -inf into them first
+            assert self.grammar is not None, (
+                "a structured request reached a sampler without grammars"
+            )
+            if masks is None:
+                assert history is not None, "the grammars read the rows' tokens so far"
+                masks = self.grammar.start(params, history)
+            bitmask = self.grammar.bitmask(masks)
+            return self._pick(logits, masked, params, num_output_tokens, buffers, bitmask)
         scores = buffers.scores[: len(params)]
         if masked is not scores:
             scores.copy_(masked)
@@ -236,14 +206,16 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         buffers: SamplerBuffers,
+        bitmask: torch.Tensor | None = None,  # the schemas', for a batch that `picks_alike`
     ) -> tuple[torch.Tensor, torch.Tensor]:
         race = uniform_race(params)
         if race is not None and race.greedy:
-            return pick_tokens(masked, logits, scratch=buffers.pick)
+            return pick_tokens(masked, logits, scratch=buffers.pick, bitmask=bitmask)
         if race is not None:
             scale = race.scale
             scores = masked
             if has_cut(params):
+                assert bitmask is None, "a cut reads the masked scores: mask them first"
                 scores = buffers.scores[: len(params)]
                 if masked is not scores:
                     scores.copy_(masked)
@@ -251,10 +223,18 @@ class Sampler:
             if buffers.pick is not None and all(p.seed is None for p in params):
                 key = self.pick_keys.getrandbits(63)  # one uniform draw a row, in the pick
                 return pick_tokens(
-                    scores, logits, scale=scale, sample_key=key, scratch=buffers.pick
+                    scores,
+                    logits,
+                    scale=scale,
+                    sample_key=key,
+                    scratch=buffers.pick,
+                    bitmask=bitmask,
                 )
             noise = self._draw_noise(buffers.noise, params, num_output_tokens)
-            return pick_tokens(scores, logits, scale=scale, noise=noise, scratch=buffers.pick)
+            return pick_tokens(
+                scores, logits, scale=scale, noise=noise, scratch=buffers.pick, bitmask=bitmask
+            )
+        assert bitmask is None, "a mixed batch builds its race scores: mask them first"
         scores = self._mixed_scores(masked, params, num_output_tokens, buffers)
         return pick_tokens(scores, logits, scratch=buffers.pick)
 

@@ -290,7 +290,24 @@ class GrammarMasks:
         import xgrammar  # noqa: PLC0415
 
         started = time.perf_counter()
-        cut_rows = pending.filled.result()
+        mask, filled = self._on_device(pending)
+        xgrammar.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[1])
+        self._timer.observe(pending.times, filled - started, time.perf_counter() - filled)
+        return pending.filled.result()
+
+    def bitmask(self, pending: PendingMasks) -> torch.Tensor:
+        """The step's filled masks (N, ceil(V / 32)) int32 where the logits are, for a pick
+        that reads them as it picks (`kernels/sampling.py`): the copy to the device is enqueued
+        here, once the grammar thread is done."""
+        started = time.perf_counter()
+        mask, filled = self._on_device(pending)
+        self._timer.observe(pending.times, filled - started, time.perf_counter() - filled)
+        return mask
+
+    def _on_device(self, pending: PendingMasks) -> tuple[torch.Tensor, float]:
+        """Wait for the step's masks, then enqueue their copy to the device: the masks where
+        the logits are, and when the wait ended."""
+        pending.filled.result()
         filled = time.perf_counter()
         mask = pending.host
         if self._device_mask is not None:
@@ -300,9 +317,7 @@ class GrammarMasks:
             event.record()
             self._copied[pending.turn] = event
             mask = device
-        xgrammar.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[1])
-        self._timer.observe(pending.times, filled - started, time.perf_counter() - filled)
-        return cut_rows
+        return mask, filled
 
     def timings(self) -> GrammarTimings:
         """The structured steps' histograms so far (read on the step loop's thread)."""

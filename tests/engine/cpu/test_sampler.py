@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling_params import SamplingParams
-from pagekeeper_engine.runner.sampler import Sampler, pick_tokens
+from pagekeeper_engine.runner.pick import pick_tokens
+from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, apply_top_k_top_p
 
 EOS = 3

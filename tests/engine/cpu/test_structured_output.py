@@ -5,6 +5,7 @@ the step's inputs, and a schema the vocabulary cannot continue ends the reply.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,36 @@ def test_a_vocabulary_that_cannot_spell_the_schema_ends_the_reply(tmp_path: Path
     assert grammar.mask_now(scores, params, history) == [0], "the row is reported cut"
     assert torch.nonzero(scores[0].isfinite()).flatten().tolist() == [EOS_ID]
     assert bool(scores[1].isfinite().all()), "a free row is not masked"
+
+
+def test_a_batch_of_masks_alone_picks_through_the_bitmask_as_over_masked_scores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Masks alone, rows picking alike: the pick reads the bitmask, and nothing writes it into
+    the scores first; the tokens are those of the batch whose masks are written into its
+    scores (a zero logit bias on one row sends it that way), seeded rows included."""
+    applied: list[int] = []
+    apply = xgrammar.apply_token_bitmask_inplace
+
+    def counting_apply(scores: torch.Tensor, mask: torch.Tensor, **kwargs: object) -> None:
+        applied.append(scores.shape[0])
+        apply(scores, mask, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", counting_apply)
+
+    def tokens_of(params: list[SamplingParams]) -> list[list[int]]:
+        sampler = Sampler("cpu", 0, frozenset({EOS_ID}))
+        sampler.grammar = grammar_for(tmp_path)  # new matchers: each run starts its replies
+        return generate(sampler, params, seed=3)
+
+    for temperature in (0.0, 1.0):
+        params = [
+            SamplingParams(temperature=temperature, seed=11 + i, json_schema=SCHEMA)
+            for i in range(3)
+        ]
+        params.append(SamplingParams(temperature=temperature, seed=5))  # a free row
+        fused = tokens_of(params)
+        assert applied == []
+        written = tokens_of([replace(params[0], logit_bias=((0, 0.0),)), *params[1:]])
+        assert applied and fused == written
+        applied.clear()

@@ -9,7 +9,8 @@ from pagekeeper_engine.core.sampling_params import SamplingParams
 from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
 from pagekeeper_engine.kernels.sampling import BLOCK_V, PickScratch, pick_tokens
 from pagekeeper_engine.runner import sampler as sampler_module
-from pagekeeper_engine.runner.sampler import Sampler, pick_tokens_ref
+from pagekeeper_engine.runner.pick import pick_tokens_ref
+from pagekeeper_engine.runner.sampler import Sampler
 from pagekeeper_engine.runner.structured_output import unpack_bitmask
 from tests.engine.kernels.hopper_compile import compile_for_hopper
 

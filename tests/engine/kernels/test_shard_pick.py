@@ -15,7 +15,7 @@ import torch
 from pagekeeper_engine.kernels.pick_scratch import PickScratch
 from pagekeeper_engine.kernels.sampling import chunk_partials, combine_partials
 from pagekeeper_engine.model.shard import ShardPlan
-from pagekeeper_engine.runner.sampler import pick_tokens_ref
+from pagekeeper_engine.runner.pick import pick_tokens_ref
 from pagekeeper_engine.runner.shard_pick import (
     VocabShard,
     chunk_partials_ref,
