@@ -7,7 +7,8 @@
 #   wnano       benchmarks/throughput.py's W-nano at the Qwen3-0.6B shape, bf16 KV, then FP8
 #               KV, each with the loop's host time by part and one more pass under cProfile
 #               (--host-profile); ~80 s each.
-#   tests       the GPU tests of the token pick and the structured sampler.
+#   tests       the GPU tests of the token pick, the seeded rows' draws and the structured
+#               sampler.
 #
 # Every report goes into $OUT/slow_paths.tgz (a device returns few files), its summary to
 # stdout; the GPU, driver and versions are in the reports. Exits non-zero if any part failed,
@@ -72,6 +73,7 @@ wnano() {
 
 tests() {
   python -m pytest -q -p no:cacheprovider tests/engine/kernels/test_sampling.py \
+    tests/engine/kernels/test_seeded_noise.py tests/engine/kernels/test_shard_pick.py \
     tests/engine/gpu/test_logits_processing_gpu.py tests/engine/gpu/test_sampler_gpu.py \
     tests/engine/cpu/test_structured_output.py 2>&1 | tee "$work/tests.txt" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1

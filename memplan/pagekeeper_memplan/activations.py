@@ -12,8 +12,8 @@ counts it as activations (docs/decisions.md, "Sampling's rows are allocated once
   cut's scratch of `2^20 // V` rows (`runner/top_k_top_p.py`) and the pick's scratch
   (`kernels/pick_scratch.py`);
 - under tensor parallelism, every rank's vocabulary-shard picker (`runner/shard_pick.py`):
-  its logits and draws over the shard, a seeded row over the whole vocabulary, its pick scratch
-  with every rank's partials, and on rank 0 the gathered logits of all shards.
+  its logits and draws over the shard, its pick scratch with every rank's partials, and on
+  rank 0 the gathered logits of all shards.
 
 Rank 0 holds the most of it, so the plan charges every rank rank 0's figure.
 """
@@ -70,7 +70,7 @@ def shard_picker_bytes(shape: ModelShape, tp: int, max_rows: int, dtype_bytes: i
     if tp == 1:
         return 0
     width = RankShape(shape, tp).vocab_shard
-    planes = max_rows * width * (dtype_bytes + FP32) + shape.vocab_size * FP32
+    planes = max_rows * width * (dtype_bytes + FP32)
     gathered = tp * max_rows * width * dtype_bytes
     return planes + pick_scratch_bytes(max_rows, width, ranks=tp) + gathered
 

@@ -6,6 +6,8 @@ calls them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -121,17 +123,26 @@ _MASK32 = 0xFFFFFFFF
 
 
 def uniforms_ref(key: int, num_rows: int) -> torch.Tensor:
-    """`tl.rand(key, row)` for rows 0..num_rows-1, (N,) fp32 on the CPU: lane 0 of Philox4x32-10
-    of the counter (row, 0, 0, 0) under the key (its low and high 32 bits), as int32 with
-    negatives complemented, times 4.6566127342e-10 (Triton's `uint_to_uniform_float`): uniform
-    in [0, 1)."""
+    """`tl.rand(key, row)` for rows 0..num_rows-1, (N,) fp32 on the CPU (`keyed_uniforms_ref`
+    with every row's key `key` and its counter the row)."""
+    return keyed_uniforms_ref([key] * num_rows, list(range(num_rows)))
+
+
+def keyed_uniforms_ref(keys: Sequence[int], counters: Sequence[int]) -> torch.Tensor:
+    """`tl.rand(keys[r], counters[r])` for each r, (N,) fp32 on the CPU: lane 0 of
+    Philox4x32-10 of the counter (its low and high 32 bits, 0, 0) under the key (its low and high
+    32 bits), as int32 with negatives complemented, times 4.6566127342e-10 (Triton's
+    `uint_to_uniform_float`): uniform in [0, 1). Keys and counters are in [0, 2**63) (numpy
+    arrays of them are taken as they are)."""
     import numpy as np  # noqa: PLC0415  (the references alone use numpy's exact uint64 products)
 
-    rows = np.arange(num_rows, dtype=np.uint64)
-    zero = rows * np.uint64(0)
-    c = [rows & np.uint64(_MASK32), rows >> np.uint64(32), zero, zero]
-    k0, k1 = np.uint64(key & _MASK32), np.uint64((key >> 32) & _MASK32)
     mask = np.uint64(_MASK32)
+    rows = np.asarray(counters, dtype=np.uint64)
+    key_words = np.asarray(keys, dtype=np.uint64)
+    assert rows.shape == key_words.shape, "a key and a counter each"
+    zero = rows * np.uint64(0)
+    c = [rows & mask, rows >> np.uint64(32), zero, zero]
+    k0, k1 = key_words & mask, (key_words >> np.uint64(32)) & mask
     round_a, round_b = np.uint64(_PHILOX_ROUND[0]), np.uint64(_PHILOX_ROUND[1])
     for _ in range(10):
         product_b, product_a = round_b * c[2], round_a * c[0]  # exact: both factors < 2**32
@@ -198,3 +209,23 @@ def scatter_blocks_ref(
 ) -> None:
     """`kernels.block_copy.scatter_blocks`: the inverse of `gather_blocks_ref`, in place."""
     pool_words[:, block_ids] = src.transpose(0, 1)
+
+
+def seeded_noise_ref(
+    noise: torch.Tensor,  # (R, >= width) fp32, written in place
+    rows: list[int],
+    keys: list[int],  # each row's Philox key, in [0, 2**63)
+    col_offset: int,  # the first column's index in the whole vocabulary
+    width: int,
+) -> None:
+    """`kernels.seeded_noise.seeded_noise` in numpy and torch: row rows[i]'s columns 0..width-1
+    get -log(1 - U), U = `keyed_uniforms_ref` at key keys[i] and counter col_offset + column."""
+    import numpy as np  # noqa: PLC0415
+
+    assert len(rows) == len(keys), "a key for each seeded row"
+    if not rows or width == 0:
+        return
+    counters = np.tile(np.arange(col_offset, col_offset + width, dtype=np.uint64), len(rows))
+    row_keys = np.repeat(np.asarray(keys, dtype=np.uint64), width)
+    uniforms = keyed_uniforms_ref(row_keys, counters).view(len(rows), width)  # type: ignore[arg-type]
+    noise[rows, :width] = (-torch.log(1.0 - uniforms)).to(noise.device)

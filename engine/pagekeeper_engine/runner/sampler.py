@@ -10,9 +10,11 @@ T, and on CUDA with a key: the pick inverts each row's softmax CDF at one unifor
 from the key (the sampler's host generator, seeded with the engine's seed, gives one key a
 step). Any other batch, and any batch on the CPU, races: argmax(l / T - log E) with E ~ Exp(1)
 (the exponential race, or Gumbel-max trick), a mixed batch building its race scores in torch
-first. A request with a seed gets its own generator for its draws, seeded with `seed +
-num_output_tokens`, so its tokens do not depend on what else is in the batch or on preemption;
-the other rows' draws come from the engine's device generator.
+first. A request with a seed draws by its seed and its number of output tokens (on CUDA a
+Philox key made of them, `pick.seeded_key`, every seeded row of a step in one launch; on the
+CPU a generator seeded with their sum), so its tokens do not depend on what else is in the
+batch, on preemption, or on tensor parallelism; the other rows' draws come from the engine's
+device generator.
 
 A batch where some row asks for a logit bias, a penalty, min-p or top alternatives first has
 its scores rewritten (`logits_processing`), and its top alternatives are appended to the packed
@@ -41,7 +43,7 @@ from pagekeeper_engine.runner.logits_processing import (
     top_logprobs,
     uses_processors,
 )
-from pagekeeper_engine.runner.pick import pick_tokens
+from pagekeeper_engine.runner.pick import draw_seeded_noise, pick_tokens
 from pagekeeper_engine.runner.structured_output import GrammarMasks, PendingMasks
 from pagekeeper_engine.runner.top_k_top_p import CutScratch, cut_chunk_rows, cut_top_k_top_p
 
@@ -294,10 +296,10 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
     ) -> torch.Tensor:
-        """(R, V) Exp(1) draws in the leading rows of `plane`, each >= 0: seeded rows from their
-        own generators. An exact 0 is possible: readers take max(E, NOISE_FLOOR)."""
+        """(R, V) Exp(1) draws in the leading rows of `plane`, each >= 0: seeded rows by their
+        own seeds (`pick.draw_seeded_noise`: on CUDA all of them in one launch). An exact 0 is
+        possible: readers take max(E, NOISE_FLOOR)."""
         noise = plane[: len(params)]
-        device = noise.device
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if len(unseeded) == len(params):  # the same draws as below, without the scatter
             noise.exponential_(generator=self.generator)
@@ -308,10 +310,11 @@ class Sampler:
             for j in reversed(range(len(unseeded))):
                 if unseeded[j] != j:
                     noise[unseeded[j]].copy_(noise[j])
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                generator = torch.Generator(device=device).manual_seed(
-                    p.seed + num_output_tokens[i]
-                )
-                noise[i].exponential_(generator=generator)
+        seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            rows = [i for i, _ in seeded]
+            seeds = [seed for _, seed in seeded]
+            counts = [num_output_tokens[i] for i in rows]
+            width = noise.shape[1]
+            draw_seeded_noise(noise, rows, seeds, counts, 0, width, width)
         return noise

@@ -12,9 +12,10 @@ which samples them (`Sampler`) and broadcasts the ids.
 
 The race's Exp(1) draws: rows without a seed draw their shard's from a generator seeded per
 rank (`seed * size + rank`), so the shards' draws are independent of each other; a row with a
-seed draws its whole vocabulary row from its own generator (`seed + num_output_tokens`, as
-`Sampler` does) and keeps its shard's columns, so its tokens are the ones one GPU picks from the
-same logits. On the CPU both launches are plain torch over the same partials
+seed draws its shard's columns as they are in its whole-vocabulary draws
+(`pick.draw_seeded_noise`, as `Sampler` does over every column: on CUDA by its key at each
+column's index, all seeded rows in one launch), so its tokens are the ones one GPU picks from
+the same logits. On the CPU both launches are plain torch over the same partials
 (`chunk_partials_ref`, `combine_partials_ref`).
 """
 
@@ -32,6 +33,7 @@ from pagekeeper_engine.kernels.pick_scratch import PLANES, PickScratch
 from pagekeeper_engine.model.llama import CausalLM
 from pagekeeper_engine.model.shard import ShardPlan
 from pagekeeper_engine.runner.logits_processing import uses_processors
+from pagekeeper_engine.runner.pick import draw_seeded_noise
 from pagekeeper_engine.runner.sampler import early_stop_ids, has_cut, uniform_race
 
 _MAX, _SUM, _BEST, _RAW_AT_BEST, _INDEX = range(PLANES)
@@ -76,7 +78,6 @@ class ShardPicker:
         self.device = torch.device(device)
         self.logits = torch.empty(max_rows, shard.width, dtype=dtype, device=device)
         self.noise = torch.empty(max_rows, shard.width, dtype=torch.float32, device=device)
-        self.seeded_row = torch.empty(shard.vocab_size, dtype=torch.float32, device=device)
         self.scratch = PickScratch(max_rows, shard.width, device, ranks=tp.size)
         self.gathered_logits = (
             torch.empty(tp.size, max_rows, shard.width, dtype=dtype, device=device)
@@ -87,7 +88,7 @@ class ShardPicker:
 
     @property
     def nbytes(self) -> int:
-        planes = [self.logits, self.noise, self.seeded_row]
+        planes = [self.logits, self.noise]
         if self.gathered_logits is not None:
             planes.append(self.gathered_logits)
         return sum(t.nbytes for t in planes) + self.scratch.nbytes
@@ -147,13 +148,15 @@ class ShardPicker:
         draws, the rank's own generator's elsewhere (padding columns are never read)."""
         noise = self.noise[: len(params)]
         noise.exponential_(generator=self.generator)
-        start, stop = self.shard.start, self.shard.start + self.shard.valid
-        for row, p in enumerate(params):
-            if p.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(p.seed + num_output_tokens[row])
-                self.seeded_row.exponential_(generator=generator)
-                noise[row, : self.shard.valid].copy_(self.seeded_row[start:stop])
+        seeded = [(row, p.seed) for row, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            rows = [row for row, _ in seeded]
+            seeds = [seed for _, seed in seeded]
+            counts = [num_output_tokens[row] for row in rows]
+            shard = self.shard
+            draw_seeded_noise(
+                noise, rows, seeds, counts, shard.start, shard.valid, shard.vocab_size
+            )
         return noise
 
 

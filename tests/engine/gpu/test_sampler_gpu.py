@@ -1,6 +1,6 @@
 """The sampler on a GPU: a batch of one temperature and no seeded row samples by inverting
-each row's CDF at the uniform its step's key gives (`uniforms_ref`), and a seeded row keeps its
-own generator's draws, beside unseeded rows or alone."""
+each row's CDF at the uniform its step's key gives (`uniforms_ref`), and a seeded row races over
+its own key's draws (`seeded_noise_ref`), beside unseeded rows or alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagekeeper_engine.core.sampling_params import SamplingParams
-from pagekeeper_engine.kernels.reference import inverse_cdf_ref, uniforms_ref
+from pagekeeper_engine.kernels.reference import inverse_cdf_ref, seeded_noise_ref, uniforms_ref
+from pagekeeper_engine.runner.pick import pick_tokens_ref, seeded_key
 from pagekeeper_engine.runner.sampler import Sampler
 
 pytestmark = [
@@ -47,3 +48,15 @@ def test_a_seeded_row_picks_the_same_alone_or_beside_unseeded_rows() -> None:
         rows, [SamplingParams(temperature=0.8), seeded, SamplingParams(temperature=0.8)], [0, 5, 0]
     )
     assert int(beside[1]) == int(alone[0])
+
+
+def test_a_seeded_row_races_over_its_keys_draws() -> None:
+    rows = logits(3)
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (42, -7, 2**40)]
+    token_ids, packed = Sampler("cuda", SEED, frozenset({2})).sample(rows, params, [5, 0, 9])
+    noise = torch.empty(3, VOCAB)
+    keys = [seeded_key(42, 5), seeded_key(-7, 0), seeded_key(2**40, 9)]
+    seeded_noise_ref(noise, [0, 1, 2], keys, 0, VOCAB)
+    ref_ids, ref_packed = pick_tokens_ref(rows.cpu(), rows.cpu(), scale=1 / 0.8, noise=noise)
+    assert torch.equal(token_ids.cpu(), ref_ids)
+    torch.testing.assert_close(packed[1].cpu(), ref_packed[1], rtol=1e-5, atol=1e-5)

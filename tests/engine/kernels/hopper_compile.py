@@ -1,9 +1,9 @@
 """Compiles kernels for sm_90 (Hopper) without running them, in a process where
 TRITON_INTERPRET is unset (the interpreter accepts what the compiler refuses): `python -m
-tests.engine.kernels.hopper_compile pick` (the token pick: one rank's one launch, with the schemas'
-bitmask and without, and the two launches around the ranks' gather) or `... peer_reduce`
-(the one-shot all-reduce, both ways, with and without the norm). Prints "compiled" and each
-rank count done.
+tests.engine.kernels.hopper_compile pick` (the token pick: one rank's one launch, with the
+schemas' bitmask and without, the two launches around the ranks' gather, and the seeded rows'
+draws) or `... peer_reduce` (the one-shot all-reduce, both ways, with and without the norm).
+Prints "compiled" and each rank count done.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagekeeper_engine.kernels import NOISE_FLOOR, next_power_of_2, peer_reduce, pick_kernels
+from pagekeeper_engine.kernels import (
+    NOISE_FLOOR,
+    next_power_of_2,
+    peer_reduce,
+    pick_kernels,
+    seeded_noise,
+)
 from pagekeeper_engine.kernels.pick_scratch import BLOCK_V
 
 VOCAB = 128256  # Llama 3's
@@ -65,9 +71,20 @@ PICK = {
 }
 
 
+SEEDED_NOISE = {
+    "noise_ptr": "*fp32",
+    "rows_keys_ptr": "*i64",
+    "num_seeded": "i32",
+    "noise_row_stride": "i32",
+    "col_offset": "i32",
+    "width": "i32",
+}
+
+
 def compile_pick(ranks: int) -> None:
     """Both launches as the last rank of `ranks` runs them over its vocabulary shard, and at one
-    rank the one-launch pick."""
+    rank the one-launch pick; the seeded rows' draws."""
+    _compile(seeded_noise._seeded_noise_kernel, SEEDED_NOISE, {"BLOCK": seeded_noise.BLOCK})
     shard = -(-VOCAB // ranks)
     chunks = -(-shard // BLOCK_V)
     partial_constants: dict[str, object] = {
