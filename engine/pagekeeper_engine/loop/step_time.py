@@ -40,7 +40,3 @@ class StepHostSeconds:
         """What each part gained after `earlier` (a `copy` of these taken before)."""
         now, then = self.as_dict(), earlier.as_dict()
         return StepHostSeconds(**{name: now[name] - then[name] for name in now})
-
-    @property
-    def total(self) -> float:
-        return sum(self.as_dict().values())

@@ -77,11 +77,6 @@ class UniformRace:
     scale: float
 
 
-def picks_alike(params: Sequence[SamplingParams]) -> bool:
-    """Whether the batch goes to the pick as it is: its rows pick alike, and none cuts."""
-    return uniform_race(params) is not None and not has_cut(params)
-
-
 def uniform_race(params: Sequence[SamplingParams]) -> UniformRace | None:
     """How every row of the batch picks, when they all pick alike; None for a mixed batch."""
     if all(p.is_greedy for p in params):
@@ -174,9 +169,10 @@ class Sampler:
         assert len(params) == logits.shape[0] == len(num_output_tokens), "one parameter set per row"
         buffers = self._buffers_for(logits)
         masked = self._mask_early_stops(logits, params, num_output_tokens, buffers)
+        race = uniform_race(params)
         if not uses_processors(params):
-            return self._pick(logits, masked, params, num_output_tokens, buffers)
-        if masks_alone(params) and picks_alike(params):
+            return self._pick(logits, masked, params, num_output_tokens, buffers, race)
+        if masks_alone(params) and race is not None and not has_cut(params):
             # the pick reads the schemas' bitmask as it reads the scores: no fp32 copy of the
             # logits, no pass that writes -inf into them first
             assert self.grammar is not None, (
@@ -186,14 +182,14 @@ class Sampler:
                 assert history is not None, "the grammars read the rows' tokens so far"
                 masks = self.grammar.start(params, history)
             bitmask = self.grammar.bitmask(masks)
-            return self._pick(logits, masked, params, num_output_tokens, buffers, bitmask)
+            return self._pick(logits, masked, params, num_output_tokens, buffers, race, bitmask)
         scores = buffers.scores[: len(params)]
         if masked is not scores:
             scores.copy_(masked)
         process_scores(
             scores, params, history, buffers.noise, buffers.rows, buffers.cut, self.grammar, masks
         )
-        token_ids, packed = self._pick(logits, scores, params, num_output_tokens, buffers)
+        token_ids, packed = self._pick(logits, scores, params, num_output_tokens, buffers, race)
         num_top = min(max(p.top_logprobs for p in params), logits.shape[1])
         if num_top == 0:
             return token_ids, packed
@@ -208,9 +204,9 @@ class Sampler:
         params: Sequence[SamplingParams],
         num_output_tokens: Sequence[int],
         buffers: SamplerBuffers,
-        bitmask: torch.Tensor | None = None,  # the schemas', for a batch that `picks_alike`
+        race: UniformRace | None,  # `uniform_race(params)`
+        bitmask: torch.Tensor | None = None,  # the schemas', for rows alike and uncut
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        race = uniform_race(params)
         if race is not None and race.greedy:
             return pick_tokens(masked, logits, scratch=buffers.pick, bitmask=bitmask)
         if race is not None:

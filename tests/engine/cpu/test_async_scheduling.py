@@ -162,8 +162,7 @@ def test_the_loop_times_each_part_of_its_steps(async_scheduling: bool) -> None:
         "wait": booked,
         "apply": steps,
     }
-    assert spent.total == num_calls + 2 * steps + 2 * booked
-    assert spent.since(spent.copy()).total == 0.0
+    assert spent.since(spent.copy()).as_dict() == dict.fromkeys(spent.as_dict(), 0.0)
 
 
 def test_block_tables_stay_exact_while_steps_overlap() -> None:
